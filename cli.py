@@ -1,0 +1,79 @@
+"""The `phalanx` command line.
+
+    phalanx generate "some text" --max-tokens 32 [--model DIR] [--temperature T] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="complete one prompt, streaming text to stdout")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the tiny model)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print token ids as JSON instead of text")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=1024)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine.sampling_params import SamplingParams
+    from .llm import LLM
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    prompt_ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    if args.json:
+        out = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0]
+        print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": out.outputs[0].token_ids,
+                          "finish_reason": out.outputs[0].finish_reason}))
+        return 0
+    ids: list[int] = []
+    shown = ""
+    for token in llm.stream(prompt_ids, params):
+        ids.append(token)
+        text = llm.decode(ids)
+        # Print only a stable suffix: an incomplete UTF-8 sequence decodes to U+FFFD.
+        if not text.endswith("\ufffd") and text.startswith(shown):
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except ValueError as e:
+        print(f"phalanx: error: {e}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Configuration: frozen, slotted dataclasses validated at construction.
+
+Every config is built once, before anything starts, and never mutated. Unknown keys
+are rejected by `from_dict`, so a typo in a deployment file fails loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3", "llama")
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+def _from_dict(cls, data: Mapping[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known: {sorted(names)}")
+    return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The architecture of a Qwen3-MoE-family model, read from a Hugging Face config.json.
+
+    Dense models (Qwen3, Llama) are the case `num_experts == 0`; Qwen2-MoE adds a gated
+    shared expert (`shared_expert_intermediate_size > 0`) and q/k/v biases.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _require(self.model_type in SUPPORTED_MODEL_TYPES, "model_type",
+                 f"{self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, name, "must be positive")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+                 "must divide num_attention_heads")
+        if self.num_experts:
+            _require(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                     "must be in [1, num_experts]")
+            _require(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be positive")
+            _require(self.decoder_sparse_step >= 1, "decoder_sparse_step", "must be >= 1")
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
+                 f"{self.dtype!r} is not one of float32, bfloat16, float16")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF rule: MoE unless listed in mlp_only_layers or off the sparse step."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+        """Read the fields phalanx uses from a Hugging Face config.json dict.
+
+        Features phalanx does not implement (rope scaling, sliding windows) are refused
+        rather than silently ignored, since they would change the tokens.
+        """
+        model_type = hf.get("model_type", "")
+        _require(model_type in SUPPORTED_MODEL_TYPES, "model_type",
+                 f"{model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        _require(rope_type == "default", "rope_parameters",
+                 f"rope_type {rope_type!r} is not supported (only 'default')")
+        _require(not hf.get("use_sliding_window", False), "use_sliding_window",
+                 "sliding-window attention is not supported")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        heads = hf["num_attention_heads"]
+        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
+        if model_type in ("qwen3", "llama"):
+            num_experts = 0
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf.get("intermediate_size", 0),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", model_type == "qwen2_moe"))),
+            qk_norm=model_type in ("qwen3_moe", "qwen3"),
+            num_experts=num_experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0) if num_experts else 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0) if num_experts else 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers", ()) or ()),
+            shared_expert_intermediate_size=(hf.get("shared_expert_intermediate_size", 0) or 0)
+            if model_type == "qwen2_moe" else 0,
+            eos_token_ids=eos_ids,
+            dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache: `num_pages` pages of `page_size` tokens per layer (K and V each)."""
+
+    page_size: int = 16
+    num_pages: int = 512
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.page_size > 0, "page_size", f"must be positive, got {self.page_size}")
+        _require(self.num_pages > 0, "num_pages", f"must be positive, got {self.num_pages}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "CacheConfig":
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Token-budget scheduling: each step runs at most `max_num_batched_tokens` tokens
+    from at most `max_num_seqs` requests; a prompt longer than the budget is chunked."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, "max_num_seqs", f"must be positive, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens > 0, "max_num_batched_tokens",
+                 f"must be positive, got {self.max_num_batched_tokens}")
+        _require(self.max_model_len >= 0, "max_model_len", f"must be >= 0, got {self.max_model_len}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SchedulerConfig":
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Parallel layout of one serving group. `tp = dp = 1` is the single-rank engine."""
+
+    tp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        _require(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ParallelConfig":
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything one rank's engine needs; `model` comes from the checkpoint folder."""
+
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        limit = self.model.max_position_embeddings
+        _require(self.scheduler.max_model_len <= limit, "max_model_len",
+                 f"{self.scheduler.max_model_len} exceeds the model's context of {limit}")
+        _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device",
+                 f"{self.device!r} is not 'cpu' or 'cuda[:N]'")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len or self.model.max_position_embeddings

@@ -1,0 +1,143 @@
+"""Page pool of one rank's paged KV cache, with prefix caching.
+
+A page holds `page_size` consecutive tokens of one sequence (K and V, every layer).
+A full page is identified by a chain hash: hash(parent page's hash, its token ids), so
+equal hashes mean equal token prefixes and therefore equal KV.
+
+Invariants (checked by `check_integrity`):
+- every page is either referenced (ref_count > 0) or in the free list, never both;
+- the free list is in eviction order: unhashed pages first, then cached pages from least
+  to most recently released;
+- `cached[h] == p` exactly when `page_hash[p] == h`; a hash names at most one page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages for an allocation."""
+
+
+def hash_pages(tokens: Sequence[int], page_size: int, parent: Optional[int]) -> list[int]:
+    """Chain hashes of the full pages of `tokens`, continuing from `parent`.
+
+    Stable across processes (unlike `hash()`), so ranks and the router agree.
+    """
+    out: list[int] = []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for start in range(0, len(arr) - page_size + 1, page_size):
+        h = hashlib.blake2b(digest_size=8)
+        h.update(b"" if parent is None else parent.to_bytes(8, "little"))
+        h.update(arr[start:start + page_size].tobytes())
+        parent = int.from_bytes(h.digest(), "little")
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    """Reference-counted pages, a hash -> page index, and an LRU free list."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self.page_hash: list[Optional[int]] = [None] * num_pages
+        self.cached: dict[int, int] = {}
+        self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_pages
+
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Pages of the longest cached chain that starts `hashes`; takes no reference."""
+        pages: list[int] = []
+        if self.enable_prefix_caching:
+            for h in hashes:
+                p = self.cached.get(h)
+                if p is None:
+                    break
+                pages.append(p)
+        return pages
+
+    def num_free_after_acquire(self, pages: Iterable[int]) -> int:
+        return len(self._free) - sum(1 for p in pages if self.ref_counts[p] == 0)
+
+    def acquire(self, pages: Iterable[int]) -> None:
+        """Take a reference on (cached) pages, pulling idle ones out of the free list."""
+        for p in pages:
+            if self.ref_counts[p] == 0:
+                del self._free[p]
+            self.ref_counts[p] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` fresh pages, evicting the least recently used cached pages if needed."""
+        if n > len(self._free):
+            raise PoolExhausted(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+        pages = []
+        for _ in range(n):
+            p, _ = self._free.popitem(last=False)
+            h = self.page_hash[p]
+            if h is not None:
+                del self.cached[h]
+                self.page_hash[p] = None
+            self.ref_counts[p] = 1
+            pages.append(p)
+        return pages
+
+    def register(self, page: int, h: int) -> None:
+        """Publish a full, written page under its chain hash (first writer wins)."""
+        if not self.enable_prefix_caching or self.page_hash[page] is not None or h in self.cached:
+            return
+        self.cached[h] = page
+        self.page_hash[page] = h
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one reference per page. Tail pages go first so they are evicted first."""
+        for p in reversed(pages):
+            if self.ref_counts[p] <= 0:
+                raise RuntimeError(f"page {p} released more often than acquired")
+            self.ref_counts[p] -= 1
+            if self.ref_counts[p] == 0:
+                self._free[p] = None
+                if self.page_hash[p] is None:
+                    self._free.move_to_end(p, last=False)
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant in the module docstring is broken."""
+        for p, rc in enumerate(self.ref_counts):
+            assert rc >= 0, f"page {p}: negative ref count {rc}"
+            assert (rc == 0) == (p in self._free), f"page {p}: ref {rc} vs free-list membership"
+        assert len(self._free) == sum(rc == 0 for rc in self.ref_counts)
+        for h, p in self.cached.items():
+            assert self.page_hash[p] == h, f"cached hash {h:#x} -> page {p} whose hash differs"
+        assert sum(h is not None for h in self.page_hash) == len(self.cached), "stale page hash"
+        seen_cached = False
+        for p in self._free:
+            if self.page_hash[p] is not None:
+                seen_cached = True
+            else:
+                assert not seen_cached, f"unhashed free page {p} behind cached pages"

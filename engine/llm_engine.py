@@ -1,0 +1,116 @@
+"""One rank's engine: admission, the step loop, and the state it reports.
+
+`step()` schedules a batch, runs it, samples, and returns each request's new tokens.
+Inputs are validated on admission, so a bad request is refused with a `ValueError`
+before it touches the scheduler and the engine stays usable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from ..config import EngineConfig
+from ..models.loader import load_model
+from ..models.shard import ModelShard
+from .block_pool import BlockPool
+from .model_runner import ModelRunner, allocate_kv_cache, torch_dtype
+from .outputs import StepOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+
+class LLMEngine:
+    """Owns the model shard, the KV cache, the block pool and the scheduler of one rank."""
+
+    def __init__(self, config: EngineConfig, shard: ModelShard = ModelShard(),
+                 all_reduce=None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        dtype = torch_dtype(config.model.dtype)
+        self.model = load_model(config.model_path, config.model, shard, self.device, dtype, all_reduce)
+        cache = config.cache
+        self.pool = BlockPool(cache.num_pages, cache.page_size, cache.enable_prefix_caching)
+        caches = allocate_kv_cache(self.model, cache.num_pages, cache.page_size, dtype, self.device)
+        self.runner = ModelRunner(self.model, caches, cache.page_size, self.device)
+        self.scheduler = Scheduler(self.pool, config.scheduler.max_num_seqs,
+                                   config.scheduler.max_num_batched_tokens, config.max_model_len,
+                                   config.model.eos_token_ids)
+        self.sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    # -- admission -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int],
+                    params: Optional[SamplingParams] = None) -> Sequence:
+        """Validate and queue one request. Raises ValueError naming what is wrong."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.sequences:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        tokens = self._validate_prompt(prompt_token_ids, params)
+        if params.seed is None and not params.greedy:
+            params = params.with_seed(self._seed_rng.getrandbits(63))
+        seq = Sequence(request_id, tokens, params, next(self._arrivals))
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate_prompt(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
+        tokens = list(prompt_token_ids)
+        if not tokens:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        limit = self.config.max_model_len
+        if len(tokens) >= limit:
+            raise ValueError(f"prompt: {len(tokens)} tokens leave no room to generate in the "
+                             f"model's context of {limit} tokens")
+        cache = self.config.cache
+        longest = min(len(tokens) + params.max_tokens, limit)
+        if -(-longest // cache.page_size) > cache.num_pages:
+            raise ValueError(f"num_pages: {cache.num_pages} pages of {cache.page_size} tokens cannot "
+                             f"hold one request of {longest} tokens")
+        return tokens
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        self.sequences.pop(request_id, None)
+        return seq is not None
+
+    # -- the loop --------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduled batch; return the tokens each request gained."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = self.runner.execute(batch)
+        finished = {f.sequence.request_id: f.reason for f in self.scheduler.update(batch, sampled)}
+        outputs = []
+        for rid, token in sampled.items():
+            reason = finished.get(rid)
+            outputs.append(StepOutput(rid, [token], reason is not None, reason))
+            if reason is not None:
+                self.sequences.pop(rid, None)
+        return outputs
+
+    # -- what operators watch --------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_waiting": self.scheduler.num_waiting,
+            "num_running": len(self.scheduler.running),
+            "kv_usage": self.pool.usage,
+            "prefix_hit_rate": self.pool.hit_rate,
+            "prefix_hit_tokens": self.pool.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

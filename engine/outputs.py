@@ -1,0 +1,36 @@
+"""What the engine hands back: per-step token deltas and finished completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The tokens one request gained in one step (at most one today) and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: Optional[str] = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request in the shape vLLM users know: `.outputs[0].token_ids`."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = True

@@ -1,0 +1,183 @@
+"""Token-budget scheduler: no prefill/decode phases.
+
+Each step hands out at most `max_num_batched_tokens` tokens to at most `max_num_seqs`
+sequences. Running sequences go first, in arrival order, each asking for the rest of its
+uncomputed tokens (one for a decoding sequence, a chunk of a long prompt otherwise).
+When pages run out, the most recently arrived running sequence is preempted: its pages
+are released (they stay in the prefix cache) and it is recomputed later from its prompt
+plus the tokens it already emitted. Waiting sequences are admitted only in steps that
+preempted nothing, oldest first, after a prefix-cache lookup.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .block_pool import BlockPool
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: `(sequence, number of new tokens)` in batch order."""
+
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+@dataclass(slots=True)
+class FinishedSequence:
+    sequence: Sequence
+    reason: str
+
+
+class Scheduler:
+    """Admits, schedules, preempts and finishes the sequences of one rank."""
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- admission -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Optional[Sequence]:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, "abort")
+                    return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step --------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._grow(seq, n, batch):
+                batch.items.append((seq, n))
+                budget -= n
+                i += 1
+        if not batch.preempted:
+            budget = self._admit(budget, batch)
+        return batch
+
+    def _pages_for(self, seq: Sequence, n: int) -> int:
+        need = -(-(seq.num_computed_tokens + n) // self.pool.page_size)
+        return max(0, need - len(seq.pages))
+
+    def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Give `seq` pages for `n` more tokens, preempting later arrivals if needed.
+        Returns False when `seq` itself had to be preempted."""
+        need = self._pages_for(seq, n)
+        while need > self.pool.num_free_pages:
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.pages.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.release(seq.pages)
+        seq.pages = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_pages = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit(self, budget: int, batch: ScheduledBatch) -> int:
+        ps = self.pool.page_size
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # The last token is always recomputed: its logits are needed.
+            hits = self.pool.match_prefix(seq.full_page_hashes(ps, seq.num_tokens - 1))
+            computed = len(hits) * ps
+            n = min(seq.num_tokens - computed, budget)
+            need = -(-(computed + n) // ps) - len(hits)
+            if need > self.pool.num_free_after_acquire(hits):
+                break
+            self.waiting.popleft()
+            self.pool.acquire(hits)
+            seq.pages = hits + self.pool.allocate(need)
+            seq.num_computed_tokens = computed
+            seq.num_registered_pages = len(hits)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = computed
+                self.pool.record_lookup(seq.num_tokens, computed)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.items.append((seq, n))
+            budget -= n
+        return budget
+
+    # -- results ---------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[FinishedSequence]:
+        """Advance every scheduled sequence; append the token sampled for each sequence
+        whose step reached its end. Returns the sequences that finished."""
+        finished = []
+        for seq, n in batch.items:
+            seq.num_computed_tokens += n
+            self._register_full_pages(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            token = sampled[seq.request_id]
+            seq.output_token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(FinishedSequence(seq, reason))
+        return finished
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        ps = self.pool.page_size
+        hashes = seq.full_page_hashes(ps, seq.num_computed_tokens)
+        for i in range(seq.num_registered_pages, len(hashes)):
+            self.pool.register(seq.pages[i], hashes[i])
+        seq.num_registered_pages = len(hashes)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> Optional[str]:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.pool.release(seq.pages)
+        seq.pages = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

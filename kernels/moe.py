@@ -1,0 +1,131 @@
+"""MoE routing and expert computation (torch reference, HF Qwen3-MoE exact)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .activation import silu_and_mul
+
+__all__ = [
+    "route",
+    "route_ref",
+    "fused_experts",
+    "fused_experts_ref",
+    "make_expert_map",
+]
+
+
+def route_ref(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference softmax-then-top-k routing (HF ``Qwen3MoeTopKRouter``).
+
+    Args:
+        router_logits: [T, E_global], any float dtype.
+        top_k: experts per token.
+        renormalize: divide the top-k probabilities by their sum (``norm_topk_prob``).
+        out_dtype: dtype of the returned weights (HF uses ``router_logits.dtype``).
+
+    Returns:
+        ``(topk_weights [T, top_k] out_dtype, topk_ids [T, top_k] int64)``; softmax
+        and renormalization in float32, ids in ``torch.topk`` order (descending prob).
+    """
+    w = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    w, ids = torch.topk(w, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(out_dtype), ids
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing. See :func:`route_ref` for the contract."""
+    return route_ref(router_logits, top_k, renormalize, out_dtype)
+
+
+def make_expert_map(
+    num_experts_global: int,
+    local_expert_ids: Sequence[int] | torch.Tensor,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Build a global -> local expert index map.
+
+    Returns int32 [num_experts_global] with ``map[local_expert_ids[i]] = i`` and
+    ``-1`` for experts not held locally. ``local_expert_ids`` must be unique and
+    in ``[0, num_experts_global)``; their order defines the local indices (i.e.
+    the order of the local ``w13``/``w2`` stacks).
+    """
+    if isinstance(local_expert_ids, torch.Tensor):
+        if device is None:
+            device = local_expert_ids.device
+        ids = local_expert_ids.tolist()
+    else:
+        ids = list(local_expert_ids)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate local expert ids: {ids}")
+    if any(not 0 <= e < num_experts_global for e in ids):
+        raise ValueError(f"local expert ids out of range [0, {num_experts_global}): {ids}")
+    expert_map = torch.full((num_experts_global,), -1, dtype=torch.int32)
+    expert_map[torch.tensor(ids, dtype=torch.int64)] = torch.arange(len(ids), dtype=torch.int32)
+    return expert_map.to(device) if device is not None else expert_map
+
+
+def fused_experts_ref(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference SwiGLU experts with weighted top-k combine (HF ``Qwen3MoeExperts``).
+
+    Args:
+        x: [T, H] (T may be 0).
+        topk_weights: [T, k] routing weights (from :func:`route`).
+        topk_ids: [T, k] int64 *global* expert ids.
+        w13: [E_local, 2*I, H]; per expert ``cat(gate_proj.weight, up_proj.weight)``.
+        w2: [E_local, H, I]; per expert ``down_proj.weight``.
+        expert_map: optional int [E_global], global id -> local index or -1 (not
+            held here: that (token, slot) pair contributes nothing). Without it,
+            global ids are local indices.
+
+    Returns:
+        [T, H] in ``x.dtype``: ``out[t] = sum_slot w[t,slot] * w2[e] @ silu_and_mul(w13[e] @ x[t])``.
+        HF order: local experts in increasing index; per expert its (slot, token)
+        pairs in slot-major order, two ``F.linear``s, weight multiply, cast to
+        ``x.dtype`` and ``index_add_`` into a zero output.
+    """
+    out = torch.zeros_like(x)
+    if x.shape[0] == 0:
+        return out
+    local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
+    num_local = w13.shape[0]
+    held = local_ids[local_ids >= 0]
+    if held.numel() > 0 and int(held.max()) >= num_local:
+        raise ValueError(f"expert index {int(held.max())} out of range for {num_local} local experts")
+    # [k, T] so torch.where yields (slot, token) pairs slot-major, like HF's expert_mask.
+    ids_kt = local_ids.t()
+    for e in torch.unique(held).tolist():
+        slot_idx, token_idx = torch.where(ids_kt == e)
+        h = F.linear(x[token_idx], w13[e])
+        h = F.linear(silu_and_mul(h), w2[e])
+        h = h * topk_weights[token_idx, slot_idx, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+def fused_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SwiGLU experts with weighted top-k combine. See :func:`fused_experts_ref`."""
+    return fused_experts_ref(x, topk_weights, topk_ids, w13, w2, expert_map)

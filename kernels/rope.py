@@ -1,0 +1,94 @@
+"""Rotary position embedding (neox / "rotate_half" style), HF Qwen3 default rope."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RotaryEmbedding", "apply_rope_ref", "rotate_half"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``cat(-x2, x1)`` where ``x1, x2`` are the two halves of the last dim."""
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference rope application, bit-exact with HF ``apply_rotary_pos_emb``.
+
+    Args:
+        q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]; same dtype.
+        positions: int64 [T], each in ``[0, cos_cache.shape[0])`` (not checked here).
+        cos_cache, sin_cache: float32 [max_position, head_dim // 2].
+
+    Returns:
+        ``(q_rot, k_rot)`` with the input shapes and dtypes, computed as
+        ``x * cos + rotate_half(x) * sin`` with ``cos = cat(c, c).to(x.dtype)``.
+    """
+    cos_half = cos_cache[positions]
+    sin_half = sin_cache[positions]
+    # [T, head_dim] -> [T, 1, head_dim]: broadcast over heads.
+    cos = torch.cat((cos_half, cos_half), dim=-1)[:, None, :]
+    sin = torch.cat((sin_half, sin_half), dim=-1)[:, None, :]
+    q_rot = (q * cos.to(q.dtype)) + (rotate_half(q) * sin.to(q.dtype))
+    k_rot = (k * cos.to(k.dtype)) + (rotate_half(k) * sin.to(k.dtype))
+    return q_rot, k_rot
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin caches for default (unscaled) neox-style rope.
+
+    ``inv_freq[i] = 1 / base**(2i / head_dim)`` and ``freqs[p, i] = p * inv_freq[i]``
+    are computed in float32 exactly as HF does; ``cos_cache``/``sin_cache`` are
+    float32 [max_position, head_dim // 2] (the second half of HF's ``emb`` is a
+    copy of the first, so only one half is stored).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.base = base
+        # ``dtype`` is accepted for API symmetry; caches stay float32 and are
+        # rounded to the activation dtype at apply time (HF order).
+        self.dtype = dtype
+        self.inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+        )
+        pos = torch.arange(max_position, dtype=torch.int64, device=device)
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]
+        self.cos_cache = freqs.cos()
+        self.sin_cache = freqs.sin()
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` [T, num_heads, head_dim] and ``k`` [T, num_kv_heads, head_dim].
+
+        ``positions`` is int64 [T] (absolute token positions). Returns new tensors
+        ``(q_rot, k_rot)`` of the input shapes/dtypes. Raises ``ValueError`` if a
+        position is ``>= max_position`` or negative.
+        """
+        if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
+            raise ValueError(f"head_dim mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, expected {self.head_dim}")
+        if positions.numel() > 0:
+            lo, hi = int(positions.min()), int(positions.max())
+            if hi >= self.max_position or lo < 0:
+                raise ValueError(f"positions must be in [0, {self.max_position}), got range [{lo}, {hi}]")
+        return apply_rope_ref(q, k, positions, self.cos_cache, self.sin_cache)

@@ -1,0 +1,175 @@
+"""Qwen3-MoE in plain torch, over a paged KV cache.
+
+One class covers the family: Qwen3-MoE (q/k RMSNorm, sparse MoE with softmax top-k
+routing), Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert), and the dense
+Qwen3 / Llama models (no experts). A model instance holds one rank's shard
+(`ModelShard`); with `tp_size > 1` the caller supplies the all-reduce that joins
+row-parallel partial sums.
+
+Tokens are flattened: every forward takes `[T]` token ids and positions of all the
+sequences in the batch, plus `AttentionMetadata` saying where each sequence's KV lives.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import ModelConfig
+from ..kernels.activation import silu_and_mul
+from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
+from ..kernels.moe import fused_experts, make_expert_map, route
+from ..kernels.norm import add_rms_norm, rms_norm
+from ..kernels.rope import RotaryEmbedding
+from .shard import ModelShard
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pools, [pages, kv_heads, page_size, head_dim]
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Attention(nn.Module):
+    """GQA self-attention for this rank's heads: qkv (column-cut), o (row-cut)."""
+
+    def __init__(self, cfg: ModelConfig, shard: ModelShard) -> None:
+        super().__init__()
+        self.num_heads = len(shard.q_heads(cfg))
+        self.num_kv_heads = len(shard.kv_heads(cfg))
+        self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim ** -0.5
+        q, kv = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = _empty(q + 2 * kv, cfg.hidden_size)
+        self.qkv_bias = _empty(q + 2 * kv) if cfg.attention_bias else None
+        self.o_proj = _empty(cfg.hidden_size, q)
+        self.q_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q, k = rope.apply(q, k, positions)
+        write_kv(k, v, cache[0], cache[1], meta.slot_mapping)
+        if meta.is_decode_only:
+            out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
+        else:
+            out = prefill_attention(q, cache[0], cache[1], meta, self.scale)
+        return F.linear(out.reshape(t, q_size), self.o_proj)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: gate/up column-cut, down row-cut."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = _empty(2 * intermediate, hidden)
+        self.down_proj = _empty(hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k router over all experts; this rank computes only its own experts
+    (`expert_map`), so partial outputs of the ranks sum to the full block output."""
+
+    def __init__(self, cfg: ModelConfig, shard: ModelShard) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        local = shard.local_experts(cfg)
+        self.gate = _empty(cfg.num_experts, cfg.hidden_size)
+        self.w13 = _empty(len(local), 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+        self.w2 = _empty(len(local), cfg.hidden_size, cfg.moe_intermediate_size)
+        full = local == tuple(range(cfg.num_experts))
+        self.register_buffer("expert_map", None if full else make_expert_map(cfg.num_experts, local),
+                             persistent=False)
+        self.shared: Optional[DenseMLP] = None
+        self.shared_gate: Optional[nn.Parameter] = None
+        if cfg.shared_expert_intermediate_size:
+            width = cfg.shared_expert_intermediate_size // shard.tp_size
+            self.shared = DenseMLP(cfg.hidden_size, width)
+            self.shared_gate = _empty(1, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
+        out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map)
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, layer: int) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_norm = _empty(cfg.hidden_size)
+        self.post_attention_norm = _empty(cfg.hidden_size)
+        self.attn = Attention(cfg, shard)
+        self.mlp: nn.Module
+        if cfg.is_moe_layer(layer):
+            self.mlp = SparseMoE(cfg, shard)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // shard.tp_size)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                rope: RotaryEmbedding, cache: KVCache, meta: AttentionMetadata,
+                all_reduce: AllReduce) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = rms_norm(x, self.input_norm, self.eps), x
+        else:
+            x, residual = add_rms_norm(x, residual, self.input_norm, self.eps)
+        x = all_reduce(self.attn(x, positions, rope, cache, meta))
+        x, residual = add_rms_norm(x, residual, self.post_attention_norm, self.eps)
+        return all_reduce(self.mlp(x)), residual
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head of one rank's shard."""
+
+    def __init__(self, cfg: ModelConfig, shard: ModelShard = ModelShard(),
+                 all_reduce: Optional[AllReduce] = None) -> None:
+        super().__init__()
+        shard.validate(cfg)
+        if shard.tp_size > 1 and all_reduce is None:
+            raise ValueError("a model shard with tp_size > 1 needs an all_reduce")
+        self.cfg = cfg
+        self.shard = shard
+        self.all_reduce: AllReduce = all_reduce or _identity
+        self.embed_tokens = _empty(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, i) for i in range(cfg.num_hidden_layers))
+        self.norm = _empty(cfg.hidden_size)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states `[T, hidden]` (normed) of every token in the batch."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        residual = None
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer(x, residual, positions, self.rope, cache, meta, self.all_reduce)
+        x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)

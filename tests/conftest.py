@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny checkpoints built once per session into a temp folder."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Keep the default-model cache of the test run out of the user's home folder.
+os.environ.setdefault("PHALANX_CACHE_DIR", tempfile.mkdtemp(prefix="phalanx-test-cache-"))
+
+import pytest  # noqa: E402
+
+try:
+    import torch  # noqa: E402
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    HAS_CUDA = False
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Builds a tiny checkpoint of each supported family on first use: kind -> folder."""
+    from phalanx.models.tiny import build_variant
+
+    root = tmp_path_factory.mktemp("models")
+    built: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in built:
+            built[kind] = str(build_variant(root / kind, kind, seed=0))
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dirs) -> str:
+    return model_dirs("qwen3_moe")
