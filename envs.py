@@ -17,7 +17,7 @@ from pathlib import Path
 _LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Envs:
     """Snapshot of phalanx's environment configuration.
 

@@ -14,6 +14,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from ..config import EngineConfig
+from ..log import get_logger
 from ..models.loader import load_model
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
@@ -22,6 +23,8 @@ from .outputs import StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+
+log = get_logger(__name__)
 
 
 class LLMEngine:
@@ -59,6 +62,8 @@ class LLMEngine:
         seq = Sequence(request_id, tokens, params, next(self._arrivals))
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
+        log.debug("request_added", request_id=request_id, prompt_tokens=len(tokens),
+                  max_tokens=params.max_tokens, greedy=params.greedy)
         return seq
 
     def _validate_prompt(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
@@ -101,7 +106,10 @@ class LLMEngine:
             reason = finished.get(rid)
             outputs.append(StepOutput(rid, [token], reason is not None, reason))
             if reason is not None:
-                self.sequences.pop(rid, None)
+                seq = self.sequences.pop(rid, None)
+                log.debug("request_finished", request_id=rid, reason=reason,
+                          output_tokens=len(seq.output_token_ids) if seq else None,
+                          cached_tokens=seq.num_cached_tokens if seq else None)
         return outputs
 
     # -- what operators watch --------------------------------------------------------
