@@ -25,7 +25,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print token ids as JSON instead of text")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--num-pages", type=int, default=0, help="KV pages (0: sized automatically)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -35,7 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages)
+    llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages, device=args.device)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template(

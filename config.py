@@ -136,15 +136,22 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV cache: `num_pages` pages of `page_size` tokens per layer (K and V each)."""
+    """Paged KV cache: `num_pages` pages of `page_size` tokens per layer (K and V each).
+
+    `num_pages == 0` sizes the pool at start: on a GPU, from the memory left free after
+    the weights (`gpu_memory_utilization` of the device's total); on CPU, 1024 pages.
+    """
 
     page_size: int = 16
-    num_pages: int = 512
+    num_pages: int = 0
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _require(self.page_size > 0, "page_size", f"must be positive, got {self.page_size}")
-        _require(self.num_pages > 0, "num_pages", f"must be positive, got {self.num_pages}")
+        _require(self.num_pages >= 0, "num_pages", f"must be >= 0 (0: auto), got {self.num_pages}")
+        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CacheConfig":
@@ -201,7 +208,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
+    dtype: str = "auto"  # "auto": the checkpoint's dtype
     seed: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs on GPU
+    cuda_graph_max_batch: int = 128
 
     def __post_init__(self) -> None:
         limit = self.model.max_position_embeddings
@@ -209,6 +219,13 @@ class EngineConfig:
                  f"{self.scheduler.max_model_len} exceeds the model's context of {limit}")
         _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device",
                  f"{self.device!r} is not 'cpu' or 'cuda[:N]'")
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 f"{self.dtype!r} is not one of auto, float32, bfloat16, float16")
+        _require(self.cuda_graph_max_batch >= 0, "cuda_graph_max_batch", "must be >= 0")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return self.model.dtype if self.dtype == "auto" else self.dtype
 
     @property
     def max_model_len(self) -> int:

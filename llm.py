@@ -36,9 +36,10 @@ class LLM:
     """A single-rank engine plus the model's tokenizer, driven to completion per call."""
 
     def __init__(self, model: Optional[str | os.PathLike] = None, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, page_size: int = 16, num_pages: int = 1024,
+                 max_num_batched_tokens: int = 2048, page_size: int = 16, num_pages: int = 0,
                  enable_prefix_caching: bool = True, max_model_len: int = 0,
-                 device: str = "cpu", seed: int = 0) -> None:
+                 device: str = "cpu", dtype: str = "auto", seed: int = 0,
+                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9) -> None:
         path = _resolve_model(model)
         try:
             model_cfg = read_model_config(path)
@@ -47,11 +48,12 @@ class LLM:
         self.config = EngineConfig(
             model_path=path, model=model_cfg,
             cache=CacheConfig(page_size=page_size, num_pages=num_pages,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              gpu_memory_utilization=gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
-            device=device, seed=seed)
+            device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
         self.engine = LLMEngine(self.config)
         self._tokenizer = None
         self._ids = itertools.count()

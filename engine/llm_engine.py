@@ -16,9 +16,10 @@ import torch
 from ..config import EngineConfig
 from ..log import get_logger
 from ..models.loader import load_model
+from ..models.qwen3_moe import CausalLM
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
-from .model_runner import ModelRunner, allocate_kv_cache, torch_dtype
+from .model_runner import ModelRunner, allocate_kv_cache, num_pages_for_memory, torch_dtype
 from .outputs import StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -31,15 +32,21 @@ class LLMEngine:
     """Owns the model shard, the KV cache, the block pool and the scheduler of one rank."""
 
     def __init__(self, config: EngineConfig, shard: ModelShard = ModelShard(),
-                 all_reduce=None) -> None:
+                 all_reduce=None, model: Optional[CausalLM] = None) -> None:
+        """`model`: an already built shard (benchmarks); otherwise loaded from the folder."""
         self.config = config
         self.device = torch.device(config.device)
-        dtype = torch_dtype(config.model.dtype)
-        self.model = load_model(config.model_path, config.model, shard, self.device, dtype, all_reduce)
+        dtype = torch_dtype(config.torch_dtype_name)
+        self.model = model if model is not None else load_model(
+            config.model_path, config.model, shard, self.device, dtype, all_reduce)
         cache = config.cache
-        self.pool = BlockPool(cache.num_pages, cache.page_size, cache.enable_prefix_caching)
-        caches = allocate_kv_cache(self.model, cache.num_pages, cache.page_size, dtype, self.device)
-        self.runner = ModelRunner(self.model, caches, cache.page_size, self.device)
+        self.num_pages = cache.num_pages or num_pages_for_memory(self.model, cache, dtype, self.device)
+        self.pool = BlockPool(self.num_pages, cache.page_size, cache.enable_prefix_caching)
+        caches = allocate_kv_cache(self.model, self.num_pages, cache.page_size, dtype, self.device)
+        self.runner = ModelRunner(self.model, caches, cache.page_size, self.device,
+                                  max_model_len=config.max_model_len,
+                                  cuda_graph_max_batch=0 if config.enforce_eager
+                                  else min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs))
         self.scheduler = Scheduler(self.pool, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens, config.max_model_len,
                                    config.model.eos_token_ids)
@@ -78,10 +85,10 @@ class LLMEngine:
         if len(tokens) >= limit:
             raise ValueError(f"prompt: {len(tokens)} tokens leave no room to generate in the "
                              f"model's context of {limit} tokens")
-        cache = self.config.cache
+        page_size = self.config.cache.page_size
         longest = min(len(tokens) + params.max_tokens, limit)
-        if -(-longest // cache.page_size) > cache.num_pages:
-            raise ValueError(f"num_pages: {cache.num_pages} pages of {cache.page_size} tokens cannot "
+        if -(-longest // page_size) > self.num_pages:
+            raise ValueError(f"num_pages: {self.num_pages} pages of {page_size} tokens cannot "
                              f"hold one request of {longest} tokens")
         return tokens
 
@@ -117,6 +124,7 @@ class LLMEngine:
         return {
             "num_waiting": self.scheduler.num_waiting,
             "num_running": len(self.scheduler.running),
+            "num_pages": self.num_pages,
             "kv_usage": self.pool.usage,
             "prefix_hit_rate": self.pool.hit_rate,
             "prefix_hit_tokens": self.pool.hit_tokens,

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import CacheConfig
 from ..kernels.attention import AttentionMetadata
 from ..models.qwen3_moe import CausalLM, KVCache
+from .cuda_graphs import DecodeGraphs
 from .sampler import sample
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -34,6 +36,25 @@ def allocate_kv_cache(model: CausalLM, num_pages: int, page_size: int,
     return caches
 
 
+CPU_DEFAULT_PAGES = 1024
+ACTIVATION_RESERVE = 4 << 30  # bytes kept free for activations and CUDA graph pools
+
+
+def num_pages_for_memory(model: CausalLM, cache: CacheConfig, dtype: torch.dtype,
+                         device: torch.device) -> int:
+    """Pages that fit in `gpu_memory_utilization` of the device once the weights are in."""
+    if device.type != "cuda":
+        return CPU_DEFAULT_PAGES
+    free, total = torch.cuda.mem_get_info(device)
+    budget = total * cache.gpu_memory_utilization - (total - free) - ACTIVATION_RESERVE
+    per_page = sum(2 * l.attn.num_kv_heads * cache.page_size * l.attn.head_dim for l in model.layers)
+    pages = int(budget // (per_page * dtype.itemsize))
+    if pages <= 0:
+        raise ValueError(f"gpu_memory_utilization: {cache.gpu_memory_utilization} leaves no room "
+                         f"for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f})")
+    return pages
+
+
 @dataclass(slots=True)
 class BatchInputs:
     """Flattened model inputs for a batch, plus which rows are sampled."""
@@ -43,17 +64,33 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampled: list[Sequence]
+    host: dict[str, torch.Tensor]  # the same inputs on the host (pinned on GPU machines)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row is one token that gets sampled: the case CUDA graphs cover."""
+        return self.meta.max_query_len == 1 and len(self.sampled) == self.input_ids.shape[0]
 
 
 class ModelRunner:
     """Builds batch metadata, runs the model, samples the sequences that reached their end."""
 
     def __init__(self, model: CausalLM, caches: list[KVCache], page_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_model_len: int = 0, cuda_graph_max_batch: int = 0) -> None:
         self.model = model
         self.caches = caches
         self.page_size = page_size
         self.device = device
+        self.pin = device.type == "cuda"
+        self.graphs = None
+        if device.type == "cuda" and cuda_graph_max_batch > 0:
+            self.graphs = DecodeGraphs(model, caches, cuda_graph_max_batch, max_model_len,
+                                       page_size, device)
+            self.graphs.capture()
+
+    def _host(self, values, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory() if self.pin else t
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         ps = self.page_size
@@ -74,27 +111,36 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_idx.append(starts[-1] - 1)
                 sampled.append(seq)
-        dev = self.device
+        host = {
+            "query_start_loc": self._host(starts, torch.int32),
+            "seq_lens": self._host(seq_lens, torch.int32),
+            "block_tables": tables.pin_memory() if self.pin else tables,
+            "slot_mapping": self._host(slots, torch.int64),
+            "input_ids": self._host(ids, torch.int64),
+            "positions": self._host(positions, torch.int64),
+            "logits_indices": self._host(logits_idx, torch.int64),
+        }
+        dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(n for _, n in batch.items),
-            max_seq_len=max(seq_lens),
-        )
-        return BatchInputs(torch.tensor(ids, dtype=torch.int64, device=dev),
-                           torch.tensor(positions, dtype=torch.int64, device=dev), meta,
-                           torch.tensor(logits_idx, dtype=torch.int64, device=dev), sampled)
+            query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
+            block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
+            max_query_len=max(n for _, n in batch.items), max_seq_len=max(seq_lens))
+        return BatchInputs(dev["input_ids"], dev["positions"], meta, dev["logits_indices"],
+                           sampled, host)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
         """Run the batch; return the sampled token of each sequence that reached its end."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.caches, inputs.meta)
-        if not inputs.sampled:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.graphs is not None and inputs.decode_only and self.graphs.fits(len(inputs.sampled)):
+            h = inputs.host
+            logits = self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
+                                     h["seq_lens"], h["block_tables"])
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.caches, inputs.meta)
+            if not inputs.sampled:
+                return {}
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         tokens = sample(logits, [s.params for s in inputs.sampled],
                         [s.num_tokens for s in inputs.sampled])
         return {s.request_id: t for s, t in zip(inputs.sampled, tokens)}

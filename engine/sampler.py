@@ -18,14 +18,15 @@ from .sampling_params import SamplingParams
 def position_seed(seed: int, position: int) -> int:
     """A 63-bit generator seed for one (request seed, token position)."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(int(seed).to_bytes(16, "little", signed=True))
+    h.update((int(seed) % (1 << 128)).to_bytes(16, "little"))
     h.update(int(position).to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little") >> 1
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Scaled, filtered float32 logits of one row; removed tokens are -inf."""
-    x = logits.float() / p.temperature
+    x = logits.float()
+    x = (x - x.max()) / p.temperature  # shifted first: a tiny temperature must not overflow
     vocab = x.shape[-1]
     if 0 < p.top_k < vocab:
         kth = torch.topk(x, p.top_k).values[-1]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
+import random
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -403,10 +405,10 @@ def test_check_integrity_detects_corruption():
         pool.check_integrity()
 
 
-# -- stateful model ----------------------------------------------------------------------
+# -- model-checked random drives -------------------------------------------------------
 
 class _Seq:
-    """A simulated sequence: its token ids and the pages that hold them (None: raw pages)."""
+    """A simulated sequence: its token ids (None: raw pages) and the pages that hold them."""
 
     __slots__ = ("tokens", "pages", "num_registered")
 
@@ -416,30 +418,17 @@ class _Seq:
         self.num_registered = num_registered
 
 
-_BASES = ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
-          [2, 0, 0, 2, 1, 1, 2, 0, 0, 2, 1, 1])
-# Prompts that often share prefixes: a prefix of one of a few bases plus a short suffix.
-TOKENS = st.builds(lambda base, k, suffix: _BASES[base][:k] + suffix,
-                   st.integers(0, len(_BASES) - 1), st.integers(0, 12),
-                   st.lists(st.integers(0, 2), min_size=1, max_size=3))
-
-
-class PoolMachine(RuleBasedStateMachine):
-    """Drives the pool the way the scheduler does and checks it against a model.
+class PoolModel:
+    """Drives a pool the way the scheduler does and checks it against a model.
 
     Model: ref counts are the multiplicity of each page over live sequences; every page
     holds the tokens its owner wrote to it (`content`); a cached page's content is the
-    token chunk its hash names; `allocate` never returns a referenced page; and among
-    idle pages, unhashed ones go first, then cached ones by release time (tail first).
+    token chunk its hash names (so a prefix hit never returns overwritten KV); `allocate`
+    never returns a referenced page; and among idle pages, unhashed ones go first, then
+    cached ones by release time, tail pages of one release before head pages.
     """
 
-    def __init__(self):
-        super().__init__()
-        self.pool: BlockPool | None = None
-
-    @initialize(num_pages=st.integers(1, 16), page_size=st.integers(1, 3),
-                caching=st.sampled_from([True, True, True, False]))
-    def setup(self, num_pages, page_size, caching):
+    def __init__(self, num_pages: int, page_size: int, caching: bool) -> None:
         self.pool = BlockPool(num_pages, page_size, caching)
         self.ps = page_size
         self.seqs: list[_Seq] = []
@@ -447,8 +436,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.chunk_of: dict[int, tuple] = {}  # hash -> the page tokens it names
         self.release_time: dict[int, int] = {}  # idle cached page -> when released
         self.clock = itertools.count()
+        self.events: collections.Counter = collections.Counter()
 
-    # -- helpers
+    def _event(self, name: str) -> None:
+        self.events[name] += 1
+        if currently_in_test_context():
+            event(name)
+
+    # -- pool calls, checked
     def _allocate(self, n: int) -> list[int]:
         pool = self.pool
         idle = [p for p in range(pool.num_pages) if pool.ref_counts[p] == 0]
@@ -460,10 +455,10 @@ class PoolMachine(RuleBasedStateMachine):
             assert p in idle, f"allocate handed out referenced page {p}"
             assert pool.ref_counts[p] == 1
             assert pool.page_hash[p] is None
-        # Eviction order: every unhashed idle page goes before any cached one...
         took_cached = [p for p in got if p not in unhashed]
         if took_cached:
-            event("allocate evicted cached pages")
+            self._event("allocate evicted cached pages")
+            # Every unhashed idle page goes before any cached one...
             assert unhashed <= set(got), "evicted a cached page while unhashed pages were idle"
             # ...and cached pages go least recently released first.
             left = [p for p in hashed_before if p not in got]
@@ -477,7 +472,7 @@ class PoolMachine(RuleBasedStateMachine):
         return got
 
     def _release(self, pages: list[int]) -> None:
-        for p in reversed(pages):  # mirrors the documented "tail pages first"
+        for p in reversed(pages):  # the documented "tail pages first"
             if self.pool.ref_counts[p] == 1 and self.pool.page_hash[p] is not None:
                 self.release_time[p] = next(self.clock)
         self.pool.release(pages)
@@ -485,75 +480,10 @@ class PoolMachine(RuleBasedStateMachine):
     def _write(self, seq: _Seq, start: int) -> None:
         ps = self.ps
         for i in range(start // ps, len(seq.pages)):
-            chunk = tuple(seq.tokens[i * ps:(i + 1) * ps])
             p = seq.pages[i]
             assert self.pool.ref_counts[p] == 1, "writing a shared page"
             assert self.pool.page_hash[p] is None, "writing a published page"
-            self.content[p] = chunk
-
-    # -- rules
-    @rule(tokens=TOKENS, publish=st.booleans())
-    def admit(self, tokens, publish):
-        pool, ps = self.pool, self.ps
-        hashes = hash_pages(tokens, ps, None)
-        hits = pool.match_prefix(hashes)
-        assert len(hits) == len(set(hits))
-        for i, p in enumerate(hits):
-            assert pool.page_hash[p] == hashes[i]
-            assert self.content[p] == tuple(tokens[i * ps:(i + 1) * ps]), "stale cache hit"
-        if hits:
-            event("prefix-cache hit")
-        need = -(-len(tokens) // ps) - len(hits)
-        free_after = pool.num_free_after_acquire(hits)
-        pool.acquire(hits)
-        for p in hits:
-            self.release_time.pop(p, None)
-        assert pool.num_free_pages == free_after
-        if need > free_after:
-            event("admit: pool exhausted")
-            with pytest.raises(PoolExhausted):
-                pool.allocate(need)
-            self._release(hits)
-            return
-        seq = _Seq(list(tokens), hits + self._allocate(need), len(hits))
-        self._write(seq, len(hits) * ps)
-        self.seqs.append(seq)
-        if publish:
-            self._register(seq)
-
-    @rule(n=st.integers(0, 4))
-    def allocate_raw(self, n):
-        if n > self.pool.num_free_pages:
-            with pytest.raises(PoolExhausted):
-                self.pool.allocate(n)
-            return
-        self.seqs.append(_Seq(None, self._allocate(n), 0))
-
-    @rule(data=st.data(), extra=st.lists(st.integers(0, 2), min_size=1, max_size=6),
-          publish=st.booleans())
-    def grow(self, data, extra, publish):
-        live = [s for s in self.seqs if s.tokens is not None]
-        if not live:
-            return
-        seq = data.draw(st.sampled_from(live))
-        ps = self.ps
-        start = len(seq.tokens)
-        need = -(-(start + len(extra)) // ps) - len(seq.pages)
-        if need > self.pool.num_free_pages:
-            with pytest.raises(PoolExhausted):
-                self.pool.allocate(need)
-            return
-        seq.tokens.extend(extra)
-        seq.pages.extend(self._allocate(need))
-        self._write(seq, start)
-        if publish:
-            self._register(seq)
-
-    @rule(data=st.data())
-    def register_full_pages(self, data):
-        live = [s for s in self.seqs if s.tokens is not None]
-        if live:
-            self._register(data.draw(st.sampled_from(live)))
+            self.content[p] = tuple(seq.tokens[i * ps:(i + 1) * ps])
 
     def _register(self, seq: _Seq) -> None:
         pool, ps = self.pool, self.ps
@@ -566,36 +496,90 @@ class PoolMachine(RuleBasedStateMachine):
             if not pool.enable_prefix_caching:
                 assert pool.page_hash[p] is None and h not in pool.cached
             elif owner_before is not None:
-                event("duplicate hash ignored")
+                self._event("duplicate hash ignored")
                 assert pool.cached[h] == owner_before  # first writer wins
             else:
                 assert pool.cached[h] == p and pool.page_hash[p] == h
         seq.num_registered = len(hashes)
 
-    @rule(data=st.data())
-    def release_seq(self, data):
-        if not self.seqs:
-            return
-        i = data.draw(st.integers(0, len(self.seqs) - 1))
-        seq = self.seqs.pop(i)
-        self._release(seq.pages)
+    def _live(self) -> list[_Seq]:
+        return [s for s in self.seqs if s.tokens is not None]
 
-    @rule(data=st.data())
-    def over_release_raises(self, data):
-        idle = [p for p in range(self.pool.num_pages) if self.pool.ref_counts[p] == 0]
+    # -- operations
+    def admit(self, tokens: list[int], publish: bool) -> None:
+        pool, ps = self.pool, self.ps
+        hashes = hash_pages(tokens, ps, None)
+        hits = pool.match_prefix(hashes)
+        assert len(hits) == len(set(hits))
+        if hits:
+            self._event("prefix-cache hit")
+            if any(pool.ref_counts[p] for p in hits):
+                self._event("hit on a page another sequence holds")
+        for i, p in enumerate(hits):
+            assert pool.page_hash[p] == hashes[i]
+            assert self.content[p] == tuple(tokens[i * ps:(i + 1) * ps]), "stale cache hit"
+        need = -(-len(tokens) // ps) - len(hits)
+        free_after = pool.num_free_after_acquire(hits)
+        pool.acquire(hits)
+        for p in hits:
+            self.release_time.pop(p, None)
+        assert pool.num_free_pages == free_after
+        if need > free_after:
+            self._event("admit: pool exhausted")
+            with pytest.raises(PoolExhausted):
+                pool.allocate(need)
+            self._release(hits)
+            return
+        seq = _Seq(list(tokens), hits + self._allocate(need), len(hits))
+        self._write(seq, len(hits) * ps)
+        self.seqs.append(seq)
+        if publish:
+            self._register(seq)
+
+    def allocate_raw(self, n: int) -> None:
+        if n > self.pool.num_free_pages:
+            with pytest.raises(PoolExhausted):
+                self.pool.allocate(n)
+            return
+        self.seqs.append(_Seq(None, self._allocate(n), 0))
+
+    def grow(self, k: int, extra: list[int], publish: bool) -> None:
+        live = self._live()
+        if not live:
+            return
+        seq = live[k % len(live)]
+        start = len(seq.tokens)
+        need = -(-(start + len(extra)) // self.ps) - len(seq.pages)
+        if need > self.pool.num_free_pages:
+            with pytest.raises(PoolExhausted):
+                self.pool.allocate(need)
+            return
+        seq.tokens.extend(extra)
+        seq.pages.extend(self._allocate(need))
+        self._write(seq, start)
+        if publish:
+            self._register(seq)
+
+    def register(self, k: int) -> None:
+        live = self._live()
+        if live:
+            self._register(live[k % len(live)])
+
+    def release(self, k: int) -> None:
+        if self.seqs:
+            self._release(self.seqs.pop(k % len(self.seqs)).pages)
+
+    def over_release(self, k: int) -> None:
+        pool = self.pool
+        idle = [p for p in range(pool.num_pages) if pool.ref_counts[p] == 0]
         if not idle:
             return
-        p = data.draw(st.sampled_from(idle))
-        before = (_free_order(self.pool), list(self.pool.ref_counts))
+        before = (_free_order(pool), list(pool.ref_counts))
         with pytest.raises(RuntimeError):
-            self.pool.release([p])
-        assert (_free_order(self.pool), list(self.pool.ref_counts)) == before
+            pool.release([idle[k % len(idle)]])
+        assert (_free_order(pool), list(pool.ref_counts)) == before
 
-    # -- invariants
-    @invariant()
-    def integrity(self):
-        if self.pool is None:
-            return
+    def check(self) -> None:
         pool = self.pool
         pool.check_integrity()
         expected = [0] * pool.num_pages
@@ -612,9 +596,96 @@ class PoolMachine(RuleBasedStateMachine):
         assert times == sorted(times)
 
 
+_BASES = ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+          [2, 0, 0, 2, 1, 1, 2, 0, 0, 2, 1, 1])
+# Prompts that often share prefixes: a prefix of one of a few bases plus a short suffix.
+TOKENS = st.builds(lambda base, k, suffix: _BASES[base][:k] + suffix,
+                   st.integers(0, len(_BASES) - 1), st.integers(0, 12),
+                   st.lists(st.integers(0, 2), min_size=1, max_size=3))
+SMALL = st.integers(0, 1000)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Hypothesis-driven random operations on `PoolModel`, checked after every step."""
+
+    model: PoolModel | None = None
+
+    @initialize(num_pages=st.integers(1, 16), page_size=st.integers(1, 3),
+                caching=st.sampled_from([True, True, True, False]))
+    def setup(self, num_pages, page_size, caching):
+        self.model = PoolModel(num_pages, page_size, caching)
+
+    @rule(tokens=TOKENS, publish=st.booleans())
+    def admit(self, tokens, publish):
+        self.model.admit(tokens, publish)
+
+    @rule(n=st.integers(0, 4))
+    def allocate_raw(self, n):
+        self.model.allocate_raw(n)
+
+    @rule(k=SMALL, extra=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+          publish=st.booleans())
+    def grow(self, k, extra, publish):
+        self.model.grow(k, extra, publish)
+
+    @rule(k=SMALL)
+    def register(self, k):
+        self.model.register(k)
+
+    @rule(k=SMALL)
+    def release(self, k):
+        self.model.release(k)
+
+    @rule(k=SMALL)
+    def over_release(self, k):
+        self.model.over_release(k)
+
+    @invariant()
+    def consistent(self):
+        if self.model is not None:
+            self.model.check()
+
+
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_random_walks_against_model():
+    """Seeded random walks (long ones, with a bias towards reuse) over the same model;
+    also asserts that the interesting paths were actually taken."""
+    total: collections.Counter = collections.Counter()
+    for seed in range(40):
+        rng = random.Random(seed)
+        m = PoolModel(rng.randint(2, 14), rng.randint(1, 3), caching=seed % 8 != 7)
+        for _ in range(250):
+            op = rng.random()
+            if op < 0.35:
+                base = rng.choice(_BASES)
+                tokens = base[:rng.randint(0, 12)] + [rng.randint(0, 2)
+                                                      for _ in range(rng.randint(1, 3))]
+                m.admit(tokens, publish=rng.random() < 0.8)
+            elif op < 0.45:
+                m.grow(rng.randrange(1000), [rng.randint(0, 2) for _ in range(rng.randint(1, 5))],
+                       publish=rng.random() < 0.8)
+            elif op < 0.5:
+                m.register(rng.randrange(1000))
+            elif op < 0.55:
+                m.allocate_raw(rng.randint(0, 3))
+            elif op < 0.6:
+                m.over_release(rng.randrange(1000))
+            else:
+                m.release(rng.randrange(1000))
+            m.check()
+        while m.seqs:
+            m.release(0)
+            m.check()
+        assert m.pool.num_free_pages == m.pool.num_pages
+        total.update(m.events)
+    for name in ("prefix-cache hit", "hit on a page another sequence holds",
+                 "allocate evicted cached pages", "admit: pool exhausted",
+                 "duplicate hash ignored"):
+        assert total[name] > 0, (name, total)
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,0 +1,234 @@
+"""Decode and prefill throughput on one GPU, Qwen3-30B-A3B shape, against the roofline
+and Hugging Face transformers in the same run.
+
+    python bench/decode_gpu.py [--layers 48] [--batches 1,16,64,128] [--skip-hf]
+
+Random bf16 weights (no download). The transformers model is built first; phalanx's
+model shares its weight tensors (the expert layout [E, 2I, H] / [E, H, I] is the same),
+so both fit on one H200. Floors: decode bytes (weights touched + KV read) over the
+measured copy bandwidth; prefill FLOPs over the measured bf16 matmul rate. Prints a
+table last and writes JSON to $OUT/decode_gpu.json (or ./decode_gpu.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from phalanx.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from phalanx.engine.llm_engine import LLMEngine
+from phalanx.engine.sampling_params import SamplingParams
+
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, dtype="bfloat16")
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Device-to-device copy bandwidth (read + write) and bf16 matmul rate."""
+    from triton.testing import do_bench
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    bw = 2 * src.numel() * 2 / (ms * 1e-3)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * 8192 ** 3 / (ms * 1e-3)}
+
+
+def build_hf(hf_cfg: dict):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(**{k: v for k, v in hf_cfg.items() if k != "model_type"})
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = Qwen3MoeForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    with torch.no_grad():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
+def phalanx_model_from_hf(hf, cfg: ModelConfig):
+    """A phalanx `CausalLM` whose weights are views of the transformers model's."""
+    from torch import nn
+    from phalanx.kernels.rope import RotaryEmbedding
+    from phalanx.models.qwen3_moe import CausalLM
+
+    def param(t: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(t, requires_grad=False)
+
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.embed_tokens = param(hf.model.embed_tokens.weight)
+    model.lm_head = param(hf.lm_head.weight)
+    model.norm = param(hf.model.norm.weight)
+    for ours, theirs in zip(model.layers, hf.model.layers):
+        a, sa = ours.attn, theirs.self_attn
+        a.qkv_proj = param(torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]))
+        a.o_proj = param(sa.o_proj.weight)
+        a.q_norm, a.k_norm = param(sa.q_norm.weight), param(sa.k_norm.weight)
+        ours.input_norm = param(theirs.input_layernorm.weight)
+        ours.post_attention_norm = param(theirs.post_attention_layernorm.weight)
+        ours.mlp.gate = param(theirs.mlp.gate.weight)
+        ours.mlp.w13 = param(theirs.mlp.experts.gate_up_proj)
+        ours.mlp.w2 = param(theirs.mlp.experts.down_proj)
+    model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 device="cuda")
+    return model.eval()
+
+
+def decode_bytes(cfg: ModelConfig, batch: int, ctx: int) -> float:
+    """Bytes one decode step must read: dense weights, the experts the batch touches
+    (expected count under uniform routing), the LM head and the KV cache."""
+    h, hd, e, k = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.num_experts_per_tok
+    attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + cfg.num_attention_heads * hd * h
+    expert = 3 * h * cfg.moe_intermediate_size
+    touched = e * (1 - (1 - k / e) ** batch)
+    per_layer = attn + e * h + touched * expert
+    weights = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h
+    kv = batch * ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * hd
+    return 2.0 * (weights + kv)
+
+
+def prefill_flops(cfg: ModelConfig, num_seqs: int, length: int) -> float:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    attn_w = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd + cfg.num_attention_heads * hd * h
+    active = cfg.num_hidden_layers * (attn_w + cfg.num_experts * h
+                                      + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size)
+    tokens = num_seqs * length
+    # causal attention: QK^T and PV over on average length/2 keys
+    attn = num_seqs * cfg.num_hidden_layers * 2 * 2 * cfg.num_attention_heads * hd * length * length / 2
+    return 2.0 * active * tokens + attn + 2.0 * num_seqs * cfg.vocab_size * h
+
+
+def hf_decode_tok_s(hf, batch: int, ctx: int, steps: int) -> float:
+    """Per-step decode time of `generate`, from two runs that differ only in new tokens."""
+    ids = torch.randint(0, 150000, (batch, ctx), device="cuda")
+    mask = torch.ones_like(ids)
+
+    def run(new: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                    min_new_tokens=new, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run(2)
+    dt = (run(steps + 1) - run(1)) / steps
+    return batch / dt
+
+
+def make_engine(cfg: ModelConfig, model, max_batch: int) -> LLMEngine:
+    config = EngineConfig(
+        model_path="<in-memory>", model=cfg, device="cuda",
+        cache=CacheConfig(page_size=16, num_pages=0, gpu_memory_utilization=0.92),
+        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=16384,
+                                  max_model_len=4096),
+        cuda_graph_max_batch=max_batch)
+    return LLMEngine(config, model=model)
+
+
+def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int) -> float:
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    rids = [f"d{batch}-{i}" for i in range(batch)]
+    for rid in rids:
+        engine.add_request(rid, torch.randint(0, 150000, (ctx,), generator=g).tolist(), params)
+    while any(not engine.sequences[r].output_token_ids for r in rids):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    for rid in rids:
+        engine.abort_request(rid)
+    return batch * steps / dt
+
+
+def phalanx_prefill(engine: LLMEngine, num_seqs: int, length: int) -> float:
+    g = torch.Generator().manual_seed(7)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def once(tag: str) -> float:
+        for i in range(num_seqs):
+            engine.add_request(f"p{tag}{i}", torch.randint(0, 150000, (length,), generator=g).tolist(), params)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    once("warm")
+    return num_seqs * length / once("timed")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batches", default="1,16,64,128")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    hf_cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    ceil = measure_ceilings()
+    hf = build_hf(hf_cfg)
+    hf_rates = {}
+    if not args.skip_hf:
+        for b in (1, 64):
+            hf_rates[b] = hf_decode_tok_s(hf, b, args.ctx, steps=8)
+        torch.cuda.empty_cache()
+    engine = make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches))
+    rows = []
+    for b in batches:
+        tok_s = phalanx_decode(engine, b, args.ctx, args.steps)
+        floor_s = decode_bytes(cfg, b, args.ctx + args.steps // 2) / ceil["copy_bytes_per_s"]
+        rows.append(dict(kind="decode", batch=b, tok_s=tok_s, floor_tok_s=b / floor_s,
+                         frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
+                         vs_hf=tok_s / hf_rates[b] if b in hf_rates else None))
+    pf = phalanx_prefill(engine, 8, 2048)
+    pf_floor = 8 * 2048 / (prefill_flops(cfg, 8, 2048) / ceil["matmul_flops_per_s"])
+    rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
+                     hf_tok_s=None, vs_hf=None))
+    result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=engine.num_pages,
+                  rows=rows, device=torch.cuda.get_device_name())
+    out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+          f"{args.layers} layers, ctx {args.ctx}, {engine.num_pages} KV pages")
+    print(f"{'what':8} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} {'x HF':>6}")
+    for r in rows:
+        hf_s = f"{r['hf_tok_s']:9.0f}" if r["hf_tok_s"] else f"{'-':>9}"
+        vs = f"{r['vs_hf']:6.1f}" if r["vs_hf"] else f"{'-':>6}"
+        print(f"{r['kind']:8} {r['batch']:5d} {r['tok_s']:10.0f} {r['floor_tok_s']:12.0f} "
+              f"{r['frac']:9.2f} {hf_s} {vs}")
+
+
+if __name__ == "__main__":
+    main()
