@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .backend import use_triton
+
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 
 
@@ -26,5 +28,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU gate ``silu(gate) * up``. See :func:`silu_and_mul_ref` for the contract."""
+    """SwiGLU gate ``silu(gate) * up``. See :func:`silu_and_mul_ref` for the contract.
+
+    Runs the Triton kernel when :func:`~phalanx.kernels.backend.use_triton` says so.
+    """
+    if use_triton(x):
+        from .gpu.norm import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .backend import use_triton
+
 __all__ = [
     "AttentionMetadata",
     "write_kv",
@@ -57,10 +59,9 @@ class AttentionMetadata:
 
     @property
     def is_decode_only(self) -> bool:
-        """True iff every sequence has exactly one new token."""
-        if self.max_query_len != 1:
-            return False
-        return int(self.query_start_loc[-1]) == self.num_seqs
+        """True iff every sequence has exactly one new token (sequences never have zero,
+        so the host-side `max_query_len` decides it without a device sync)."""
+        return self.max_query_len == 1
 
 
 def write_kv_ref(
@@ -95,7 +96,15 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new K/V into the paged cache. See :func:`write_kv_ref`."""
+    """Scatter new K/V into the paged cache. See :func:`write_kv_ref`.
+
+    Runs the Triton kernel when :func:`~phalanx.kernels.backend.use_triton` says so.
+    """
+    if use_triton(k):
+        from .gpu.attention import write_kv_triton
+
+        write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        return
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -185,7 +194,14 @@ def prefill_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Varlen causal paged attention. See :func:`prefill_attention_ref`."""
+    """Varlen causal paged attention. See :func:`prefill_attention_ref`.
+
+    Runs the Triton kernel when :func:`~phalanx.kernels.backend.use_triton` says so.
+    """
+    if use_triton(q):
+        from .gpu.attention import prefill_attention_triton
+
+        return prefill_attention_triton(q, k_cache, v_cache, meta, scale)
     return prefill_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
@@ -228,5 +244,12 @@ def decode_attention(
     block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Single-query paged attention. See :func:`decode_attention_ref`."""
+    """Single-query paged attention. See :func:`decode_attention_ref`.
+
+    Runs the Triton split-K kernel when :func:`~phalanx.kernels.backend.use_triton` says so.
+    """
+    if use_triton(q):
+        from .gpu.attention import decode_attention_triton
+
+        return decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale)
     return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)

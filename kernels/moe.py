@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .activation import silu_and_mul
+from .backend import use_triton
 
 __all__ = [
     "route",
@@ -127,5 +128,13 @@ def fused_experts(
     w2: torch.Tensor,
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SwiGLU experts with weighted top-k combine. See :func:`fused_experts_ref`."""
+    """SwiGLU experts with weighted top-k combine. See :func:`fused_experts_ref`.
+
+    Runs the Triton kernels when :func:`~phalanx.kernels.backend.use_triton` says so
+    (sums each token's slots in float32; out-of-range local ids count as not held).
+    """
+    if use_triton(x):
+        from .gpu.moe import fused_experts_triton
+
+        return fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map)
     return fused_experts_ref(x, topk_weights, topk_ids, w13, w2, expert_map)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .backend import use_triton
+
 __all__ = ["rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref"]
 
 
@@ -29,7 +31,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim. See :func:`rms_norm_ref` for the contract."""
+    """RMSNorm over the last dim. See :func:`rms_norm_ref` for the contract.
+
+    Runs the Triton kernel when :func:`~phalanx.kernels.backend.use_triton` says so.
+    """
+    if use_triton(x):
+        from .gpu.norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -55,5 +64,12 @@ def add_rms_norm_ref(
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused residual-add + RMSNorm. See :func:`add_rms_norm_ref` for the contract."""
+    """Fused residual-add + RMSNorm. See :func:`add_rms_norm_ref` for the contract.
+
+    Runs the Triton kernel when :func:`~phalanx.kernels.backend.use_triton` says so.
+    """
+    if use_triton(x):
+        from .gpu.norm import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .backend import use_triton
+
 __all__ = ["RotaryEmbedding", "apply_rope_ref", "rotate_half"]
 
 
@@ -83,12 +85,20 @@ class RotaryEmbedding:
 
         ``positions`` is int64 [T] (absolute token positions). Returns new tensors
         ``(q_rot, k_rot)`` of the input shapes/dtypes. Raises ``ValueError`` if a
-        position is ``>= max_position`` or negative.
+        position is ``>= max_position`` or negative (not checked while a CUDA graph is
+        being captured: the check needs a host sync). Runs the Triton kernel when
+        :func:`~phalanx.kernels.backend.use_triton` says so.
         """
         if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
             raise ValueError(f"head_dim mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, expected {self.head_dim}")
-        if positions.numel() > 0:
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if positions.numel() > 0 and not capturing:
             lo, hi = int(positions.min()), int(positions.max())
             if hi >= self.max_position or lo < 0:
                 raise ValueError(f"positions must be in [0, {self.max_position}), got range [{lo}, {hi}]")
+        if use_triton(q):
+            from .gpu.rope import caches_on, rope_triton
+
+            cos, sin = caches_on(self, q.device)
+            return rope_triton(q, k, positions, cos, sin)
         return apply_rope_ref(q, k, positions, self.cos_cache, self.sin_cache)

@@ -1,0 +1,302 @@
+"""Triton kernels vs their torch references, on CPU under Triton's interpreter.
+
+Triton must be imported with ``TRITON_INTERPRET=1`` already in the environment, which
+pytest cannot promise for its own process (another test may have imported triton
+first). So the checks run in one subprocess: this file, executed as a script with
+``TRITON_INTERPRET=1``, forces the Triton path (``kernels.backend.force_triton``) on
+float32 CPU tensors, runs every ``check_*`` function and prints a JSON line of
+``{name: {"err": max relative error} | {"error": traceback}}``; the pytest tests below
+read that line. Every check goes through the public kernel functions, so it covers the
+dispatch too. Inputs are fresh random values (never zeros).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+import zlib
+
+import pytest
+import torch
+
+TOL = 1e-4  # float32 under the interpreter lands near 1e-7
+
+# ---------------------------------------------------------------- checks (subprocess)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_rms_norm(g: torch.Generator) -> float:
+    from phalanx.kernels.norm import rms_norm, rms_norm_ref
+
+    errs = []
+    for shape in [(1, 64), (7, 48), (2, 3, 5, 32)]:
+        x = torch.randn(*shape, generator=g) * 3
+        w = 1 + 0.1 * torch.randn(shape[-1], generator=g)
+        errs.append(_rel(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)))
+    # A strided per-head view, as q = qkv[:, :heads*hd].view(T, heads, hd) in the model.
+    qkv = torch.randn(5, 8 * 16 + 40, generator=g)
+    q = qkv[:, : 8 * 16].view(5, 8, 16)
+    w = 1 + 0.1 * torch.randn(16, generator=g)
+    errs.append(_rel(rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6)))
+    return max(errs)
+
+
+def check_add_rms_norm(g: torch.Generator) -> float:
+    from phalanx.kernels.norm import add_rms_norm, add_rms_norm_ref
+
+    errs = []
+    for shape in [(1, 64), (9, 80)]:
+        x, r = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        w = 1 + 0.1 * torch.randn(shape[-1], generator=g)
+        x0, r0 = x.clone(), r.clone()
+        out, res = add_rms_norm(x, r, w, 1e-5)
+        ref_out, ref_res = add_rms_norm_ref(x, r, w, 1e-5)
+        assert torch.equal(x, x0) and torch.equal(r, r0), "inputs modified"
+        errs += [_rel(out, ref_out), _rel(res, ref_res)]
+    return max(errs)
+
+
+def check_silu_and_mul(g: torch.Generator) -> float:
+    from phalanx.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    errs = []
+    for shape in [(1, 64), (5, 3, 96), (4, 2 * 1500)]:
+        x = torch.randn(*shape, generator=g) * 2
+        errs.append(_rel(silu_and_mul(x), silu_and_mul_ref(x)))
+    return max(errs)
+
+
+def check_rope(g: torch.Generator) -> float:
+    from phalanx.kernels.rope import RotaryEmbedding, apply_rope_ref
+
+    errs = []
+    for T, nq, nk, hd in [(1, 8, 2, 16), (9, 8, 2, 16), (4, 6, 2, 128)]:
+        rope = RotaryEmbedding(hd, 512, 1_000_000.0)
+        qkv = torch.randn(T, (nq + 2 * nk) * hd, generator=g)  # strided views, as in the model
+        q = qkv[:, : nq * hd].view(T, nq, hd)
+        k = qkv[:, nq * hd : (nq + nk) * hd].view(T, nk, hd)
+        pos = torch.randint(0, 512, (T,), generator=g)
+        out_q, out_k = rope.apply(q, k, pos)
+        ref_q, ref_k = apply_rope_ref(q, k, pos, rope.cos_cache, rope.sin_cache)
+        errs += [_rel(out_q, ref_q), _rel(out_k, ref_k)]
+    return max(errs)
+
+
+def check_write_kv(g: torch.Generator) -> float:
+    from phalanx.kernels.attention import write_kv, write_kv_ref
+
+    for page_size, hd in [(1, 16), (16, 16), (4, 64)]:
+        pages, kvh, T = 12, 2, 9
+        k, v = torch.randn(T, kvh, hd, generator=g), torch.randn(T, kvh, hd, generator=g)
+        slots = torch.randperm(pages * page_size, generator=g)[:T]
+        slots[[0, 5]] = -1  # padding
+        kc, vc = torch.randn(pages, kvh, page_size, hd, generator=g), torch.randn(pages, kvh, page_size, hd, generator=g)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        write_kv(k, v, kc, vc, slots)
+        write_kv_ref(k, v, kc_ref, vc_ref, slots)
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), f"page_size {page_size}"
+    return 0.0
+
+
+def _paged_cache(g, lens, page_size, kvh, hd):
+    """Random caches and shuffled block tables for sequences of ``lens`` tokens.
+
+    Block-table padding entries point far past the pool: a kernel that reads one crashes
+    or goes wrong under the interpreter.
+    """
+    per_seq = max(-(-n // page_size) for n in lens) + 2
+    pages = len(lens) * per_seq + 3
+    kc = torch.randn(pages, kvh, page_size, hd, generator=g)
+    vc = torch.randn(pages, kvh, page_size, hd, generator=g)
+    tables = torch.randperm(pages, generator=g)[: len(lens) * per_seq].view(len(lens), per_seq).int()
+    for s, n in enumerate(lens):
+        tables[s, -(-n // page_size) :] = 10**6
+    return kc, vc, tables
+
+
+def check_decode_attention(g: torch.Generator) -> float:
+    from phalanx.kernels.attention import decode_attention, decode_attention_ref
+    from phalanx.kernels.gpu.attention import decode_attention_triton
+
+    errs = []
+    for page_size, hd, nq, nkv in [(16, 16, 8, 2), (1, 16, 8, 2), (4, 64, 8, 2), (32, 128, 8, 2), (8, 16, 4, 4)]:
+        ps = page_size
+        lens = [1, max(1, ps - 1), ps, ps + 1, 3 * ps + 7, 150]
+        kc, vc, tables = _paged_cache(g, lens, ps, nkv, hd)
+        q = torch.randn(len(lens), nq, hd, generator=g)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        ref = decode_attention_ref(q, kc, vc, seq_lens, tables, hd**-0.5)
+        errs.append(_rel(decode_attention(q, kc, vc, seq_lens, tables, hd**-0.5), ref))
+        # Short partitions: many splits per sequence through the reduce kernel.
+        errs.append(_rel(decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16), ref))
+    return max(errs)
+
+
+def check_prefill_attention(g: torch.Generator) -> float:
+    from phalanx.kernels.attention import AttentionMetadata, prefill_attention, prefill_attention_ref
+
+    errs = []
+    for page_size, hd, nq, nkv in [(16, 16, 8, 2), (1, 16, 8, 2), (4, 64, 8, 2), (16, 128, 4, 1)]:
+        ps = page_size
+        # (new tokens, cached prefix): 1 token, page boundaries, prefix 0 and > 0, a
+        # sequence with no new token, ones longer than a query tile, a long prefix (KV
+        # tiles below the diagonal, without the causal mask).
+        specs = [(1, 0), (ps + 1, 0), (max(1, ps - 1), ps), (5, ps + 1), (0, 3), (70, 2 * ps - 1), (140, 300)]
+        lens = [n + c for n, c in specs]
+        kc, vc, tables = _paged_cache(g, lens, ps, nkv, hd)
+        starts = [0]
+        for n, _ in specs:
+            starts.append(starts[-1] + n)
+        T = starts[-1] + 2  # two trailing rows owned by no sequence: must come back 0
+        q = torch.randn(T, nq, hd, generator=g)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+            slot_mapping=torch.full((T,), -1, dtype=torch.int64),
+            max_query_len=max(n for n, _ in specs), max_seq_len=max(lens))
+        out = prefill_attention(q, kc, vc, meta, hd**-0.5)
+        assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "unowned rows not zero"
+        errs.append(_rel(out, prefill_attention_ref(q, kc, vc, meta, hd**-0.5)))
+    return max(errs)
+
+
+def check_fused_experts(g: torch.Generator) -> float:
+    from phalanx.kernels.moe import fused_experts, fused_experts_ref, make_expert_map, route
+
+    errs = []
+    cases = [  # T, global experts, local experts, top_k, hidden, intermediate, expert map
+        (1, 8, 8, 2, 64, 32, False), (7, 8, 8, 2, 64, 48, False),
+        (40, 16, 6, 4, 64, 32, True), (5, 8, 8, 8, 32, 16, False), (3, 8, 2, 2, 32, 16, True),
+        (300, 16, 12, 4, 32, 16, True),  # > 1024 pairs: several scan chunks in the align step
+    ]
+    for T, eg, el, k, hid, inter, use_map in cases:
+        x = torch.randn(T, hid, generator=g)
+        weights, ids = route(torch.randn(T, eg, generator=g), k, True, x.dtype)
+        w13 = torch.randn(el, 2 * inter, hid, generator=g) / hid**0.5
+        w2 = torch.randn(el, hid, inter, generator=g) / inter**0.5
+        emap = make_expert_map(eg, torch.randperm(eg, generator=g)[:el].tolist()) if use_map else None
+        errs.append(_rel(fused_experts(x, weights, ids, w13, w2, emap),
+                         fused_experts_ref(x, weights, ids, w13, w2, emap)))
+    # T = 0.
+    out = fused_experts(torch.randn(0, 32, generator=g), torch.rand(0, 2, generator=g),
+                        torch.zeros(0, 2, dtype=torch.int64), torch.randn(2, 32, 32), torch.randn(2, 32, 16))
+    assert out.shape == (0, 32)
+    return max(errs)
+
+
+def check_fused_experts_batch_invariant(g: torch.Generator) -> float:
+    """A token's output is the same bits whether it runs alone or in a batch."""
+    from phalanx.kernels.moe import fused_experts, route
+
+    x = torch.randn(33, 64, generator=g)
+    weights, ids = route(torch.randn(33, 8, generator=g), 2, True, x.dtype)
+    w13, w2 = torch.randn(8, 64, 64, generator=g) / 8, torch.randn(8, 64, 32, generator=g) / 6
+    full = fused_experts(x, weights, ids, w13, w2)
+    alone = fused_experts(x[5:6], weights[5:6], ids[5:6], w13, w2)
+    assert torch.equal(full[5:6], alone), "batch-dependent result"
+    return 0.0
+
+
+def check_dispatch(g: torch.Generator) -> float:
+    """Under force_triton(True) every public function reaches its Triton version."""
+    import importlib
+
+    from phalanx.kernels import activation, attention, moe, norm
+    from phalanx.kernels.backend import force_triton, use_triton
+
+    x = torch.randn(2, 8, generator=g)
+    with force_triton(False):
+        assert not use_triton(x)
+    assert use_triton(x)  # the script sets force_triton(True) globally
+    calls: list[str] = []
+    targets = {"norm": ["rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton"],
+               "attention": ["write_kv_triton", "decode_attention_triton", "prefill_attention_triton"],
+               "moe": ["fused_experts_triton"], "rope": ["rope_triton"]}
+    for mod_name, fns in targets.items():
+        mod = importlib.import_module(f"phalanx.kernels.gpu.{mod_name}")
+        for fn in fns:
+            real = getattr(mod, fn)
+            setattr(mod, fn, lambda *a, _real=real, _fn=fn, **kw: (calls.append(_fn), _real(*a, **kw))[1])
+    from phalanx.kernels.rope import RotaryEmbedding
+
+    norm.rms_norm(x, torch.ones(8), 1e-6)
+    norm.add_rms_norm(x, x, torch.ones(8), 1e-6)
+    activation.silu_and_mul(x)
+    q, kv = torch.randn(2, 4, 16, generator=g), torch.randn(2, 2, 16, generator=g)
+    RotaryEmbedding(16, 32, 10000.0).apply(q, kv, torch.tensor([0, 5]))
+    kc, vc, tables = _paged_cache(g, [2, 1], 4, 2, 16)
+    attention.write_kv(kv, kv, kc, vc, torch.tensor([0, -1]))
+    lens = torch.tensor([2, 1], dtype=torch.int32)
+    attention.decode_attention(q, kc, vc, lens, tables, 0.25)
+    meta = attention.AttentionMetadata(torch.tensor([0, 1, 2], dtype=torch.int32), lens, tables,
+                                       torch.tensor([0, -1]), 1, 2)
+    attention.prefill_attention(q, kc, vc, meta, 0.25)
+    moe.fused_experts(x, torch.rand(2, 1, generator=g), torch.tensor([[0], [1]]),
+                      torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 4, generator=g))
+    missing = sorted({f for fns in targets.values() for f in fns} - set(calls))
+    assert not missing, f"not dispatched to Triton: {missing}"
+    return 0.0
+
+
+def _run_checks() -> dict:
+    from phalanx.kernels.backend import force_triton
+
+    force_triton(True)
+    results = {}
+    for name, fn in sorted(globals().items()):
+        if name.startswith("check_") and callable(fn):
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            try:
+                results[name] = {"err": fn(g)}
+            except Exception:  # reported per check by the pytest side
+                results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    print("RESULTS " + json.dumps(_run_checks()))
+    sys.exit(0)
+
+# ---------------------------------------------------------------- pytest side
+
+CHECKS = sorted(n for n in list(globals()) if n.startswith("check_"))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"check script failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_triton_kernel_matches_reference(interpreter_results, name):
+    res = interpreter_results[name]
+    assert "error" not in res, res.get("error")
+    assert res["err"] < TOL, f"{name}: relative error {res['err']:.3e}"
+
+
+def test_backend_defaults_to_reference_on_cpu():
+    from phalanx.kernels.backend import force_triton, forced, use_triton
+
+    x = torch.randn(3)
+    assert forced() is None and not use_triton(x)
+    with force_triton(False):
+        assert forced() is False and not use_triton(x)
+    assert forced() is None
