@@ -146,7 +146,35 @@ def make_engine(cfg: ModelConfig, model, max_batch: int) -> LLMEngine:
     return LLMEngine(config, model=model)
 
 
-def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int) -> float:
+def graph_breakdown(engine: LLMEngine, batch: int, profile: bool) -> dict:
+    """GPU time of one decode step (graph replay alone) and, optionally, its kernels."""
+    graphs = engine.runner.graphs
+    size = next(s for s in graphs.sizes if s >= batch)
+    graph = graphs.graphs[size]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    out = {"graph_size": size, "replay_ms": (time.perf_counter() - t) / 20 * 1e3}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernels: dict[str, float] = {}
+        for ev in p.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if us:
+                kernels[ev.key[:60]] = kernels.get(ev.key[:60], 0.0) + us / 5
+        out["kernels_us"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    return out
+
+
+def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int) -> tuple[float, dict]:
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     rids = [f"d{batch}-{i}" for i in range(batch)]
@@ -162,9 +190,11 @@ def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int) -> float
         engine.step()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
+    detail = graph_breakdown(engine, batch, profile=batch in (1, 64))
+    detail["step_ms"] = dt / steps * 1e3
     for rid in rids:
         engine.abort_request(rid)
-    return batch * steps / dt
+    return batch * steps / dt, detail
 
 
 def phalanx_prefill(engine: LLMEngine, num_seqs: int, length: int) -> float:
@@ -206,11 +236,11 @@ def main() -> None:
     engine = make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches))
     rows = []
     for b in batches:
-        tok_s = phalanx_decode(engine, b, args.ctx, args.steps)
+        tok_s, detail = phalanx_decode(engine, b, args.ctx, args.steps)
         floor_s = decode_bytes(cfg, b, args.ctx + args.steps // 2) / ceil["copy_bytes_per_s"]
         rows.append(dict(kind="decode", batch=b, tok_s=tok_s, floor_tok_s=b / floor_s,
                          frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
-                         vs_hf=tok_s / hf_rates[b] if b in hf_rates else None))
+                         vs_hf=tok_s / hf_rates[b] if b in hf_rates else None, **detail))
     pf = phalanx_prefill(engine, 8, 2048)
     pf_floor = 8 * 2048 / (prefill_flops(cfg, 8, 2048) / ceil["matmul_flops_per_s"])
     rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
@@ -220,14 +250,20 @@ def main() -> None:
     out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
+    for r in rows:
+        if "kernels_us" in r:
+            print(f"batch {r['batch']}: step {r['step_ms']:.2f} ms, graph replay {r['replay_ms']:.2f} ms; "
+                  "kernels (us/step): " + ", ".join(f"{k}={v:.0f}" for k, v in r["kernels_us"].items()))
     print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
           f"{args.layers} layers, ctx {args.ctx}, {engine.num_pages} KV pages")
-    print(f"{'what':8} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} {'x HF':>6}")
+    print(f"{'what':8} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} "
+          f"{'x HF':>6} {'step ms':>8} {'GPU ms':>7}")
     for r in rows:
         hf_s = f"{r['hf_tok_s']:9.0f}" if r["hf_tok_s"] else f"{'-':>9}"
         vs = f"{r['vs_hf']:6.1f}" if r["vs_hf"] else f"{'-':>6}"
+        step = f"{r['step_ms']:8.2f} {r['replay_ms']:7.2f}" if "step_ms" in r else ""
         print(f"{r['kind']:8} {r['batch']:5d} {r['tok_s']:10.0f} {r['floor_tok_s']:12.0f} "
-              f"{r['frac']:9.2f} {hf_s} {vs}")
+              f"{r['frac']:9.2f} {hf_s} {vs} {step}")
 
 
 if __name__ == "__main__":

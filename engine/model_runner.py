@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..config import CacheConfig
@@ -45,6 +46,7 @@ def num_pages_for_memory(model: CausalLM, cache: CacheConfig, dtype: torch.dtype
     """Pages that fit in `gpu_memory_utilization` of the device once the weights are in."""
     if device.type != "cuda":
         return CPU_DEFAULT_PAGES
+    torch.cuda.empty_cache()  # blocks cached by the allocator count as free here
     free, total = torch.cuda.mem_get_info(device)
     budget = total * cache.gpu_memory_utilization - (total - free) - ACTIVATION_RESERVE
     per_page = sum(2 * l.attn.num_kv_heads * cache.page_size * l.attn.head_dim for l in model.layers)
@@ -55,21 +57,43 @@ def num_pages_for_memory(model: CausalLM, cache: CacheConfig, dtype: torch.dtype
     return pages
 
 
+class HostStaging:
+    """Reusable host buffers for step inputs, pinned on GPU machines so copies are async.
+
+    Reuse is safe: every step ends in a device sync (the sampled tokens are read back)
+    before the next step refills the buffers."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, values: np.ndarray) -> torch.Tensor:
+        n = values.size
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != _TORCH_OF[values.dtype.type]:
+            buf = torch.empty(max(n, 1024), dtype=_TORCH_OF[values.dtype.type], pin_memory=self.pin)
+            self._bufs[name] = buf
+        out = buf[:n].view(values.shape)
+        out.copy_(torch.from_numpy(values))
+        return out
+
+
+_TORCH_OF = {np.int32: torch.int32, np.int64: torch.int64}
+
+
 @dataclass(slots=True)
 class BatchInputs:
-    """Flattened model inputs for a batch, plus which rows are sampled."""
+    """One step's flattened inputs on the host, and which sequences are sampled."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
+    host: dict[str, torch.Tensor]
+    max_query_len: int
+    max_seq_len: int
     sampled: list[Sequence]
-    host: dict[str, torch.Tensor]  # the same inputs on the host (pinned on GPU machines)
 
     @property
     def decode_only(self) -> bool:
         """Every row is one token that gets sampled: the case CUDA graphs cover."""
-        return self.meta.max_query_len == 1 and len(self.sampled) == self.input_ids.shape[0]
+        return self.max_query_len == 1 and len(self.sampled) == self.host["input_ids"].shape[0]
 
 
 class ModelRunner:
@@ -81,52 +105,55 @@ class ModelRunner:
         self.caches = caches
         self.page_size = page_size
         self.device = device
-        self.pin = device.type == "cuda"
+        self.staging = HostStaging(pin=device.type == "cuda")
         self.graphs = None
         if device.type == "cuda" and cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(model, caches, cuda_graph_max_batch, max_model_len,
                                        page_size, device)
             self.graphs.capture()
 
-    def _host(self, values, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        return t.pin_memory() if self.pin else t
-
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
+        """Flatten the batch: token ids, positions, KV slots, per-sequence lengths."""
         ps = self.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, seq_lens, logits_idx, sampled = [0], [], [], []
+        num_tokens = batch.num_tokens
+        ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
+        starts = np.zeros(len(batch.items) + 1, dtype=np.int32)
+        seq_lens = np.empty(len(batch.items), dtype=np.int32)
         max_pages = max(len(seq.pages) for seq, _ in batch.items)
-        tables = torch.zeros((len(batch.items), max_pages), dtype=torch.int32)
+        tables = np.zeros((len(batch.items), max_pages), dtype=np.int32)
+        logits_idx, sampled = [], []
+        t = 0
         for row, (seq, n) in enumerate(batch.items):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_slice(begin, end))
-            positions.extend(range(begin, end))
-            slots.extend(seq.pages[p // ps] * ps + p % ps for p in range(begin, end))
-            starts.append(starts[-1] + n)
-            seq_lens.append(end)
-            tables[row, :len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+            pos = np.arange(begin, end, dtype=np.int64)
+            pages = np.asarray(seq.pages, dtype=np.int64)
+            ids[t:t + n] = seq.token_slice(begin, end)
+            positions[t:t + n] = pos
+            slots[t:t + n] = pages[pos // ps] * ps + pos % ps
+            tables[row, :len(pages)] = pages
+            t += n
+            starts[row + 1] = t
+            seq_lens[row] = end
             if end == seq.num_tokens:
-                logits_idx.append(starts[-1] - 1)
+                logits_idx.append(t - 1)
                 sampled.append(seq)
-        host = {
-            "query_start_loc": self._host(starts, torch.int32),
-            "seq_lens": self._host(seq_lens, torch.int32),
-            "block_tables": tables.pin_memory() if self.pin else tables,
-            "slot_mapping": self._host(slots, torch.int64),
-            "input_ids": self._host(ids, torch.int64),
-            "positions": self._host(positions, torch.int64),
-            "logits_indices": self._host(logits_idx, torch.int64),
-        }
-        dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
+        put = self.staging.put
+        host = {"input_ids": put("input_ids", ids), "positions": put("positions", positions),
+                "slot_mapping": put("slot_mapping", slots), "query_start_loc": put("qsl", starts),
+                "seq_lens": put("seq_lens", seq_lens), "block_tables": put("block_tables", tables),
+                "logits_indices": put("logits_indices", np.asarray(logits_idx, dtype=np.int64))}
+        return BatchInputs(host, int(max(n for _, n in batch.items)), int(seq_lens.max()), sampled)
+
+    def _run_eager(self, inputs: BatchInputs) -> torch.Tensor:
+        dev = {k: v.to(self.device, non_blocking=True) for k, v in inputs.host.items()}
         meta = AttentionMetadata(
             query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
             block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
-            max_query_len=max(n for _, n in batch.items), max_seq_len=max(seq_lens))
-        return BatchInputs(dev["input_ids"], dev["positions"], meta, dev["logits_indices"],
-                           sampled, host)
+            max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len)
+        hidden = self.model(dev["input_ids"], dev["positions"], self.caches, meta)
+        return self.model.compute_logits(hidden[dev["logits_indices"]])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
@@ -137,10 +164,9 @@ class ModelRunner:
             logits = self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
                                      h["seq_lens"], h["block_tables"])
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.caches, inputs.meta)
-            if not inputs.sampled:
-                return {}
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self._run_eager(inputs)
+        if not inputs.sampled:
+            return {}
         tokens = sample(logits, [s.params for s in inputs.sampled],
                         [s.num_tokens for s in inputs.sampled])
         return {s.request_id: t for s, t in zip(inputs.sampled, tokens)}

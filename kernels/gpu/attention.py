@@ -27,6 +27,12 @@ __all__ = ["write_kv_triton", "decode_attention_triton", "prefill_attention_trit
 _LOG2E = 1.4426950408889634
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision: exact fp32 for fp32 tensors (tf32 would change greedy
+    tokens against the CPU reference); the native path for bf16/fp16."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 # ---------------------------------------------------------------- write_kv
 
 
@@ -79,7 +85,7 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 @triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, kc_base, vc_base, bt_row, pos, kv_mask, valid, d, dm,
-    s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, HAS_MASK: tl.constexpr,
+    s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
 ):
     """One online-softmax step over the KV positions ``pos`` [BLOCK_N].
 
@@ -94,7 +100,7 @@ def _attend_tile(
     off = (pos % PAGE).to(tl.int64)
     lm = kv_mask[:, None] & dm[None, :]
     k = tl.load(kc_base + page[:, None] * s_kp + off[:, None] * s_kt + d[None, :], mask=lm, other=0.0)
-    qk = tl.dot(q, tl.trans(k)) * scale_log2
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if HAS_MASK:
         qk = tl.where(valid, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -104,7 +110,7 @@ def _attend_tile(
     p = tl.exp2(qk - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(vc_base + page[:, None] * s_vp + off[:, None] * s_vt + d[None, :], mask=lm, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 
 
@@ -118,7 +124,7 @@ def _decode_split_kernel(
     sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h,
     scale_log2, G, HD, PAGE, PART,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, PREC: tl.constexpr,
 ):
     # Program (split, kv_head, seq): the G query heads of kv_head over KV positions
     # [split*PART, min((split+1)*PART, seq_len)). DIRECT (one split) writes the final
@@ -149,7 +155,7 @@ def _decode_split_kernel(
         kv_mask = pos < end
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, bt_ptr + s * s_bt,
                                      pos, kv_mask, kv_mask[None, :], d, dm,
-                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True)
+                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True, PREC)
     o = acc / l_i[:, None]
     om = gm[:, None] & dm[None, :]
     if DIRECT:
@@ -240,7 +246,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), scale * _LOG2E, G, D, page, part,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DIRECT=direct, num_warps=4, num_stages=2,
+        DIRECT=direct, PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
     )
     if not direct:
         _decode_reduce_kernel[(H, S)](
@@ -259,7 +265,7 @@ def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, out_ptr,
     sq_t, sq_h, s_kp, s_kh, s_kt, s_vp, s_vh, s_vt, s_bt, so_t, so_h,
     scale_log2, G, HD, PAGE,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
 ):
     # Program (query block, head, seq): BLOCK_M new tokens of one sequence, one head.
     # New token j of a sequence with q_len new tokens sits at ctx + j (ctx = seq_len -
@@ -298,14 +304,14 @@ def _prefill_kernel(
         kv_mask = pos < full_end
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, bt_row,
                                      pos, kv_mask, kv_mask[None, :], d, dm,
-                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, False)
+                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, False, PREC)
     for n0 in range(full_end, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         kv_mask = pos < kv_end
         valid = (pos[None, :] <= q_pos[:, None]) & kv_mask[None, :] & rm[:, None]
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, bt_row,
                                      pos, kv_mask, valid, d, dm,
-                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True)
+                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True, PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * so_t + h * so_h + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
@@ -351,6 +357,6 @@ def prefill_attention_triton(q, k_cache, v_cache, meta, scale: float) -> torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1), scale * _LOG2E, H // KVH, D, page,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=triton.next_power_of_2(D),
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PREC=dot_precision(q.dtype), num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return out

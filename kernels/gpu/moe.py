@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import dot_precision
+
 __all__ = ["fused_experts_triton"]
 
 
@@ -37,7 +39,7 @@ __all__ = ["fused_experts_triton"]
 def _gate_up_kernel(
     x_ptr, w_ptr, inter_ptr, sorted_ptr, bexp_ptr,
     P, K_TOP, HID, I, E, sx_t, sw_e, sw_n, si_r,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1), HID contiguous.
     b = tl.program_id(0)
@@ -64,8 +66,8 @@ def _gate_up_kernel(
         wm = km[:, None] & nm[None, :]
         wg = tl.load(w_gate + k[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
         wu = tl.load(w_up + k[:, None], mask=wm, other=0.0)
-        acc_g = tl.dot(a, wg, acc=acc_g)
-        acc_u = tl.dot(a, wu, acc=acc_u)
+        acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PREC)
     ty = inter_ptr.dtype.element_ty
     g = acc_g.to(ty).to(tl.float32)
     u = acc_u.to(ty).to(tl.float32)
@@ -78,7 +80,7 @@ def _gate_up_kernel(
 def _down_kernel(
     inter_ptr, w_ptr, pair_out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
     P, HID, I, E, si_r, sw_e, sw_n, so_r,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     # w2[e] is [HID, I], I contiguous. Output row = pair id (unsorted), scaled by its weight.
     b = tl.program_id(0)
@@ -100,7 +102,7 @@ def _down_kernel(
         km = k < I
         a = tl.load(a_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_rows + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
-        acc = tl.dot(a, w, acc=acc)
+        acc = tl.dot(a, w, acc=acc, input_precision=PREC)
     ty = pair_out_ptr.dtype.element_ty
     wt = tl.load(tw_ptr + pair, mask=rm, other=0.0).to(ty).to(tl.float32)
     h = acc.to(ty).to(tl.float32) * wt[:, None]
@@ -231,7 +233,7 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None) ->
     _gate_up_kernel[(max_blocks, triton.cdiv(inter_dim, cfg["N1"]))](
         x, w13, inter, sorted_ids, block_expert,
         P, k_top, hid, inter_dim, E, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=cfg["K1"],
+        BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=cfg["K1"], PREC=dot_precision(x.dtype),
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     pair_out = x.new_empty((P, hid))
@@ -239,7 +241,7 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None) ->
     _down_kernel[(max_blocks, triton.cdiv(hid, cfg["N2"]))](
         inter, w2, pair_out, sorted_ids, block_expert, weights,
         P, hid, inter_dim, E, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"],
+        BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=dot_precision(x.dtype),
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     block = min(1024, triton.next_power_of_2(hid))
