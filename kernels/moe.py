@@ -44,7 +44,14 @@ def route_ref(
 def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing. See :func:`route_ref` for the contract."""
+    """Softmax top-k routing. See :func:`route_ref` for the contract.
+
+    Runs the one-launch Triton kernel when :func:`~phalanx.kernels.backend.use_triton`
+    says so."""
+    if use_triton(router_logits):
+        from .gpu.route import route_triton
+
+        return route_triton(router_logits, top_k, renormalize, out_dtype)
     return route_ref(router_logits, top_k, renormalize, out_dtype)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .backend import use_triton
+from .norm import rms_norm
 
 __all__ = ["RotaryEmbedding", "apply_rope_ref", "rotate_half"]
 
@@ -79,26 +80,34 @@ class RotaryEmbedding:
         self.sin_cache = freqs.sin()
 
     def apply(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+        q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+        eps: float = 1e-6,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, num_heads, head_dim] and ``k`` [T, num_kv_heads, head_dim].
 
-        ``positions`` is int64 [T] (absolute token positions). Returns new tensors
-        ``(q_rot, k_rot)`` of the input shapes/dtypes. Raises ``ValueError`` if a
-        position is ``>= max_position`` or negative (not checked while a CUDA graph is
-        being captured: the check needs a host sync). Runs the Triton kernel when
+        With ``q_norm`` / ``k_norm`` (both [head_dim]) each head is first RMS-normed
+        (Qwen3's q/k norm, :func:`~phalanx.kernels.norm.rms_norm` semantics), fused into
+        the same kernel on GPU. ``positions`` is int64 [T] (absolute token positions).
+        Returns new tensors ``(q_rot, k_rot)`` of the input shapes/dtypes. On the
+        reference path a position ``>= max_position`` or negative raises ``ValueError``;
+        the GPU path does not check (that needs a host sync; the engine bounds positions
+        by the context length on admission). Runs the Triton kernel when
         :func:`~phalanx.kernels.backend.use_triton` says so.
         """
         if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
             raise ValueError(f"head_dim mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, expected {self.head_dim}")
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if positions.numel() > 0 and not capturing:
-            lo, hi = int(positions.min()), int(positions.max())
-            if hi >= self.max_position or lo < 0:
-                raise ValueError(f"positions must be in [0, {self.max_position}), got range [{lo}, {hi}]")
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm go together")
         if use_triton(q):
             from .gpu.rope import caches_on, rope_triton
 
             cos, sin = caches_on(self, q.device)
-            return rope_triton(q, k, positions, cos, sin)
+            return rope_triton(q, k, positions, cos, sin, q_norm, k_norm, eps)
+        if positions.numel() > 0:
+            lo, hi = int(positions.min()), int(positions.max())
+            if hi >= self.max_position or lo < 0:
+                raise ValueError(f"positions must be in [0, {self.max_position}), got range [{lo}, {hi}]")
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
         return apply_rope_ref(q, k, positions, self.cos_cache, self.sin_cache)

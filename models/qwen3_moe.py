@@ -60,10 +60,7 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q, k = rope.apply(q, k, positions)
+        q, k = rope.apply(q, k, positions, self.q_norm, self.k_norm, self.eps)
         write_kv(k, v, cache[0], cache[1], meta.slot_mapping)
         if meta.is_decode_only:
             out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)

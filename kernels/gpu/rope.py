@@ -15,10 +15,12 @@ __all__ = ["rope_triton", "caches_on"]
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, sh, NH, HALF, c, s, d, dm,
-                  BLOCK_H: tl.constexpr):
+def _rotate_heads(x_ptr, o_ptr, w_ptr, eps, sh, NH, HALF, c, s, d, dm,
+                  BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
     # x_ptr: this token's first head; heads sh elements apart, head_dim contiguous.
     # o_ptr: contiguous [NH, 2*HALF] output of this token. c, s: [BLOCK_D2] float32.
+    # HAS_NORM: RMS-norm each head first (float32 math, rounded to the activation
+    # dtype, then times the weight, rounded again: the reference's order).
     h = tl.arange(0, BLOCK_H)
     m = (h < NH)[:, None] & dm[None, :]
     src = x_ptr + h[:, None] * sh + d[None, :]
@@ -26,6 +28,13 @@ def _rotate_heads(x_ptr, o_ptr, sh, NH, HALF, c, s, d, dm,
     ty = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        r = (1.0 / tl.sqrt(var + eps))[:, None]
+        w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * r).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(ty).to(tl.float32)).to(ty).to(tl.float32)
     cc = c.to(ty).to(tl.float32)[None, :]
     ss = s.to(ty).to(tl.float32)[None, :]
     o1 = (x1 * cc).to(ty).to(tl.float32) - (x2 * ss).to(ty).to(tl.float32)
@@ -37,9 +46,10 @@ def _rotate_heads(x_ptr, o_ptr, sh, NH, HALF, c, s, d, dm,
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
     sqt, sqh, skt, skh, NQ, NK, HALF,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D2: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -47,8 +57,10 @@ def _rope_kernel(
     dm = d < HALF
     c = tl.load(cos_ptr + pos * HALF + d, mask=dm, other=0.0)
     s = tl.load(sin_ptr + pos * HALF + d, mask=dm, other=0.0)
-    _rotate_heads(q_ptr + t * sqt, qo_ptr + t * NQ * 2 * HALF, sqh, NQ, HALF, c, s, d, dm, BLOCK_HQ)
-    _rotate_heads(k_ptr + t * skt, ko_ptr + t * NK * 2 * HALF, skh, NK, HALF, c, s, d, dm, BLOCK_HK)
+    _rotate_heads(q_ptr + t * sqt, qo_ptr + t * NQ * 2 * HALF, qw_ptr, eps, sqh, NQ, HALF, c, s, d, dm,
+                  BLOCK_HQ, HAS_NORM)
+    _rotate_heads(k_ptr + t * skt, ko_ptr + t * NK * 2 * HALF, kw_ptr, eps, skh, NK, HALF, c, s, d, dm,
+                  BLOCK_HK, HAS_NORM)
 
 
 def caches_on(rope, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +76,10 @@ def caches_on(rope, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def rope_triton(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, NQ, D] and k [T, NK, D] (strided views fine; D contiguous).
+    """Rotate q [T, NQ, D] and k [T, NK, D] (strided views fine; D contiguous),
+    RMS-norming each head first when ``q_norm``/``k_norm`` [D] are given.
 
     ``positions`` int [T], in range (the caller checks); caches float32 contiguous
     [max_position, D // 2] on the same device. Returns new contiguous tensors.
@@ -83,8 +97,9 @@ def rope_triton(
     half = hd // 2
     _rope_kernel[(T,)](
         q, k, q_out, k_out, positions, cos_cache, sin_cache,
+        q_norm if q_norm is not None else q, k_norm if k_norm is not None else k, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), nq, nk, half,
         BLOCK_HQ=triton.next_power_of_2(nq), BLOCK_HK=triton.next_power_of_2(nk),
-        BLOCK_D2=triton.next_power_of_2(half), num_warps=4,
+        BLOCK_D2=triton.next_power_of_2(half), HAS_NORM=q_norm is not None, num_warps=4,
     )
     return q_out, k_out
