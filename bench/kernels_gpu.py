@@ -212,6 +212,33 @@ def check_moe(c: Ctx, rec):
             ref = moe.fused_experts_ref(x, w, ids, w13l, w2l, emap)
             case = f"T={T} map={emap is not None}"
             rec("moe", case, out.shape == ref.shape) if T == 0 else rec("moe", case, out, ref)
+    check_moe_paths(c, rec)
+
+
+def check_moe_paths(c: Ctx, rec):
+    """Both fused_experts paths forced at decode sizes (general; small in each mode), and
+    the small "dot" mode bit-identical to the general path (batch invariance across the
+    dispatch threshold). Under the interpreter (dry run) that holds only with the general
+    path's tiles (numpy's per-element order depends on the tile), so it uses them there."""
+    from phalanx.kernels import moe
+    from phalanx.kernels.gpu.moe import fused_experts_triton
+    from phalanx.kernels.gpu.moe_decode import SMALL_MODES, fused_experts_small_triton
+
+    same_tiles = dict(N1=64, K1=128, N2=64, K2=128) if c.small else None
+    for T in [1, 2, 3] if c.small else [1, 2, 4, 8, 16]:
+        x, w, ids, w13, w2 = moe_inputs(c, T, **(dict(ne=8, hid=64, inter=32, topk=4) if c.small else {}))
+        ne = w13.shape[0]
+        for emap in (None, moe.make_expert_map(ne, list(range(1, ne, 2)), device=c.dev)):
+            w13l, w2l = (w13, w2) if emap is None else (w13[1::2].contiguous(), w2[1::2].contiguous())
+            ref = moe.fused_experts_ref(x, w, ids, w13l, w2l, emap)
+            case = f"T={T} map={emap is not None}"
+            c.poison(); gen = fused_experts_triton(x, w, ids, w13l, w2l, emap, path="general")
+            rec("moe", case + " general", gen, ref)
+            for mode in SMALL_MODES:
+                c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode=mode)
+                rec("moe", case + f" small-{mode}", out, ref)
+            c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot", cfg=same_tiles)
+            rec("moe", case + " small-dot bits == general", c.torch.equal(out, gen))
 
 
 # ---------------------------------------------------------------- timing
@@ -286,6 +313,42 @@ def time_moe(c: Ctx, row):
         row("moe", f"T={T} experts={touched}", lambda: moe.fused_experts(x, w, ids, w13, w2),
             lambda: moe.fused_experts_ref(x, w, ids, w13, w2), None,
             nbytes=(touched * 3 * INTER * HID + 2 * x.numel()) * 2, flops=T * TOPK * 6 * INTER * HID)
+    time_moe_paths(c, row)
+
+
+# Extra small-path tiles timed at T=1 (defaults: moe_decode.small_config).
+MOE_SMALL_SWEEP = {
+    "dot": [dict(N1=16, K1=128, N2=16, K2=128), dict(N1=64, K1=128, N2=64, K2=128),
+            dict(N1=32, K1=256, N2=32, K2=256, warps=8)],
+    "gemv": [dict(N1=8, K1=256, N2=8, K2=256), dict(N1=32, K1=128, N2=16, K2=128),
+             dict(N1=16, K1=512, N2=16, K2=512, warps=8)],
+}
+
+
+def time_moe_paths(c: Ctx, row):
+    """Both fused_experts paths forced at T = 1, 2, 4, 8 (the dispatch threshold is
+    kernels.gpu.moe.SMALL_MAX_PAIRS pairs, T = 4 at top-8), then small-path tiles at T=1."""
+    from phalanx.kernels import moe
+    from phalanx.kernels.gpu.moe import fused_experts_triton
+    from phalanx.kernels.gpu.moe_decode import SMALL_MODES, fused_experts_small_triton, small_config
+
+    for T in [1, 2, 4, 8]:
+        x, w, ids, w13, w2 = moe_inputs(c, T)
+        touched = int(ids.unique().numel())
+        kw = dict(nbytes=(touched * 3 * INTER * HID + 2 * x.numel()) * 2, flops=T * TOPK * 6 * INTER * HID)
+        ref = lambda: moe.fused_experts_ref(x, w, ids, w13, w2)  # noqa: E731
+        row("moe", f"T={T} e={touched} general",
+            lambda: fused_experts_triton(x, w, ids, w13, w2, path="general"), ref, None, **kw)
+        for mode in SMALL_MODES:
+            row("moe", f"T={T} e={touched} small-{mode}",
+                lambda: fused_experts_small_triton(x, w, ids, w13, w2, mode=mode), ref, None, **kw)
+        if T == 1:
+            for mode, cfgs in MOE_SMALL_SWEEP.items():
+                for cfg in cfgs:
+                    f = {**small_config(mode), **cfg}
+                    tiles = f"{f['N1']}/{f['K1']},{f['N2']}/{f['K2']}w{f['warps']}"
+                    row("moe", f"T=1 {mode} {tiles}",
+                        lambda: fused_experts_small_triton(x, w, ids, w13, w2, mode=mode, cfg=cfg), ref, None, **kw)
 
 
 def time_norm(c: Ctx, row):

@@ -77,6 +77,7 @@ def check_silu_and_mul(g: torch.Generator) -> float:
 
 
 def check_rope(g: torch.Generator) -> float:
+    from phalanx.kernels.norm import rms_norm_ref
     from phalanx.kernels.rope import RotaryEmbedding, apply_rope_ref
 
     errs = []
@@ -88,6 +89,12 @@ def check_rope(g: torch.Generator) -> float:
         pos = torch.randint(0, 512, (T,), generator=g)
         out_q, out_k = rope.apply(q, k, pos)
         ref_q, ref_k = apply_rope_ref(q, k, pos, rope.cos_cache, rope.sin_cache)
+        errs += [_rel(out_q, ref_q), _rel(out_k, ref_k)]
+        # fused q/k RMS-norm + rope (Qwen3) against norm-then-rope references
+        qw, kw = 1 + 0.1 * torch.randn(hd, generator=g), 1 + 0.1 * torch.randn(hd, generator=g)
+        out_q, out_k = rope.apply(q, k, pos, qw, kw, 1e-6)
+        ref_q, ref_k = apply_rope_ref(rms_norm_ref(q, qw, 1e-6), rms_norm_ref(k, kw, 1e-6), pos,
+                                      rope.cos_cache, rope.sin_cache)
         errs += [_rel(out_q, ref_q), _rel(out_k, ref_k)]
     return max(errs)
 
@@ -195,16 +202,137 @@ def check_fused_experts(g: torch.Generator) -> float:
 
 
 def check_fused_experts_batch_invariant(g: torch.Generator) -> float:
-    """A token's output is the same bits whether it runs alone or in a batch."""
+    """A token's output is the same bits whether it runs alone or in a batch.
+
+    Within each path (general: 33 vs 17 tokens; small: 1 vs 3 tokens, both modes), and
+    across the dispatch threshold for the small path's "dot" mode given the general
+    path's tiles (under the interpreter tl.dot is numpy's BLAS, whose per-element order
+    depends on the tile's N and K; on the GPU bench/kernels_gpu.py checks the default tiles).
+    """
+    from phalanx.kernels.gpu.moe import fused_experts_triton
+    from phalanx.kernels.gpu.moe_decode import fused_experts_small_triton
     from phalanx.kernels.moe import fused_experts, route
 
     x = torch.randn(33, 64, generator=g)
     weights, ids = route(torch.randn(33, 8, generator=g), 2, True, x.dtype)
     w13, w2 = torch.randn(8, 64, 64, generator=g) / 8, torch.randn(8, 64, 32, generator=g) / 6
     full = fused_experts(x, weights, ids, w13, w2)
-    alone = fused_experts(x[5:6], weights[5:6], ids[5:6], w13, w2)
-    assert torch.equal(full[5:6], alone), "batch-dependent result"
+    part = fused_experts(x[:17], weights[:17], ids[:17], w13, w2)
+    assert torch.equal(full[:17], part), "batch-dependent result (general path)"
+    alone = fused_experts(x[5:6], weights[5:6], ids[5:6], w13, w2)  # small path (dispatch)
+    for mode in ("dot", "gemv"):
+        trio = fused_experts_small_triton(x[4:7], weights[4:7], ids[4:7], w13, w2, mode=mode)
+        one = fused_experts_small_triton(x[5:6], weights[5:6], ids[5:6], w13, w2, mode=mode)
+        assert torch.equal(trio[1:2], one), f"batch-dependent result (small path, {mode})"
+    general_tiles = dict(N1=64, K1=128, N2=64, K2=128)
+    matched = fused_experts_small_triton(x[5:6], weights[5:6], ids[5:6], w13, w2, mode="dot", cfg=general_tiles)
+    assert torch.equal(full[5:6], matched), "small dot path != general path bits"
+    return _rel(alone, full[5:6])
+
+
+def _moe_case(g, T, k, hid, inter, n_global=16, n_local=8, use_map=False):
+    """Random fused_experts inputs; with use_map, n_local of n_global experts are held."""
+    from phalanx.kernels.moe import make_expert_map, route
+
+    n_global = n_global if use_map else n_local
+    x = torch.randn(T, hid, generator=g)
+    weights, ids = route(torch.randn(T, n_global, generator=g), k, True, x.dtype)
+    w13 = torch.randn(n_local, 2 * inter, hid, generator=g) / hid**0.5
+    w2 = torch.randn(n_local, hid, inter, generator=g) / inter**0.5
+    emap = make_expert_map(n_global, torch.randperm(n_global, generator=g)[:n_local].tolist()) if use_map else None
+    return x, weights, ids, w13, w2, emap
+
+
+MOE_PATH_TOL = 1e-5  # float32 under the interpreter, either path vs fused_experts_ref
+
+
+def check_fused_experts_paths(g: torch.Generator) -> float:
+    """Both paths forced (general; small in both modes) vs the reference: T = 1, 2, 3,
+    top-k 1..8, all experts local and 8 of 16 local (non-local pairs skipped)."""
+    from phalanx.kernels.gpu.moe import fused_experts_triton
+    from phalanx.kernels.gpu.moe_decode import fused_experts_small_triton
+    from phalanx.kernels.moe import fused_experts_ref
+
+    errs = {}
+    for T in (1, 2, 3):
+        for k in range(1, 9):
+            for use_map in (False, True):
+                x, w, ids, w13, w2, emap = _moe_case(g, T, k, 32, 32, use_map=use_map)
+                ref = fused_experts_ref(x, w, ids, w13, w2, emap)
+                outs = {"general": fused_experts_triton(x, w, ids, w13, w2, emap, path="general"),
+                        "small": fused_experts_triton(x, w, ids, w13, w2, emap, path="small"),
+                        "small-gemv": fused_experts_small_triton(x, w, ids, w13, w2, emap, mode="gemv")}
+                for name, out in outs.items():
+                    errs[(name, T, k, use_map)] = _rel(out, ref)
+    bad = {key: e for key, e in errs.items() if not e < MOE_PATH_TOL}
+    assert not bad, f"(path, T, k, map) over {MOE_PATH_TOL}: {bad}"
+    return max(errs.values())
+
+
+def check_fused_experts_small_tiles(g: torch.Generator) -> float:
+    """Small path with tiles smaller than the dims (several K steps, partial N and K
+    tiles), odd dims, non-contiguous inputs, every expert non-local for one token."""
+    from phalanx.kernels.gpu.moe_decode import fused_experts_small_triton
+    from phalanx.kernels.moe import fused_experts_ref
+
+    errs = []
+    tiles = {"dot": dict(N1=16, K1=16, N2=16, K2=16, warps=2, stages=2),
+             "gemv": dict(N1=16, K1=32, N2=8, K2=16, warps=2, stages=2)}
+    for T, k, hid, inter, use_map in [(2, 3, 40, 24, True), (3, 8, 72, 40, True), (1, 5, 48, 36, False)]:
+        x, w, ids, w13, w2, emap = _moe_case(g, T, k, hid, inter, use_map=use_map)
+        if use_map:  # token 0: no local expert at all -> a zero row
+            off = (emap < 0).nonzero().flatten()
+            ids[0] = off[torch.randperm(off.numel(), generator=g)[:k]]
+        ref = fused_experts_ref(x, w, ids, w13, w2, emap)
+        views = {"dot": torch.cat([x, x], 1)[:, :hid],  # row stride 2*hid
+                 "gemv": torch.stack([x, x], 2).reshape(T, 2 * hid)[:, ::2]}  # column stride 2
+        for mode, cfg in tiles.items():
+            assert torch.equal(views[mode], x)
+            out = fused_experts_small_triton(views[mode], w, ids, w13, w2, emap, mode=mode, cfg=cfg)
+            if use_map:
+                assert torch.equal(out[0], torch.zeros_like(out[0])), f"{mode}: non-local token not zero"
+            errs.append(_rel(out, ref))
+    assert max(errs) < MOE_PATH_TOL, errs
+    return max(errs)
+
+
+def check_fused_experts_dispatch(g: torch.Generator) -> float:
+    """fused_experts takes the small path iff T * top_k <= SMALL_MAX_PAIRS (T=1 at top-8 always)."""
+    from phalanx.kernels import moe
+    from phalanx.kernels.gpu import moe as gpu_moe, moe_decode
+
+    assert gpu_moe.SMALL_MAX_PAIRS >= 8, "T=1 at top-8 must take the small path"
+    calls: list[str] = []
+    real_small, real_align = moe_decode.fused_experts_small_triton, gpu_moe._align
+    moe_decode.fused_experts_small_triton = lambda *a, **kw: (calls.append("small"), real_small(*a, **kw))[1]
+    gpu_moe._align = lambda *a, **kw: (calls.append("general"), real_align(*a, **kw))[1]
+    try:
+        limit = gpu_moe.SMALL_MAX_PAIRS
+        for T, k, want in [(1, 8, "small"), (1, 1, "small"), (limit // 8, 8, "small"),
+                           (limit // 8 + 1, 8, "general"), (limit // 2 + 1, 2, "general")]:
+            x, w, ids, w13, w2, _ = _moe_case(g, T, k, 16, 16)
+            calls.clear()
+            out = moe.fused_experts(x, w, ids, w13, w2)
+            assert calls == [want], (T, k, calls)
+            assert _rel(out, moe.fused_experts_ref(x, w, ids, w13, w2)) < MOE_PATH_TOL, (T, k)
+    finally:
+        moe_decode.fused_experts_small_triton, gpu_moe._align = real_small, real_align
     return 0.0
+
+
+def check_route(g: torch.Generator) -> float:
+    """One-launch routing equals softmax + topk (+ renormalization), ids exactly."""
+    from phalanx.kernels.moe import route, route_ref
+
+    errs = []
+    for T, E, k, renorm in [(1, 16, 4, True), (7, 128, 8, True), (5, 60, 3, False), (0, 8, 2, True)]:
+        logits = torch.randn(T, E, generator=g) * 3
+        w, ids = route(logits, k, renorm, torch.float32)
+        rw, rids = route_ref(logits, k, renorm, torch.float32)
+        assert torch.equal(ids, rids), (ids, rids)
+        if T:
+            errs.append(_rel(w, rw))
+    return max(errs)
 
 
 def check_dispatch(g: torch.Generator) -> float:

@@ -18,6 +18,14 @@ whole call can be captured in a CUDA graph):
    slot order, float32 accumulation: no atomics, so each token's result does not
    depend on the batch it is in.
 
+Small batches (``P = T * k <= SMALL_MAX_PAIRS``) skip all of this: see
+:mod:`phalanx.kernels.gpu.moe_decode` (one GEMV program per pair and I-tile, then one per
+token and H-tile that sums the token's slots: 2 launches instead of 5, no sort). Its
+default mode computes each element with the same ``tl.dot`` K-order and roundings as
+steps 2-4 at BLOCK_M=16, meant to give a token the same bits on either side of the
+threshold (checked bit-for-bit by ``bench/kernels_gpu.py`` on the GPU; under the
+interpreter only with equal tiles, see moe_decode).
+
 Roundings follow the reference (each linear's output, ``silu(gate)``, ``silu * up``
 and ``h * w`` rounded to ``x.dtype``); only the final sum differs (float32, one
 rounding, instead of ``index_add_`` in ``x.dtype`` expert by expert). Local expert
@@ -30,9 +38,24 @@ import torch
 import triton
 import triton.language as tl
 
+from . import moe_decode
 from .attention import dot_precision
 
-__all__ = ["fused_experts_triton"]
+__all__ = ["fused_experts_triton", "SMALL_MAX_PAIRS", "SMALL_MODE"]
+
+# Pairs (T * top_k) up to which fused_experts_triton takes the small-batch path
+# (moe_decode: 2 launches, no align/combine). 32 = T <= 4 at top-8. Why: the general
+# path's fixed cost is 5 dependent launches (align is serial: count, then place) on top
+# of the weight reads, which dominates at T=1 (33.6 us vs an 18 us floor on an H200).
+# The small path instead reads an expert's weights once per *pair*, not once per expert:
+# at 128 experts top-8, T=4 has ~29 distinct experts for 32 pairs (~10% re-reads, which
+# should mostly hit L2: the same tile of every pair runs in one wave), T=8 ~52 for
+# 64 (~25%): past ~32 pairs the re-reads are expected to cost about what the saved
+# launches save, and its down kernel's per-token programs loop over all k slots.
+# Not measured yet: bench/kernels_gpu.py times both paths at T=1, 2, 4, 8 to place the
+# crossover (the dispatch is from shapes only, so it stays CUDA-graph capturable).
+SMALL_MAX_PAIRS = 32
+SMALL_MODE = "dot"  # moe_decode accumulation mode used by the dispatch ("dot" | "gemv")
 
 
 @triton.jit
@@ -207,16 +230,26 @@ def _config(num_pairs: int, num_experts: int) -> dict:
     return dict(BLOCK_M=64, N1=64, K1=64, N2=128, K2=64, warps=4, stages=3)
 
 
-def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None) -> torch.Tensor:
+def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
+                         path: str | None = None) -> torch.Tensor:
     """SwiGLU experts with weighted top-k combine; see ``fused_experts_ref``.
 
     x [T, H]; topk_weights [T, k]; topk_ids int [T, k] global ids; w13 [E, 2I, H];
     w2 [E, H, I]; expert_map optional int [E_global] (-1 = not local). Returns [T, H].
+    path: None (auto: "small" iff T * k <= SMALL_MAX_PAIRS, decided from shapes only),
+    "small" (moe_decode, mode SMALL_MODE) or "general" (sorted grouped GEMMs).
     """
     T, hid = x.shape
-    out = torch.empty_like(x)
     if T == 0:
-        return out.zero_()
+        return x.new_zeros((0, hid))
+    if path is None:
+        path = "small" if T * topk_ids.shape[1] <= SMALL_MAX_PAIRS else "general"
+    if path == "small":
+        return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map,
+                                                     mode=SMALL_MODE)
+    if path != "general":
+        raise ValueError(f"path must be None, 'small' or 'general', got {path!r}")
+    out = x.new_empty((T, hid))  # contiguous: _combine_kernel writes rows of HID
     E, two_i, _ = w13.shape
     inter_dim = two_i // 2
     k_top = topk_ids.shape[1]

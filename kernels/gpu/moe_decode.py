@@ -1,0 +1,227 @@
+"""Triton MoE experts for small batches (decode): per-pair GEMVs, combine fused, 2 launches.
+
+Contract: :func:`phalanx.kernels.moe.fused_experts_ref`, as :mod:`phalanx.kernels.gpu.moe`
+(which dispatches here when the number of (token, slot) pairs ``P = T * k`` is at most
+``SMALL_MAX_PAIRS``; see there). No sort, no alignment, no separate combine:
+
+1. ``_small_gate_up_kernel``, grid ``(P, cdiv(I, N1))``: program ``(p, nb)`` takes pair
+   ``p = t * k + slot``, its local expert ``e`` (``expert_map[topk_ids[t, slot]]`` read
+   in the kernel, so no torch gather launch), and computes gate and up rows
+   ``nb*N1 ..`` of ``w13[e] @ x[t]`` over the whole hidden dim, then
+   ``silu(gate) * up`` into ``inter[p]``. A pair whose local expert is outside
+   ``[0, E)`` writes nothing (its ``inter`` row is never read).
+2. ``_small_down_kernel``, grid ``(T, cdiv(H, N2))``: program ``(t, nb)`` loops over
+   the token's slots in slot order, skips the non-local ones, computes its rows of
+   ``w2[e] @ inter[p]`` scaled by the routing weight and adds them to a float32
+   accumulator, then stores ``out[t]``: deterministic, no atomics, no ``pair_out``.
+
+Two accumulation modes (constexpr ``DOT``), same roundings as the general path (each
+linear's output, ``silu(gate)``, ``silu * up``, ``h * w`` rounded to ``x.dtype``; the
+slot sum in float32, one rounding):
+
+* ``"dot"`` (default): ``tl.dot`` on a 16-row tile whose row 0 is the pair's vector
+  (rows 1..15 are masked zeros), ``K`` tiles in the same order as the general path's
+  BLOCK_M=16 config. Each output element is then computed by the same MMA / FMA
+  sequence as in the general path (an MMA's per-element result depends neither on
+  the other rows nor on the N tiling), so a token gives the same bits on either side of
+  the dispatch threshold, i.e. alone or in a batch. ``bench/kernels_gpu.py`` checks this
+  bit-for-bit on the GPU. (Under Triton's interpreter, ``tl.dot`` is numpy's BLAS,
+  whose per-element order does depend on the tile's N and K: there the bits match the
+  general path only with its tiles, ``N1=N2=64, K1=K2=128``.)
+* ``"gemv"``: ``tl.sum(w * x[None, :], axis=1)`` over a ``[N, K]`` weight tile loaded
+  along the contiguous hidden dim, no tensor cores and no shared-memory staging. Same
+  semantics, different float32 summation order: a token's result differs (within
+  rounding) between this path and the general one.
+
+Nothing here syncs with the host: grids come from shapes only (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import dot_precision
+
+__all__ = ["fused_experts_small_triton", "small_config", "SMALL_MODES"]
+
+SMALL_MODES = ("dot", "gemv")
+_ROWS = 16  # padded M of the "dot" mode (tl.dot needs >= 16 rows); only row 0 is real
+
+
+@triton.jit
+def _local_expert(ids_ptr, emap_ptr, p, HAS_MAP: tl.constexpr):
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if HAS_MAP:
+        e = tl.load(emap_ptr + e).to(tl.int64)
+    return e
+
+
+@triton.jit
+def _small_gate_up_kernel(
+    x_ptr, ids_ptr, emap_ptr, w_ptr, inter_ptr,
+    K_TOP, HID, I, E, sx_t, sw_e, sw_n, si_p,
+    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1), HID contiguous.
+    p = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    e = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
+    if (e < 0) | (e >= E):  # not held here: inter[p] is never read
+        return
+    tok = p // K_TOP
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    kk = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + tok * sx_t
+    w_gate = w_ptr + e * sw_e + n.to(tl.int64) * sw_n  # [BLOCK_N] row starts
+    w_up = w_gate + I * sw_n
+    ty = inter_ptr.dtype.element_ty
+    if DOT:
+        r = tl.arange(0, ROWS)
+        r0 = (r == 0)[:, None]
+        acc_g = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for k0 in range(0, HID, BLOCK_K):
+            k = k0 + kk
+            km = k < HID
+            a = tl.load(x_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
+            wm = km[:, None] & nm[None, :]
+            wg = tl.load(w_gate[None, :] + k[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
+            wu = tl.load(w_up[None, :] + k[:, None], mask=wm, other=0.0)
+            acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PREC)
+        g = acc_g.to(ty).to(tl.float32)
+        u = acc_u.to(ty).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+        tl.store(inter_ptr + p * si_p + r[:, None] * 0 + n[None, :], (s * u).to(ty),
+                 mask=r0 & nm[None, :])
+    else:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, HID, BLOCK_K):
+            k = k0 + kk
+            km = k < HID
+            xv = tl.load(x_row + k, mask=km, other=0.0).to(tl.float32)
+            wm = nm[:, None] & km[None, :]
+            wg = tl.load(w_gate[:, None] + k[None, :], mask=wm, other=0.0)  # [BLOCK_N, BLOCK_K]
+            wu = tl.load(w_up[:, None] + k[None, :], mask=wm, other=0.0)
+            acc_g += wg.to(tl.float32) * xv[None, :]
+            acc_u += wu.to(tl.float32) * xv[None, :]
+        g = tl.sum(acc_g, axis=1).to(ty).to(tl.float32)
+        u = tl.sum(acc_u, axis=1).to(ty).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+        tl.store(inter_ptr + p * si_p + n, (s * u).to(ty), mask=nm)
+
+
+@triton.jit
+def _small_down_kernel(
+    inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, out_ptr,
+    K_TOP, HID, I, E, si_p, sw_e, sw_n, so_t,
+    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # w2[e] is [HID, I], I contiguous. out[t, tile] = sum over local slots, in slot order,
+    # of round(round(w2[e] @ inter[p]) * weight[p]), summed in float32.
+    t = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < HID
+    kk = tl.arange(0, BLOCK_K)
+    ty = out_ptr.dtype.element_ty
+    r = tl.arange(0, ROWS)
+    r0 = (r == 0)[:, None]
+    if DOT:
+        acc_t = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    else:
+        acc_t = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(0, K_TOP):
+        p = t * K_TOP + j
+        e = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
+        if (e >= 0) & (e < E):
+            wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
+            w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n  # [BLOCK_N] row starts
+            a_row = inter_ptr + p * si_p
+            if DOT:
+                acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+                for k0 in range(0, I, BLOCK_K):
+                    k = k0 + kk
+                    km = k < I
+                    a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
+                    w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+                    acc = tl.dot(a, w, acc=acc, input_precision=PREC)
+                acc_t += (acc.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+                for k0 in range(0, I, BLOCK_K):
+                    k = k0 + kk
+                    km = k < I
+                    av = tl.load(a_row + k, mask=km, other=0.0).to(tl.float32)
+                    w = tl.load(w_rows[:, None] + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                    acc += w.to(tl.float32) * av[None, :]
+                h = tl.sum(acc, axis=1).to(ty).to(tl.float32)
+                acc_t += (h * wt).to(ty).to(tl.float32)
+    if DOT:
+        tl.store(out_ptr + t * so_t + r[:, None] * 0 + n[None, :], acc_t.to(ty), mask=r0 & nm[None, :])
+    else:
+        tl.store(out_ptr + t * so_t + n, acc_t.to(ty), mask=nm)
+
+
+# Tile configs per mode. Not tuned on a GPU yet: bench/kernels_gpu.py times a few at T=1.
+# "dot": K tiles as the general path's BLOCK_M=16 config (K1 = K2 = 128); N smaller than
+# its 64 for more programs at T=1 (gate_up 8 pairs * 768/32 = 192, down 2048/16 = 128).
+# "gemv": [16, 256] weight tiles, 16 rows of 512 contiguous bytes (bf16) per load.
+_CONFIGS = {
+    "dot": dict(N1=32, K1=128, N2=16, K2=128, warps=4, stages=3),
+    "gemv": dict(N1=16, K1=256, N2=16, K2=256, warps=4, stages=3),
+}
+
+
+def small_config(mode: str) -> dict:
+    """The default tiles of ``mode`` (a copy): N1/K1 gate_up, N2/K2 down, warps, stages."""
+    return dict(_CONFIGS[mode])
+
+
+def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
+                               mode: str = "dot", cfg: dict | None = None) -> torch.Tensor:
+    """Small-batch SwiGLU experts with weighted top-k combine; see ``fused_experts_ref``.
+
+    Same arguments as ``fused_experts_triton``; ``mode`` is one of ``SMALL_MODES``,
+    ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages). Any T
+    works (the work grows as T * k: meant for T * k <= ``SMALL_MAX_PAIRS``). Local expert
+    ids outside ``[0, E)`` count as not held. Exactly two kernel launches, no host sync.
+    """
+    if mode not in SMALL_MODES:
+        raise ValueError(f"mode must be one of {SMALL_MODES}, got {mode!r}")
+    T, hid = x.shape
+    out = x.new_empty((T, hid))
+    if T == 0:
+        return out
+    E, two_i, _ = w13.shape
+    inter_dim = two_i // 2
+    k_top = topk_ids.shape[1]
+    P = T * k_top
+    c = small_config(mode)
+    c.update(cfg or {})
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    emap = ids if expert_map is None else expert_map  # dummy pointer without a map
+    meta = dict(HAS_MAP=expert_map is not None, DOT=mode == "dot", ROWS=_ROWS,
+                PREC=dot_precision(x.dtype), num_warps=c["warps"], num_stages=c["stages"])
+    inter = x.new_empty((P, inter_dim))
+    _small_gate_up_kernel[(P, triton.cdiv(inter_dim, c["N1"]))](
+        x, ids, emap, w13, inter,
+        k_top, hid, inter_dim, E, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        BLOCK_N=c["N1"], BLOCK_K=c["K1"], **meta,
+    )
+    _small_down_kernel[(T, triton.cdiv(hid, c["N2"]))](
+        inter, ids, emap, weights, w2, out,
+        k_top, hid, inter_dim, E, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_N=c["N2"], BLOCK_K=c["K2"], **meta,
+    )
+    return out
