@@ -237,8 +237,13 @@ def check_moe_paths(c: Ctx, rec):
             for mode in SMALL_MODES:
                 c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode=mode)
                 rec("moe", case + f" small-{mode}", out, ref)
-            c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot", cfg=same_tiles)
-            rec("moe", case + " small-dot bits == general", c.torch.equal(out, gen))
+            c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot",
+                                                         cfg={"split": False})
+            rec("moe", case + " small-dot-loop", out, ref)
+            for split in (True, False):
+                c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot",
+                                                             cfg={**(same_tiles or {}), "split": split})
+                rec("moe", case + f" small-dot split={split} bits == general", c.torch.equal(out, gen))
 
 
 # ---------------------------------------------------------------- timing
@@ -342,6 +347,9 @@ def time_moe_paths(c: Ctx, row):
         for mode in SMALL_MODES:
             row("moe", f"T={T} e={touched} small-{mode}",
                 lambda: fused_experts_small_triton(x, w, ids, w13, w2, mode=mode), ref, None, **kw)
+        row("moe", f"T={T} e={touched} small-dot-loop",
+            lambda: fused_experts_small_triton(x, w, ids, w13, w2, mode="dot", cfg={"split": False}),
+            ref, None, **kw)
         if T == 1:
             for mode, cfgs in MOE_SMALL_SWEEP.items():
                 for cfg in cfgs:

@@ -127,12 +127,17 @@ class ModelRunner:
         t = 0
         for row, (seq, n) in enumerate(batch.items):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            pos = np.arange(begin, end, dtype=np.int64)
-            pages = np.asarray(seq.pages, dtype=np.int64)
-            ids[t:t + n] = seq.token_slice(begin, end)
-            positions[t:t + n] = pos
-            slots[t:t + n] = pages[pos // ps] * ps + pos % ps
+            pages = seq.pages
             tables[row, :len(pages)] = pages
+            if n == 1:  # decode rows: scalar work, no temporary arrays
+                ids[t] = seq.token_id(begin)
+                positions[t] = begin
+                slots[t] = pages[begin // ps] * ps + begin % ps
+            else:
+                pos = np.arange(begin, end, dtype=np.int64)
+                ids[t:t + n] = seq.token_slice(begin, end)
+                positions[t:t + n] = pos
+                slots[t:t + n] = np.asarray(pages, dtype=np.int64)[pos // ps] * ps + pos % ps
             t += n
             starts[row + 1] = t
             seq_lens[row] = end

@@ -169,12 +169,63 @@ def _small_down_kernel(
         tl.store(out_ptr + t * so_t + n, acc_t.to(ty), mask=nm)
 
 
+@triton.jit
+def _small_down_pair_kernel(
+    inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, pair_out_ptr,
+    HID, I, E, si_p, sw_e, sw_n, so_p,
+    HAS_MAP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    # "dot" mode with the slots spread over programs: pair_out[p, tile] =
+    # round(round(w2[e] @ inter[p]) * weight[p]); non-local pairs write nothing.
+    p = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    e = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
+    if (e < 0) | (e >= E):
+        return
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < HID
+    kk = tl.arange(0, BLOCK_K)
+    ty = pair_out_ptr.dtype.element_ty
+    r = tl.arange(0, ROWS)
+    r0 = (r == 0)[:, None]
+    wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
+    w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
+    a_row = inter_ptr + p * si_p
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + kk
+        km = k < I
+        a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
+        w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+        acc = tl.dot(a, w, acc=acc, input_precision=PREC)
+    h = (acc.to(ty).to(tl.float32) * wt).to(ty)
+    tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
+
+
+@triton.jit
+def _small_combine_kernel(pair_out_ptr, ids_ptr, emap_ptr, out_ptr, HID, K_TOP, E,
+                          HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    # out[t] = float32 sum, in slot order, of the token's local pair rows; one rounding.
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(0, K_TOP):
+        e = _local_expert(ids_ptr, emap_ptr, t * K_TOP + j, HAS_MAP)
+        lim = tl.where((e >= 0) & (e < E), HID, 0)
+        v = tl.load(pair_out_ptr + (t * K_TOP + j) * HID + cols, mask=cols < lim, other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t * HID + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HID)
+
+
 # Tile configs per mode. Not tuned on a GPU yet: bench/kernels_gpu.py times a few at T=1.
 # "dot": K tiles as the general path's BLOCK_M=16 config (K1 = K2 = 128); N smaller than
 # its 64 for more programs at T=1 (gate_up 8 pairs * 768/32 = 192, down 2048/16 = 128).
 # "gemv": [16, 256] weight tiles, 16 rows of 512 contiguous bytes (bf16) per load.
 _CONFIGS = {
-    "dot": dict(N1=32, K1=128, N2=16, K2=128, warps=4, stages=3),
+    # split: the down projection runs one program per (pair, H-tile) and a third launch
+    # sums each token's slots (8x the programs of the per-token loop at T=1).
+    "dot": dict(N1=32, K1=128, N2=16, K2=128, warps=4, stages=3, split=True),
     "gemv": dict(N1=16, K1=256, N2=16, K2=256, warps=4, stages=3),
 }
 
@@ -191,7 +242,8 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     Same arguments as ``fused_experts_triton``; ``mode`` is one of ``SMALL_MODES``,
     ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages). Any T
     works (the work grows as T * k: meant for T * k <= ``SMALL_MAX_PAIRS``). Local expert
-    ids outside ``[0, E)`` count as not held. Exactly two kernel launches, no host sync.
+    ids outside ``[0, E)`` count as not held. Two kernel launches (three with the "dot"
+    mode's ``split``), no host sync.
     """
     if mode not in SMALL_MODES:
         raise ValueError(f"mode must be one of {SMALL_MODES}, got {mode!r}")
@@ -219,9 +271,30 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
         k_top, hid, inter_dim, E, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_N=c["N1"], BLOCK_K=c["K1"], **meta,
     )
+    if mode == "dot" and c.get("split"):
+        _down_split(inter, ids, emap, weights, w2, out, c, meta, k_top)
+        return out
     _small_down_kernel[(T, triton.cdiv(hid, c["N2"]))](
         inter, ids, emap, weights, w2, out,
         k_top, hid, inter_dim, E, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_N=c["N2"], BLOCK_K=c["K2"], **meta,
     )
     return out
+
+
+def _down_split(inter, ids, emap, weights, w2, out, c, meta, k_top) -> None:
+    """Down projection per (pair, H-tile) into a pair buffer, then the slot sum."""
+    P, inter_dim = inter.shape
+    T, hid = out.shape
+    E = w2.shape[0]
+    pair_out = out.new_empty((P, hid))
+    _small_down_pair_kernel[(P, triton.cdiv(hid, c["N2"]))](
+        inter, ids, emap, weights, w2, pair_out,
+        hid, inter_dim, E, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
+        HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], BLOCK_N=c["N2"], BLOCK_K=c["K2"],
+        PREC=meta["PREC"], num_warps=meta["num_warps"], num_stages=meta["num_stages"],
+    )
+    block = min(1024, triton.next_power_of_2(hid))
+    _small_combine_kernel[(T, triton.cdiv(hid, block))](
+        pair_out, ids, emap, out, hid, k_top, E, HAS_MAP=meta["HAS_MAP"], BLOCK=block, num_warps=4,
+    )
