@@ -174,9 +174,24 @@ def graph_breakdown(engine: LLMEngine, batch: int, profile: bool) -> dict:
     return out
 
 
+def host_profile(engine: LLMEngine, steps: int) -> list[str]:
+    """The host functions that take the most time over a few decode steps (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-13:]
+
+
 def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int) -> tuple[float, dict]:
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     rids = [f"d{batch}-{i}" for i in range(batch)]
     for rid in rids:
         engine.add_request(rid, torch.randint(0, 150000, (ctx,), generator=g).tolist(), params)
@@ -191,6 +206,8 @@ def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int) -> tuple
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
     detail = graph_breakdown(engine, batch, profile=batch in (1, 64))
+    if batch in (1, 64):
+        detail["host_profile"] = host_profile(engine, steps=10)
     detail["step_ms"] = dt / steps * 1e3
     for rid in rids:
         engine.abort_request(rid)
@@ -254,6 +271,7 @@ def main() -> None:
         if "kernels_us" in r:
             print(f"batch {r['batch']}: step {r['step_ms']:.2f} ms, graph replay {r['replay_ms']:.2f} ms; "
                   "kernels (us/step): " + ", ".join(f"{k}={v:.0f}" for k, v in r["kernels_us"].items()))
+            print("\n".join(r.get("host_profile", [])))
     print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
           f"{args.layers} layers, ctx {args.ctx}, {engine.num_pages} KV pages")
     print(f"{'what':8} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} "
