@@ -44,19 +44,43 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_new: int) -> list[list[
 
 
 @pytest.fixture(scope="module")
-def oracle_cache():
-    return {}
+def tied_moe_model(tmp_path_factory) -> str:
+    """Qwen3-MoE with tied input/output embeddings (no lm_head.weight in the file)."""
+    from phalanx.models.tiny import tiny_variant_config, write_random_checkpoint, write_tokenizer
+
+    folder = tmp_path_factory.mktemp("tied")
+    cfg = dict(tiny_variant_config("qwen3_moe"), tie_word_embeddings=True)
+    write_tokenizer(folder)
+    return str(write_random_checkpoint(folder, cfg, seed=1))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3", "qwen2_moe", "llama"])
-def test_greedy_matches_transformers(kind, model_dirs, oracle_cache):
-    folder = model_dirs(kind)
+def _count_chunked_steps(llm: LLM) -> list[int]:
+    """Counts scheduled items that computed only part of a sequence's pending tokens."""
+    sched = llm.engine.scheduler
+    real = sched.schedule
+    chunks = [0]
+
+    def schedule():
+        batch = real()
+        chunks[0] += sum(1 for seq, n in batch.items if seq.num_computed_tokens + n < seq.num_tokens)
+        return batch
+
+    sched.schedule = schedule
+    return chunks
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3", "qwen2_moe", "llama", "qwen3_moe_tied"])
+def test_greedy_matches_transformers(kind, model_dirs, tied_moe_model):
+    folder = tied_moe_model if kind == "qwen3_moe_tied" else model_dirs(kind)
     # 8 sequences of up to 312 tokens need ~160 pages of 4; 120 forces preemption.
     llm = LLM(folder, max_num_seqs=8, max_num_batched_tokens=96, page_size=4, num_pages=120)
+    assert llm.config.model.tie_word_embeddings == (kind == "qwen3_moe_tied")
+    chunked = _count_chunked_steps(llm)
     prompts = make_prompts(llm.config.model.vocab_size)
     assert len(prompts) >= 16 and max(map(len, prompts)) == 300
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert chunked[0] > 0, "the 96-token budget must split long prompts"
 
     expected = hf_greedy(folder, prompts, MAX_NEW)
     for i, (out, ref) in enumerate(zip(outs, expected)):
