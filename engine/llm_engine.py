@@ -16,6 +16,7 @@ import torch
 from ..config import EngineConfig
 from ..log import get_logger
 from ..models.loader import load_model
+from ..models.parallel import ExpertParallel, ModelComm
 from ..models.qwen3_moe import CausalLM
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
@@ -32,13 +33,15 @@ class LLMEngine:
     """Owns the model shard, the KV cache, the block pool and the scheduler of one rank."""
 
     def __init__(self, config: EngineConfig, shard: ModelShard = ModelShard(),
-                 all_reduce=None, model: Optional[CausalLM] = None) -> None:
-        """`model`: an already built shard (benchmarks); otherwise loaded from the folder."""
+                 comm: Optional[ModelComm] = None, ep: Optional[ExpertParallel] = None,
+                 model: Optional[CausalLM] = None) -> None:
+        """`comm`/`ep`: the shard's peers (multi-rank groups); `model`: an already built
+        shard (benchmarks), otherwise loaded from the folder."""
         self.config = config
         self.device = torch.device(config.device)
         dtype = torch_dtype(config.torch_dtype_name)
         self.model = model if model is not None else load_model(
-            config.model_path, config.model, shard, self.device, dtype, all_reduce)
+            config.model_path, config.model, shard, self.device, dtype, comm, ep)
         cache = config.cache
         self.num_pages = cache.num_pages or num_pages_for_memory(self.model, cache, dtype, self.device)
         self.pool = BlockPool(self.num_pages, cache.page_size, cache.enable_prefix_caching)

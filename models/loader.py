@@ -11,7 +11,8 @@ import torch
 
 from ..config import ModelConfig
 from .checkpoint import Checkpoint
-from .qwen3_moe import AllReduce, CausalLM
+from .parallel import ExpertParallel, ModelComm
+from .qwen3_moe import CausalLM
 from .shard import ModelShard
 from .weights import load_weights
 
@@ -34,13 +35,13 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
 
 def load_model(path: str | os.PathLike, cfg: ModelConfig, shard: ModelShard,
                device: torch.device, dtype: torch.dtype,
-               all_reduce: Optional[AllReduce] = None) -> CausalLM:
+               comm: Optional[ModelComm] = None, ep: Optional[ExpertParallel] = None) -> CausalLM:
     """Build the shard's modules and fill them from the checkpoint (only the shard is read)."""
     ckpt = Checkpoint(path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = CausalLM(cfg, shard, all_reduce)
+        model = CausalLM(cfg, shard, comm, ep)
     finally:
         torch.set_default_dtype(prev)
     load_weights(model, ckpt)

@@ -3,8 +3,10 @@
 One class covers the family: Qwen3-MoE (q/k RMSNorm, sparse MoE with softmax top-k
 routing), Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert), and the dense
 Qwen3 / Llama models (no experts). A model instance holds one rank's shard
-(`ModelShard`); with `tp_size > 1` the caller supplies the all-reduce that joins
-row-parallel partial sums.
+(`ModelShard`); with `tp_size > 1` the caller supplies a `ModelComm` whose all-reduce
+joins row-parallel partial sums (attention output, dense MLP, MoE) and whose all-gather
+joins vocab-parallel logits. With an `ExpertParallel` (DP×EP decode layout) the MoE
+layers dispatch tokens to the ranks owning their experts instead.
 
 Tokens are flattened: every forward takes `[T]` token ids and positions of all the
 sequences in the batch, plus `AttentionMetadata` saying where each sequence's KV lives.
@@ -12,7 +14,7 @@ sequences in the batch, plus `AttentionMetadata` saying where each sequence's KV
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -24,9 +26,8 @@ from ..kernels.attention import AttentionMetadata, decode_attention, prefill_att
 from ..kernels.moe import fused_experts, make_expert_map, route
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.rope import RotaryEmbedding
+from .parallel import ExpertParallel, LocalComm, ModelComm
 from .shard import ModelShard
-
-AllReduce = Callable[[torch.Tensor], torch.Tensor]
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pools, [pages, kv_heads, page_size, head_dim]
 
 
@@ -85,8 +86,11 @@ class SparseMoE(nn.Module):
     """Softmax top-k router over all experts; this rank computes only its own experts
     (`expert_map`), so partial outputs of the ranks sum to the full block output."""
 
-    def __init__(self, cfg: ModelConfig, shard: ModelShard) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, comm: ModelComm,
+                 ep: Optional[ExpertParallel]) -> None:
         super().__init__()
+        self.comm = comm
+        self.ep = ep
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         local = shard.local_experts(cfg)
@@ -104,69 +108,117 @@ class SparseMoE(nn.Module):
             self.shared_gate = _empty(1, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output, already summed over the TP group."""
         weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
-        out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map)
+        if self.ep is None:
+            out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map)
+        else:
+            out = self._dispatch(x, weights, ids)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return self.comm.all_reduce_tp(out)
+
+    def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """EP: the TP ranks of a DP group hold the same tokens, so each sends a disjoint
+        chunk; the chunks come back in place and the TP all-reduce joins them."""
+        t, tp, r = x.shape[0], self.comm.tp_size, self.comm.tp_rank
+        lo, hi = t * r // tp, t * (r + 1) // tp
+        part = self.ep.moe(x[lo:hi], weights[lo:hi], ids[lo:hi], self._experts)
+        if tp == 1:
+            return part
+        out = x.new_zeros(x.shape)
+        out[lo:hi] = part
         return out
+
+    def _experts(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted output of each received (token, local expert) row."""
+        return fused_experts(x, weights[:, None], local_ids[:, None], self.w13, self.w2)
+
+    def dummy(self) -> None:
+        """An idle rank's part in the layer's all-to-alls (no tokens)."""
+        if self.ep is not None:
+            empty = self.w13.new_empty((0, self.w13.shape[2]))
+            self.ep.moe(empty, empty.new_empty((0, self.top_k)),
+                        torch.empty((0, self.top_k), dtype=torch.int64, device=empty.device), self._experts)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ModelShard, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, layer: int, comm: ModelComm,
+                 ep: Optional[ExpertParallel]) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
+        self.comm = comm
         self.input_norm = _empty(cfg.hidden_size)
         self.post_attention_norm = _empty(cfg.hidden_size)
         self.attn = Attention(cfg, shard)
         self.mlp: nn.Module
         if cfg.is_moe_layer(layer):
-            self.mlp = SparseMoE(cfg, shard)
+            self.mlp = SparseMoE(cfg, shard, comm, ep)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // shard.tp_size)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
-                rope: RotaryEmbedding, cache: KVCache, meta: AttentionMetadata,
-                all_reduce: AllReduce) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: RotaryEmbedding, cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             x, residual = rms_norm(x, self.input_norm, self.eps), x
         else:
             x, residual = add_rms_norm(x, residual, self.input_norm, self.eps)
-        x = all_reduce(self.attn(x, positions, rope, cache, meta))
+        x = self.comm.all_reduce_tp(self.attn(x, positions, rope, cache, meta))
         x, residual = add_rms_norm(x, residual, self.post_attention_norm, self.eps)
-        return all_reduce(self.mlp(x)), residual
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(x), residual
+        return self.comm.all_reduce_tp(self.mlp(x)), residual
 
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head of one rank's shard."""
 
     def __init__(self, cfg: ModelConfig, shard: ModelShard = ModelShard(),
-                 all_reduce: Optional[AllReduce] = None) -> None:
+                 comm: Optional[ModelComm] = None, ep: Optional[ExpertParallel] = None) -> None:
         super().__init__()
         shard.validate(cfg)
-        if shard.tp_size > 1 and all_reduce is None:
-            raise ValueError("a model shard with tp_size > 1 needs an all_reduce")
+        comm = comm or LocalComm()
+        if comm.tp_size != shard.tp_size or comm.tp_rank != shard.tp_rank:
+            raise ValueError(f"comm is TP rank {comm.tp_rank} of {comm.tp_size}, shard "
+                             f"{shard.tp_rank} of {shard.tp_size}")
         self.cfg = cfg
         self.shard = shard
-        self.all_reduce: AllReduce = all_reduce or _identity
-        self.embed_tokens = _empty(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, i) for i in range(cfg.num_hidden_layers))
+        self.comm = comm
+        self.vocab = shard.vocab(cfg)  # this rank's rows of the embedding and LM head
+        self.embed_tokens = _empty(len(self.vocab), cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, i, comm, ep)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = _empty(cfg.hidden_size)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _empty(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _empty(len(self.vocab), cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.tp_size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocab-parallel: rows outside this rank's range are zeros, the all-reduce fills them.
+        local = input_ids - self.vocab.start
+        inside = (local >= 0) & (local < len(self.vocab))
+        x = F.embedding(local.clamp(0, len(self.vocab) - 1), self.embed_tokens)
+        x = x * inside[:, None].to(x.dtype)
+        return self.comm.all_reduce_tp(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states `[T, hidden]` (normed) of every token in the batch."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         residual = None
         for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, positions, self.rope, cache, meta, self.all_reduce)
+            x, residual = layer(x, residual, positions, self.rope, cache, meta)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
+    def dummy_forward(self) -> None:
+        """An idle rank's step in a DP×EP group: only the all-to-alls every rank must join."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.dummy()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        """Full-vocabulary logits (vocab-parallel shards joined by an all-gather)."""
+        return self.comm.all_gather_tp(F.linear(hidden, self.lm_head), dim=-1)

@@ -35,6 +35,8 @@ class ModelShard:
                            ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
             if size % tp:
                 raise ValueError(f"tp={tp} does not divide {name}={size}")
+        if cfg.vocab_size % tp:
+            raise ValueError(f"tp={tp} does not divide vocab_size={cfg.vocab_size}")
         if self.experts is not None and any(not 0 <= e < cfg.num_experts for e in self.experts):
             raise ValueError(f"expert ids must lie in [0, {cfg.num_experts}): {self.experts}")
 
@@ -54,6 +56,10 @@ class ModelShard:
         """This rank's part of a dimension cut evenly over the TP ranks."""
         n = size // self.tp_size
         return range(self.tp_rank * n, (self.tp_rank + 1) * n)
+
+    def vocab(self, cfg: ModelConfig) -> range:
+        """Rows of the embedding and LM head held here (vocab-parallel under TP)."""
+        return self.cols(cfg.vocab_size)
 
     def local_experts(self, cfg: ModelConfig) -> tuple[int, ...]:
         return tuple(range(cfg.num_experts)) if self.experts is None else self.experts

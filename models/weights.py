@@ -74,9 +74,10 @@ def _load_layer(layer: DecoderLayer, ckpt: Checkpoint, i: int, model: CausalLM) 
 @torch.no_grad()
 def load_weights(model: CausalLM, ckpt: Checkpoint) -> None:
     """Copy the shard's weights from `ckpt` into `model` (shapes checked)."""
-    _copy(model.embed_tokens, ckpt.load("model.embed_tokens.weight"), "model.embed_tokens")
+    v = model.vocab
+    _copy(model.embed_tokens, _rows(ckpt, "model.embed_tokens.weight", v), "model.embed_tokens")
     for i, layer in enumerate(model.layers):
         _load_layer(layer, ckpt, i, model)
     _copy(model.norm, ckpt.load("model.norm.weight"), "model.norm")
     if not model.cfg.tie_word_embeddings:
-        _copy(model.lm_head, ckpt.load("lm_head.weight"), "lm_head")
+        _copy(model.lm_head, _rows(ckpt, "lm_head.weight", v), "lm_head")

@@ -12,9 +12,22 @@ from phalanx.models.shard import ModelShard
 from phalanx.models.weights import load_weights
 
 
+class _ShapeOnlyComm:
+    """Stands in for a TP group when only shapes and loaded bytes are checked."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.tp_rank, self.tp_size = rank, size
+
+    def all_reduce_tp(self, t):
+        return t
+
+    def all_gather_tp(self, t, dim):
+        return t
+
+
 def _build(folder: str, shard: ModelShard) -> tuple[CausalLM, Checkpoint]:
     cfg = read_model_config(folder)
-    model = CausalLM(cfg, shard, all_reduce=(lambda x: x) if shard.tp_size > 1 else None)
+    model = CausalLM(cfg, shard, _ShapeOnlyComm(shard.tp_rank, shard.tp_size))
     ckpt = Checkpoint(folder)
     load_weights(model, ckpt)
     return model, ckpt
@@ -40,9 +53,9 @@ def test_expert_shard_loads_only_its_experts(tiny_model):
 def test_tp_shards_hold_their_heads(tiny_model, tp_size):
     full, full_ckpt = _build(tiny_model, ModelShard())
     cfg = full.cfg
-    # Read by every rank: embeddings, LM head, norms, routers; plus K/V rows of replicated heads.
+    # Read by every rank: norms, routers; plus K/V rows of replicated heads.
     replicated = sum(p.numel() * 4 for n, p in full.named_parameters()
-                     if any(k in n for k in ("embed", "lm_head", "norm", "gate")) and "proj" not in n)
+                     if any(k in n for k in ("norm", "gate")) and "proj" not in n)
     kv_bytes = 2 * cfg.head_dim * cfg.hidden_size * 4 * cfg.num_hidden_layers
     for rank in range(tp_size):
         shard = ModelShard(tp_rank=rank, tp_size=tp_size, experts=tuple(range(rank, 16, tp_size)))
@@ -62,13 +75,16 @@ def test_tp_shards_hold_their_heads(tiny_model, tp_size):
         assert torch.equal(attn.o_proj, fattn.o_proj[:, q.start * hd:q.stop * hd])
         dense = part.layers[0].mlp
         assert dense.down_proj.shape[1] == cfg.intermediate_size // tp_size
+        rows = range(rank * cfg.vocab_size // tp_size, (rank + 1) * cfg.vocab_size // tp_size)
+        assert torch.equal(part.embed_tokens, full.embed_tokens[rows.start:rows.stop])
+        assert torch.equal(part.lm_head, full.lm_head[rows.start:rows.stop])
 
 
 def test_bad_shards_are_refused(tiny_model):
     cfg = read_model_config(tiny_model)
     with pytest.raises(ValueError, match="tp=3"):
-        CausalLM(cfg, ModelShard(tp_rank=0, tp_size=3), all_reduce=lambda x: x)
-    with pytest.raises(ValueError, match="all_reduce"):
+        CausalLM(cfg, ModelShard(tp_rank=0, tp_size=3), _ShapeOnlyComm(0, 3))
+    with pytest.raises(ValueError, match="comm is TP rank"):
         CausalLM(cfg, ModelShard(tp_rank=0, tp_size=2))
     with pytest.raises(ValueError, match="expert ids"):
         CausalLM(cfg, ModelShard(experts=(0, 99)))
