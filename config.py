@@ -184,10 +184,13 @@ class ParallelConfig:
 
     tp: int = 1
     dp: int = 1
+    collective_timeout_s: float = 30.0  # every collective and rendezvous ends within this
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
         _require(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
+        _require(self.collective_timeout_s > 0, "collective_timeout_s",
+                 f"must be positive, got {self.collective_timeout_s}")
 
     @property
     def world_size(self) -> int:

@@ -12,7 +12,7 @@ import itertools
 import os
 from typing import Iterator, Optional, Sequence, Union
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
@@ -35,11 +35,13 @@ def _resolve_model(model: Optional[str | os.PathLike]) -> str:
 class LLM:
     """A single-rank engine plus the model's tokenizer, driven to completion per call."""
 
-    def __init__(self, model: Optional[str | os.PathLike] = None, *, max_num_seqs: int = 64,
+    def __init__(self, model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp: int = 1,
+                 max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, page_size: int = 16, num_pages: int = 0,
                  enable_prefix_caching: bool = True, max_model_len: int = 0,
                  device: str = "cpu", dtype: str = "auto", seed: int = 0,
-                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9) -> None:
+                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
+                 collective_timeout_s: float = 30.0, ray_address: Optional[str] = None) -> None:
         path = _resolve_model(model)
         try:
             model_cfg = read_model_config(path)
@@ -53,8 +55,15 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
+            parallel=ParallelConfig(tp=tp, dp=dp, collective_timeout_s=collective_timeout_s),
             device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
-        self.engine = LLMEngine(self.config)
+        self.engine: Optional[LLMEngine] = None
+        self.group = None
+        if tp * dp == 1:
+            self.engine = LLMEngine(self.config)
+        else:
+            from .actors.group_client import GroupClient
+            self.group = GroupClient(self.config, tp, dp, collective_timeout_s, ray_address)
         self._tokenizer = None
         self._ids = itertools.count()
 
@@ -93,13 +102,31 @@ class LLM:
         try:
             for tokens, p in zip(token_lists, params):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, tokens, p)
+                if self.group is not None:
+                    self.group.submit(rid, tokens, p)
+                else:
+                    self.engine.add_request(rid, tokens, p)
                 rids.append(rid)
         except Exception:
             for rid in rids:
-                self.engine.abort_request(rid)
+                self._abort(rid)
             raise
         return rids
+
+    def _abort(self, rid: str) -> None:
+        if self.group is not None:
+            self.group.abort(rid)
+        else:
+            self.engine.abort_request(rid)
+
+    def _poll(self):
+        return self.group.poll() if self.group is not None else self.engine.step()
+
+    def close(self) -> None:
+        """Stop the group's rank actors (no-op for a single-rank engine)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def generate(self, prompts: Prompts = None, sampling_params: Params = None,
                  prompt_token_ids: TokenPrompts = None) -> list[RequestOutput]:
@@ -107,24 +134,26 @@ class LLM:
         texts, token_lists = self._inputs(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(token_lists))
         rids = self._submit(token_lists, params)
-        seqs = {rid: self.engine.sequences[rid] for rid in rids}
-        reasons: dict[str, Optional[str]] = {}
+        tokens_of: dict[str, list[int]] = {rid: [] for rid in rids}
+        last: dict[str, object] = {}
         pending = set(rids)
         try:
             while pending:
-                for out in self.engine.step():
+                for out in self._poll():
+                    if out.request_id not in tokens_of:
+                        continue
+                    tokens_of[out.request_id].extend(out.new_token_ids)
                     if out.finished:
-                        reasons[out.request_id] = out.finish_reason
+                        last[out.request_id] = out
                         pending.discard(out.request_id)
         finally:
             for rid in pending:
-                self.engine.abort_request(rid)
+                self._abort(rid)
         results = []
         for rid, text, tokens in zip(rids, texts, token_lists):
-            seq = seqs[rid]
-            out_ids = list(seq.output_token_ids)
-            completion = CompletionOutput(0, self.decode(out_ids), out_ids, reasons[rid])
-            results.append(RequestOutput(rid, text, tokens, [completion], seq.num_cached_tokens))
+            out_ids, end = tokens_of[rid], last[rid]
+            completion = CompletionOutput(0, self.decode(out_ids), out_ids, end.finish_reason)
+            results.append(RequestOutput(rid, text, tokens, [completion], end.num_cached_tokens))
         return results
 
     def stream(self, prompt: str | Sequence[int],
@@ -136,13 +165,13 @@ class LLM:
         done = False
         try:
             while not done:
-                for out in self.engine.step():
+                for out in self._poll():
                     if out.request_id == rid:
                         yield from out.new_token_ids
                         done = out.finished
         finally:
             if not done:
-                self.engine.abort_request(rid)
+                self._abort(rid)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

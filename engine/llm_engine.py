@@ -110,16 +110,22 @@ class LLMEngine:
         if not batch:
             return []
         sampled = self.runner.execute(batch)
-        finished = {f.sequence.request_id: f.reason for f in self.scheduler.update(batch, sampled)}
+        return self.step_outputs(batch, sampled)
+
+    def step_outputs(self, batch, sampled: dict[str, int]) -> list[StepOutput]:
+        """Advance the scheduler with a step's sampled tokens; one output per token."""
+        finished = {f.sequence.request_id: f for f in self.scheduler.update(batch, sampled)}
         outputs = []
         for rid, token in sampled.items():
-            reason = finished.get(rid)
-            outputs.append(StepOutput(rid, [token], reason is not None, reason))
-            if reason is not None:
-                seq = self.sequences.pop(rid, None)
-                log.debug("request_finished", request_id=rid, reason=reason,
-                          output_tokens=len(seq.output_token_ids) if seq else None,
-                          cached_tokens=seq.num_cached_tokens if seq else None)
+            done = finished.get(rid)
+            if done is None:
+                outputs.append(StepOutput(rid, [token]))
+                continue
+            seq = done.sequence
+            self.sequences.pop(rid, None)
+            outputs.append(StepOutput(rid, [token], True, done.reason, seq.num_cached_tokens))
+            log.debug("request_finished", request_id=rid, reason=done.reason,
+                      output_tokens=len(seq.output_token_ids), cached_tokens=seq.num_cached_tokens)
         return outputs
 
     # -- what operators watch --------------------------------------------------------

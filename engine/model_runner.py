@@ -91,9 +91,13 @@ class BatchInputs:
     sampled: list[Sequence]
 
     @property
+    def num_logits(self) -> int:
+        return self.host["logits_indices"].shape[0]
+
+    @property
     def decode_only(self) -> bool:
         """Every row is one token that gets sampled: the case CUDA graphs cover."""
-        return self.max_query_len == 1 and len(self.sampled) == self.host["input_ids"].shape[0]
+        return self.max_query_len == 1 and self.num_logits == self.host["input_ids"].shape[0]
 
 
 class ModelRunner:
@@ -161,17 +165,24 @@ class ModelRunner:
         return self.model.compute_logits(hidden[dev["logits_indices"]])
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
-        """Run the batch; return the sampled token of each sequence that reached its end."""
-        inputs = self.prepare(batch)
-        if self.graphs is not None and inputs.decode_only and self.graphs.fits(len(inputs.sampled)):
+    def forward(self, inputs: BatchInputs) -> torch.Tensor:
+        """Logits of the rows to sample (every row of a decode batch), `[L, vocab]`."""
+        if self.graphs is not None and inputs.decode_only and self.graphs.fits(inputs.num_logits):
             h = inputs.host
-            logits = self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
-                                     h["seq_lens"], h["block_tables"])
-        else:
-            logits = self._run_eager(inputs)
+            return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
+                                   h["seq_lens"], h["block_tables"])
+        return self._run_eager(inputs)
+
+    @staticmethod
+    def sample(inputs: BatchInputs, logits: torch.Tensor) -> dict[str, int]:
+        """One token for each sequence whose step reached its end."""
         if not inputs.sampled:
             return {}
         tokens = sample(logits, [s.params for s in inputs.sampled],
                         [s.num_tokens for s in inputs.sampled])
         return {s.request_id: t for s, t in zip(inputs.sampled, tokens)}
+
+    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+        """Run the batch; return the sampled token of each sequence that reached its end."""
+        inputs = self.prepare(batch)
+        return self.sample(inputs, self.forward(inputs))

@@ -14,6 +14,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: Optional[str] = None
+    num_cached_tokens: int = 0  # prefix-cache hits, reported with the last token
 
 
 @dataclass(slots=True)

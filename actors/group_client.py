@@ -1,0 +1,81 @@
+"""Drive a multi-rank group (TP or DP×EP) from the caller's process.
+
+Requests go to the DP leaders (round-robin unless told otherwise); outputs are polled
+from all of them. If any rank fails or dies, the caller gets a `GroupFailure` naming the
+rank and the epoch, within the collective deadline: never a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Optional, Sequence
+
+import ray
+from ray.exceptions import RayActorError
+
+from .supervisor import GroupFailure, GroupSupervisor, ensure_ray
+from ..config import EngineConfig
+from ..engine.outputs import StepOutput
+from ..engine.rank_engine import RankFailure
+from ..engine.sampling_params import SamplingParams
+
+POLL_S = 0.05
+
+
+class GroupClient:
+    """Submit / poll / abort over the leaders of one group; `close()` stops it."""
+
+    def __init__(self, config: EngineConfig, tp: int, dp: int, deadline_s: float,
+                 ray_address: Optional[str] = None) -> None:
+        ensure_ray(num_cpus=max(8, 2 * tp * dp), address=ray_address)
+        self.supervisor = GroupSupervisor(config, tp, dp, deadline_s)
+        self.supervisor.form()
+        self._rr = itertools.count()
+        self.place: Callable[[str], int] = lambda rid: next(self._rr) % dp
+        self._where: dict[str, int] = {}
+
+    @property
+    def epoch(self) -> int:
+        return self.supervisor.epoch
+
+    def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams) -> None:
+        dp_rank = self.place(request_id)
+        leader = self.supervisor.leaders[dp_rank]
+        self._call(lambda: ray.get(leader.submit.remote(request_id, list(tokens), params)))
+        self._where[request_id] = dp_rank
+
+    def abort(self, request_id: str) -> None:
+        dp_rank = self._where.pop(request_id, None)
+        if dp_rank is not None:
+            self.supervisor.leaders[dp_rank].abort.remote(request_id)
+
+    def poll(self) -> list[StepOutput]:
+        refs = [leader.poll.remote(POLL_S) for leader in self.supervisor.leaders]
+        outs = self._call(lambda: ray.get(refs))
+        merged = [o for batch in outs for o in batch]
+        for o in merged:
+            if o.finished:
+                self._where.pop(o.request_id, None)
+        return merged
+
+    def _call(self, fn):
+        try:
+            return fn()
+        except (RankFailure, RayActorError) as e:
+            raise self._failure() from e
+
+    def _failure(self) -> GroupFailure:
+        """Collect what the supervisor learns within the deadline (plus slack)."""
+        deadline = time.monotonic() + self.supervisor.deadline_s + 5.0
+        deaths = self.supervisor.deaths()
+        while time.monotonic() < deadline and len(deaths) < self.supervisor.world_size:
+            time.sleep(0.05)
+            deaths = self.supervisor.deaths()
+        return GroupFailure(self.epoch, deaths)
+
+    def stats(self) -> list[dict]:
+        return ray.get([a.stats.remote() for a in self.supervisor.actors])
+
+    def close(self) -> None:
+        self.supervisor.shutdown()

@@ -1,0 +1,146 @@
+"""Forms a group of rank actors under an epoch and learns of their deaths from Ray.
+
+A group is gang-scheduled with one placement group (a TP group packed on one node;
+DP×EP groups packed where possible). Every formation is a new epoch with a new
+rendezvous; actors of an older epoch are never reused. The supervisor watches each
+rank's `wait()` call: it returns when the rank's loop ends (with the failure message,
+if any) and raises `RayActorError` when the process died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..config import EngineConfig
+from ..engine.rank_engine import RankSpec
+from ..log import get_logger
+from .rank_actor import MAX_CONCURRENCY, RemoteRank
+
+log = get_logger(__name__)
+
+START_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankDeath:
+    rank: int
+    epoch: int
+    reason: str  # "process died" or the rank's failure message
+
+
+class GroupFailure(RuntimeError):
+    """A group lost a rank (or a rank failed); no token of the faulted step was published."""
+
+    def __init__(self, epoch: int, deaths: list[RankDeath]) -> None:
+        dead = ", ".join(f"rank {d.rank}: {d.reason}" for d in deaths)
+        super().__init__(f"group epoch {epoch} failed: {dead}")
+        self.epoch, self.deaths = epoch, deaths
+
+    def __reduce__(self):
+        return (GroupFailure, (self.epoch, self.deaths))
+
+    @property
+    def dead_ranks(self) -> list[int]:
+        return [d.rank for d in self.deaths if d.reason == "process died"]
+
+
+class GroupSupervisor:
+    """Starts, watches and stops the rank actors of one TP or DP×EP group."""
+
+    def __init__(self, config: EngineConfig, tp: int, dp: int, deadline_s: float) -> None:
+        self.config, self.tp, self.dp, self.deadline_s = config, tp, dp, deadline_s
+        self.epoch = 0
+        self.actors: list = []
+        self._waits: dict = {}
+        self._pg = None
+        self.start_info: list[dict] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def leaders(self) -> list:
+        return self.actors[::self.tp]
+
+    def form(self) -> None:
+        """Start every rank of a new epoch; returns once all have met and loaded."""
+        self.epoch += 1
+        gpu = self.config.device.startswith("cuda")
+        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        self._pg = placement_group([bundle] * self.world_size,
+                                   strategy="STRICT_PACK" if self.dp == 1 else "PACK")
+        ray.get(self._pg.ready(), timeout=START_TIMEOUT_S)
+        self.actors = [
+            RemoteRank.options(
+                num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=MAX_CONCURRENCY,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+            ).remote(None) for r in range(self.world_size)]
+        address = ray.get(self.actors[0].rendezvous_address.remote(), timeout=START_TIMEOUT_S)
+        specs = [RankSpec(r, self.tp, self.dp, self.epoch, address, self.deadline_s, self.config)
+                 for r in range(self.world_size)]
+        refs = [a.configure.remote(s) for a, s in zip(self.actors, specs)]
+        ray.get(refs, timeout=START_TIMEOUT_S)
+        self.start_info = ray.get([a.start.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+        self._waits = {a.wait.remote(): r for r, a in enumerate(self.actors)}
+        log.info("group_formed", epoch=self.epoch, tp=self.tp, dp=self.dp, address=address)
+
+    def deaths(self, timeout_s: float = 0.0) -> list[RankDeath]:
+        """Ranks whose loop has ended since formation (dead processes first)."""
+        ready, _ = ray.wait(list(self._waits), num_returns=len(self._waits), timeout=timeout_s)
+        out = []
+        for ref in ready:
+            rank = self._waits[ref]
+            try:
+                message = ray.get(ref)
+            except RayActorError:
+                out.append(RankDeath(rank, self.epoch, "process died"))
+                continue
+            if message is not None:
+                out.append(RankDeath(rank, self.epoch, message))
+        return sorted(out, key=lambda d: (d.reason != "process died", d.rank))
+
+    def wait_for_failure(self, timeout_s: float) -> list[RankDeath]:
+        """Waits until every rank's loop has ended or `timeout_s` passed."""
+        end = time.monotonic() + timeout_s
+        deaths = self.deaths()
+        while len(deaths) < self.world_size and time.monotonic() < end:
+            time.sleep(0.05)
+            deaths = self.deaths()
+        return deaths
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            try:
+                a.stop.remote()
+            except RayActorError:
+                pass
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+        self.actors, self._waits, self._pg = [], {}, None
+
+    def failure(self, timeout_s: float = 0.0) -> Optional[GroupFailure]:
+        deaths = self.deaths(timeout_s)
+        return GroupFailure(self.epoch, deaths) if deaths else None
+
+
+def ensure_ray(num_cpus: Optional[int] = None, address: Optional[str] = None) -> None:
+    """Join `address`, or start a local Ray with enough logical CPUs for the ranks."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+__all__ = ["GroupSupervisor", "GroupFailure", "RankDeath", "ensure_ray", "GetTimeoutError"]

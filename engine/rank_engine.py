@@ -1,0 +1,267 @@
+"""One rank of a multi-rank group: its shard, its communicators and its step loop.
+
+A plain class (no Ray): `actors.RankActor` wraps it, tests drive it directly. One thread
+owns the engine and runs the loop; the other methods only enqueue work and read state.
+
+Every loop iteration is lockstep across the group:
+1. the leader of each DP group (TP rank 0) schedules a batch (or none);
+2. it broadcasts the plan to its TP followers (`engine.plan`);
+3. with several DP groups, all ranks agree in one small all-reduce whether anyone has
+   work (or is stopping); a DP group without work runs a dummy step so that the MoE
+   all-to-alls still match;
+4. every rank runs the forward; the leader samples, updates its scheduler and publishes
+   the step's outputs in one batch.
+Any collective error or deadline ends the loop; `poll` then raises `RankFailure`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from ..config import EngineConfig
+from ..kernels.comm import GroupComm
+from ..kernels.dispatch import EPDispatcher, make_expert_placement
+from ..log import get_logger
+from ..models.parallel import ExpertParallel
+from ..models.shard import ModelShard
+from . import plan as planmod
+from .llm_engine import LLMEngine
+from .outputs import StepOutput
+from .sampling_params import SamplingParams
+
+log = get_logger(__name__)
+
+IDLE_SLEEP_MIN_S = 0.001
+IDLE_SLEEP_MAX_S = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """Where one rank sits in its group and how the group meets (per epoch)."""
+
+    rank: int
+    tp: int
+    dp: int
+    epoch: int
+    init_method: str  # rendezvous of this epoch, e.g. tcp://127.0.0.1:PORT
+    deadline_s: float
+    config: EngineConfig
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+
+class RankFailure(RuntimeError):
+    """This rank's loop ended on an error (a dead peer, a deadline, a bug)."""
+
+    def __init__(self, rank: int, epoch: int, message: str) -> None:
+        super().__init__(f"rank {rank} (epoch {epoch}): {message}")
+        self.rank, self.epoch, self.message = rank, epoch, message
+
+    def __reduce__(self):  # crosses Ray: rebuild from the fields, not from args
+        return (RankFailure, (self.rank, self.epoch, self.message))
+
+
+def shard_for(spec: RankSpec, num_experts: int) -> tuple[ModelShard, Optional[tuple]]:
+    """The rank's shard and, for DP×EP groups, the expert placement over all ranks."""
+    if num_experts == 0:
+        return ModelShard(spec.tp_rank, spec.tp), None
+    if spec.dp == 1:  # TP group: experts split over the TP ranks, all-reduce combine
+        _, _, experts = make_expert_placement(num_experts, spec.tp)
+        return ModelShard(spec.tp_rank, spec.tp, tuple(experts[spec.tp_rank])), None
+    placement = make_expert_placement(num_experts, spec.world_size)
+    return ModelShard(spec.tp_rank, spec.tp, tuple(placement[2][spec.rank])), placement
+
+
+class RankEngine:
+    """A rank's engine plus the loop that steps it in lockstep with its peers."""
+
+    def __init__(self, spec: Optional[RankSpec] = None) -> None:
+        self.spec = spec
+        self.is_leader = spec is not None and spec.tp_rank == 0
+        self.comm: Optional[GroupComm] = None
+        self.engine: Optional[LLMEngine] = None
+        self._lock = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._outbox: list[StepOutput] = []
+        self._failure: Optional[RankFailure] = None
+        self._stop = False
+        self._done = threading.Event()
+        self._faults: dict[str, int] = {}
+        self._thread: Optional[threading.Thread] = None
+        self.steps = 0
+
+    # -- life cycle ------------------------------------------------------------------
+    def configure(self, spec: RankSpec) -> None:
+        """Set the spec before `start` (actors learn the rendezvous after creation)."""
+        if self.comm is not None:
+            raise RuntimeError("configure after start")
+        self.spec = spec
+        self.is_leader = spec.tp_rank == 0
+
+    def start(self) -> dict:
+        """Meet the peers (within the deadline), load the shard, start the loop."""
+        s = self.spec
+        torch.set_num_threads(max(1, torch.get_num_threads() // max(1, s.world_size)))
+        self.comm = GroupComm.init(s.rank, s.world_size, s.tp, s.init_method, s.epoch, s.deadline_s)
+        shard, placement = shard_for(s, s.config.model.num_experts)
+        ep = None
+        if placement is not None:
+            ep = ExpertParallel(EPDispatcher(self.comm, s.config.model.num_experts, placement[0],
+                                             placement[1]), before_dispatch=self.fault_point)
+        self.engine = LLMEngine(s.config, shard, self.comm, ep)
+        self._thread = threading.Thread(target=self._run, name=f"rank{s.rank}-loop", daemon=True)
+        self._thread.start()
+        log.info("rank_started", rank=s.rank, epoch=s.epoch, tp_rank=s.tp_rank, dp_rank=s.dp_rank)
+        return {"rank": s.rank, "epoch": s.epoch, "pid": os.getpid(),
+                "num_params": sum(p.numel() for p in self.engine.model.parameters()),
+                "num_pages": self.engine.num_pages}
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+
+    def wait(self, timeout_s: Optional[float] = None) -> Optional[str]:
+        """Block until the loop ends; the failure message, or None after a clean stop."""
+        self._done.wait(timeout_s)
+        return None if self._failure is None else str(self._failure)
+
+    # -- requests (DP leaders) -------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        """Validate now (ValueError to the caller), admit on the loop thread."""
+        if not self.is_leader:
+            raise ValueError(f"rank {self.spec.rank} is not a DP leader")
+        self.engine._validate_prompt(prompt_token_ids, params)
+        with self._lock:
+            self._raise_if_failed()
+            self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def poll(self, timeout_s: float = 0.1) -> list[StepOutput]:
+        """Outputs published since the last poll (waits up to `timeout_s` for some)."""
+        with self._lock:
+            if not self._outbox and self._failure is None:
+                self._lock.wait(timeout_s)
+            self._raise_if_failed()
+            out, self._outbox = self._outbox, []
+        return out
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    # -- fault injection (chaos drills) ----------------------------------------------
+    def arm_fault(self, point: str, after: int = 0) -> None:
+        """Exit the process at the `after`-th next pass through `point`."""
+        self._faults[point] = after
+
+    def fault_point(self, point: str) -> None:
+        left = self._faults.get(point)
+        if left is None:
+            return
+        if left <= 0:
+            log.warning("fault_injected", rank=self.spec.rank, epoch=self.spec.epoch, point=point)
+            os._exit(17)
+        self._faults[point] = left - 1
+
+    # -- the loop --------------------------------------------------------------------
+    def _run(self) -> None:
+        idle = IDLE_SLEEP_MIN_S
+        try:
+            with torch.inference_mode():
+                while True:
+                    status = self._step()
+                    if status == planmod.STOP:
+                        break
+                    idle = min(idle * 2, IDLE_SLEEP_MAX_S) if status == planmod.IDLE else IDLE_SLEEP_MIN_S
+                    if status == planmod.IDLE:
+                        time.sleep(idle)
+        except Exception as e:  # noqa: BLE001 - every loop error is reported, none is lost
+            with self._lock:
+                self._failure = RankFailure(self.spec.rank, self.spec.epoch, f"{type(e).__name__}: {e}")
+                self._lock.notify_all()
+            log.error("rank_failed", rank=self.spec.rank, epoch=self.spec.epoch, error=str(e))
+        finally:
+            self._done.set()
+
+    def _drain_inbox(self) -> bool:
+        with self._lock:
+            items, self._inbox = self._inbox, []
+            stop = self._stop
+        for kind, item in items:
+            if kind == "add":
+                self.engine.add_request(*item)
+            else:
+                self.engine.abort_request(item)
+        return stop
+
+    def _step(self) -> int:
+        """One lockstep iteration; returns the group's status (IDLE, WORK or STOP)."""
+        self.fault_point("step")
+        s, sched, runner = self.spec, self.engine.scheduler, self.engine.runner
+        batch, inputs, status = None, None, planmod.IDLE
+        if self.is_leader:
+            if self._drain_inbox():
+                status = planmod.STOP
+            else:
+                batch = sched.schedule()
+                if batch:
+                    inputs, status = runner.prepare(batch), planmod.WORK
+        if s.tp > 1:
+            status, inputs = self._share_plan(status, inputs)
+        if s.dp > 1:
+            status = self.comm.all_reduce_world_max(status)
+        if status != planmod.WORK:
+            return status
+        if inputs is None:
+            self.engine.model.dummy_forward()
+            return status
+        logits = runner.forward(inputs)
+        self.steps += 1
+        if self.is_leader:
+            self._finish(batch, inputs, logits)
+        return status
+
+    def _share_plan(self, status: int, inputs):
+        header = planmod.header_of(status, self.spec.epoch, inputs)
+        self.comm.broadcast_tp(header)
+        if self.is_leader:
+            if inputs is not None:
+                self.comm.broadcast_tp(planmod.payload_of(inputs))
+            return status, inputs
+        payload = torch.empty(planmod.payload_size(header), dtype=torch.int64)
+        if payload.numel():
+            self.comm.broadcast_tp(payload)
+        return int(header[0]), planmod.inputs_of(header, payload, self.spec.epoch)
+
+    def _finish(self, batch, inputs, logits) -> None:
+        outputs = self.engine.step_outputs(batch, self.engine.runner.sample(inputs, logits))
+        if outputs:
+            with self._lock:
+                self._outbox.extend(outputs)
+                self._lock.notify_all()
+
+    def stats(self) -> dict:
+        out = {"rank": self.spec.rank, "epoch": self.spec.epoch, "steps": self.steps,
+               "failed": self._failure is not None}
+        if self.is_leader and self.engine is not None:
+            out.update(self.engine.stats())
+        return out

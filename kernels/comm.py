@@ -1,0 +1,233 @@
+"""One rank's communicators (world + its TP group), fenced by an epoch, bounded by a deadline.
+
+Layout (ARCHITECTURE §3): ``world = dp x tp`` ranks; rank ``r`` has ``dp_rank = r // tp``
+and ``tp_rank = r % tp``, so a TP group is ``tp`` consecutive ranks. The world group is
+the default process group; it carries the DP x EP all-to-all and world-wide agreement.
+
+Failure model (§5): every collective either finishes within ``deadline_s`` or raises
+:class:`CollectiveError`; after the first error the communicator is *broken* and every
+later call raises at once, so a step that saw a fault can only be aborted. Re-forming
+means :meth:`GroupComm.destroy` and a new :meth:`GroupComm.init` with a bumped epoch on
+a new rendezvous address (the caller picks both).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveError", "GroupComm"]
+
+_R = TypeVar("_R")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed, timed out, or was called on a broken communicator.
+
+    Fields: ``op`` (the collective's name), ``epoch`` and ``rank`` of the communicator.
+    The torch.distributed exception, when there is one, is the ``__cause__``.
+    """
+
+    def __init__(self, op: str, epoch: int, rank: int, detail: str = "") -> None:
+        self.op = op
+        self.epoch = epoch
+        self.rank = rank
+        msg = f"collective {op!r} failed on rank {rank} (epoch {epoch})"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+        self.detail = detail
+
+    def __reduce__(self):  # crosses Ray (actor method errors): rebuild from the fields
+        return (CollectiveError, (self.op, self.epoch, self.rank, self.detail))
+
+
+class GroupComm:
+    """Communicators of one rank for one epoch; build with :meth:`init`.
+
+    All ranks of the world must call the same collectives in the same order; a rank
+    with no work still takes part (it passes empty tensors).
+
+    Note on backends: only gloo is exercised here; its process-group timeout turns a
+    dead or stalled peer into an exception within the deadline. NCCL is no detector: a
+    survivor can wait well over 60 s with a 5 s timeout, so a GPU build needs its own
+    wait loop (poll the work until a monotonic deadline, then abort the communicator)
+    behind this same interface.
+    """
+
+    def __init__(self, rank: int, world_size: int, tp_size: int, epoch: int,
+                 deadline_s: float, tp_group: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.tp_size = tp_size
+        self.dp_size = world_size // tp_size
+        self.tp_rank = rank % tp_size
+        self.dp_rank = rank // tp_size
+        self.epoch = epoch
+        self.deadline_s = deadline_s
+        self._tp_group = tp_group
+        self._broken: str | None = None
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def init(cls, rank: int, world_size: int, tp_size: int, init_method: str, epoch: int,
+             deadline_s: float, backend: str = "gloo") -> GroupComm:
+        """Join the world at ``init_method`` (e.g. ``"tcp://127.0.0.1:PORT"``, new per epoch).
+
+        Creates the default process group and every TP group (same order on all ranks),
+        all with ``timeout=deadline_s``, then checks that every rank joined with the same
+        ``epoch``. Raises :class:`CollectiveError` (op ``"init"``) on a bad layout, a
+        rendezvous that misses the deadline, an already initialized default group, or an
+        epoch mismatch.
+        """
+        if world_size < 1 or tp_size < 1 or world_size % tp_size or not 0 <= rank < world_size:
+            raise CollectiveError("init", epoch, rank,
+                                  f"bad layout rank={rank} world={world_size} tp={tp_size}")
+        timeout = timedelta(seconds=deadline_s)
+        created = False
+        try:
+            dist.init_process_group(backend, init_method=init_method, world_size=world_size,
+                                    rank=rank, timeout=timeout)
+            created = True
+            tp_group = None
+            if tp_size > 1:
+                for dp in range(world_size // tp_size):
+                    ranks = list(range(dp * tp_size, (dp + 1) * tp_size))
+                    group = dist.new_group(ranks=ranks, timeout=timeout)
+                    if rank in ranks:
+                        tp_group = group
+            comm = cls(rank, world_size, tp_size, epoch, deadline_s, tp_group)
+            comm._agree_on_epoch()
+        except Exception as e:
+            if created:  # never tear down a default group that someone else owns
+                cls._destroy_default_bounded(deadline_s)
+            if isinstance(e, CollectiveError):
+                raise
+            raise CollectiveError("init", epoch, rank, str(e)) from e
+        return comm
+
+    def _agree_on_epoch(self) -> None:
+        # MAX over (epoch, -epoch) gives (max, -min): equal to ours iff all ranks agree.
+        t = torch.tensor([self.epoch, -self.epoch], dtype=torch.int64)
+        self._run("init", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        hi, lo = int(t[0]), -int(t[1])
+        if hi != self.epoch or lo != self.epoch:
+            self._broken = f"epoch mismatch: ranks joined with epochs in [{lo}, {hi}]"
+            raise CollectiveError("init", self.epoch, self.rank, self._broken)
+
+    def destroy(self) -> bool:
+        """Tear down this epoch's process groups; never hangs. Idempotent.
+
+        Runs ``destroy_process_group`` in a helper thread bounded by
+        ``min(deadline_s, 10)`` seconds (with a dead peer a backend shutdown may block).
+        Returns True iff the groups are gone, i.e. a new :meth:`init` can follow.
+        """
+        if self._destroyed:
+            return True
+        self._broken = self._broken or "destroyed"
+        self._tp_group = None
+        self._destroyed = self._destroy_default_bounded(self.deadline_s)
+        return self._destroyed
+
+    @staticmethod
+    def _destroy_default_bounded(deadline_s: float) -> bool:
+        def target() -> None:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # best effort: the group is being thrown away anyway
+                pass
+
+        th = threading.Thread(target=target, name="phalanx-destroy-pg", daemon=True)
+        th.start()
+        th.join(timeout=min(deadline_s, 10.0))
+        return not th.is_alive() and not dist.is_initialized()
+
+    @property
+    def broken(self) -> bool:
+        """True once a collective failed (or after :meth:`destroy`)."""
+        return self._broken is not None
+
+    def check_epoch(self, epoch: int) -> None:
+        """Raise :class:`CollectiveError` (op ``"epoch"``) unless ``epoch`` is this comm's."""
+        if epoch != self.epoch:
+            raise CollectiveError("epoch", self.epoch, self.rank,
+                                  f"stale epoch {epoch} (current {self.epoch})")
+
+    # ---------------------------------------------------------------- collectives
+
+    def _run(self, name: str, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+        """Call torch.distributed collective ``name``; any failure breaks the comm."""
+        if self._broken is not None:
+            raise CollectiveError(name, self.epoch, self.rank,
+                                  f"communicator is broken ({self._broken})")
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            self._broken = f"{name}: {type(e).__name__}: {str(e)[:200]}"
+            raise CollectiveError(name, self.epoch, self.rank, str(e)) from e
+
+    def all_reduce_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the TP group in place and return it (identity when tp == 1)."""
+        if self.tp_size == 1:
+            return self._check_alive("all_reduce_tp", t)
+        self._run("all_reduce_tp", dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self._tp_group)
+        return t
+
+    def all_gather_tp(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate the TP ranks' equally shaped ``t`` along ``dim``, in tp_rank order."""
+        if self.tp_size == 1:
+            return self._check_alive("all_gather_tp", t)
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+        self._run("all_gather_tp", dist.all_gather, parts, t, group=self._tp_group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_tp(self, t: torch.Tensor, src_tp_rank: int = 0) -> torch.Tensor:
+        """Overwrite ``t`` in place with TP rank ``src_tp_rank``'s copy and return it."""
+        if not 0 <= src_tp_rank < self.tp_size:
+            raise ValueError(f"src_tp_rank {src_tp_rank} out of range for tp={self.tp_size}")
+        if self.tp_size == 1:
+            return self._check_alive("broadcast_tp", t)
+        src = self.dp_rank * self.tp_size + src_tp_rank
+        self._run("broadcast_tp", dist.broadcast, t, src=src, group=self._tp_group)
+        return t
+
+    def all_reduce_world_max(self, value: int) -> int:
+        """Maximum of ``value`` over all ranks of the world."""
+        t = torch.tensor([value], dtype=torch.int64)
+        self._run("all_reduce_world_max", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return int(t[0])
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int] | None = None,
+                          input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """World all-to-all along dim 0 with (possibly uneven, possibly zero) splits.
+
+        ``input_split_sizes[r]`` rows of ``input`` go to rank r; ``output_split_sizes[r]``
+        rows of ``output`` come from rank r. Both tensors contiguous. Returns ``output``.
+        """
+        self._run("all_to_all_single", dist.all_to_all_single, output, input,
+                  list(output_split_sizes) if output_split_sizes is not None else None,
+                  list(input_split_sizes) if input_split_sizes is not None else None)
+        return output
+
+    def barrier(self) -> None:
+        """Wait until every rank of the world got here (within the deadline)."""
+        self._run("barrier", dist.barrier)
+
+    def _check_alive(self, op: str, t: torch.Tensor) -> torch.Tensor:
+        # Identity ops still refuse to run on a broken comm: the step is being aborted.
+        if self._broken is not None:
+            raise CollectiveError(op, self.epoch, self.rank,
+                                  f"communicator is broken ({self._broken})")
+        return t
+
+    def __repr__(self) -> str:
+        state = f"broken={self._broken!r}" if self._broken else "ok"
+        return (f"GroupComm(rank={self.rank}, world={self.world_size}, tp={self.tp_size}, "
+                f"epoch={self.epoch}, deadline_s={self.deadline_s}, {state})")

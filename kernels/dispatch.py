@@ -1,0 +1,179 @@
+"""MoE expert-parallel dispatch / combine over the DP x EP world (ARCHITECTURE §3, §8).
+
+Every rank holds full attention for its own tokens and only its experts. A MoE layer
+sends each (token, slot) pair to the rank that owns the slot's expert, that rank runs
+the expert (already weighted by the routing weight), and the results come back and are
+summed per token. The all-to-alls carry uneven splits: no rank pads its batch, and a
+rank with no tokens still takes part in every collective (a dummy step).
+
+Torch reference over :class:`~phalanx.kernels.comm.GroupComm` (gloo on CPU); a GPU
+build swaps the transport (NVSHMEM) behind the same ``moe`` contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .comm import GroupComm
+from .moe import fused_experts_ref
+
+__all__ = ["EPDispatcher", "make_expert_placement", "moe_reference"]
+
+ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Same-size integer dtype per element size: a weight's bits travel as one int64, exactly.
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def make_expert_placement(num_experts: int, world_size: int
+                          ) -> tuple[list[int], list[int], list[list[int]]]:
+    """Contiguous, as-even-as-possible blocks of experts per rank (16 over 3: 6, 5, 5).
+
+    Returns ``(owner, local_index, experts_of_rank)``: ``owner[e]`` is the rank holding
+    global expert ``e``, ``local_index[e]`` its index in that rank's ``w13``/``w2``
+    stack, and ``experts_of_rank[r]`` rank r's global ids in local-index order.
+    """
+    if num_experts < 1 or world_size < 1:
+        raise ValueError(f"need num_experts >= 1 and world_size >= 1, got {num_experts}, {world_size}")
+    base, extra = divmod(num_experts, world_size)
+    experts_of_rank: list[list[int]] = []
+    start = 0
+    for r in range(world_size):
+        n = base + (1 if r < extra else 0)
+        experts_of_rank.append(list(range(start, start + n)))
+        start += n
+    owner = [0] * num_experts
+    local_index = [0] * num_experts
+    for r, experts in enumerate(experts_of_rank):
+        for i, e in enumerate(experts):
+            owner[e], local_index[e] = r, i
+    return owner, local_index, experts_of_rank
+
+
+def moe_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13_full: torch.Tensor, w2_full: torch.Tensor) -> torch.Tensor:
+    """Single-rank oracle: :func:`fused_experts_ref` with every expert held locally."""
+    return fused_experts_ref(x, topk_weights, topk_ids, w13_full, w2_full)
+
+
+class EPDispatcher:
+    """Expert-parallel MoE over all ``comm.world_size`` ranks.
+
+    ``owner[e]`` is the rank holding global expert ``e`` and ``local_index[e]`` its
+    index in that rank's ``w13``/``w2`` stack; on each rank the local indices must be
+    exactly ``0..n-1``. Each rank dispatches the tokens it passes to :meth:`moe` (with
+    TP > 1 inside a DP rank, the caller decides which TP rank sends which rows).
+    """
+
+    def __init__(self, comm: GroupComm, num_experts: int, owner: Sequence[int],
+                 local_index: Sequence[int]) -> None:
+        owner, local_index = list(owner), list(local_index)
+        if len(owner) != num_experts or len(local_index) != num_experts:
+            raise ValueError(f"owner/local_index must have {num_experts} entries, "
+                             f"got {len(owner)}/{len(local_index)}")
+        if any(not 0 <= r < comm.world_size for r in owner):
+            raise ValueError(f"owner ranks must lie in [0, {comm.world_size}): {owner}")
+        experts_of_rank: list[list[int]] = [[] for _ in range(comm.world_size)]
+        for e in sorted(range(num_experts), key=lambda e: local_index[e]):
+            experts_of_rank[owner[e]].append(e)
+        for r, experts in enumerate(experts_of_rank):
+            if [local_index[e] for e in experts] != list(range(len(experts))):
+                raise ValueError(f"local indices on rank {r} are not 0..{len(experts) - 1}")
+        self.comm = comm
+        self.num_experts = num_experts
+        self.experts_of_rank = experts_of_rank
+        self._owner = torch.tensor(owner, dtype=torch.int64)
+        self._local_index = torch.tensor(local_index, dtype=torch.int64)
+
+    @property
+    def local_experts(self) -> list[int]:
+        """Global ids of this rank's experts, in local-index (weight stack) order."""
+        return self.experts_of_rank[self.comm.rank]
+
+    def moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            compute: ExpertCompute) -> torch.Tensor:
+        """Dispatch, compute and combine one MoE layer; collective over the world.
+
+        Args:
+            x: [T, H] this rank's tokens; T may be 0 (the rank still takes part).
+                H and dtype must agree over ranks.
+            topk_weights: [T, k] routing weights (same dtype on every rank).
+            topk_ids: [T, k] int64 global expert ids.
+            compute: ``compute(recv_x [R, H], recv_local_ids [R] int64,
+                recv_weights [R]) -> [R, H]``: each received pair's expert output,
+                already multiplied by its weight (R may be 0; it is still called).
+
+        Returns:
+            [T, H] in ``x.dtype``: ``out[t] = sum_{j=0..k-1} y[t, j]`` summed in slot
+            order in float32, cast once: per row deterministic and independent of
+            which other tokens share the batch (given a row-wise ``compute``).
+
+        Raises:
+            CollectiveError: a peer failed or missed the deadline; discard the step.
+        """
+        T, H = x.shape
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"x {tuple(x.shape)}, topk_weights {tuple(topk_weights.shape)} and "
+                             f"topk_ids {tuple(topk_ids.shape)} disagree")
+        if topk_ids.dtype != torch.int64:
+            raise ValueError(f"topk_ids must be int64, got {topk_ids.dtype}")
+        k = topk_ids.shape[1]
+        order, send_counts = self._plan(topk_ids)
+        recv_counts = self._exchange_counts(send_counts)
+        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
+        recv_x, recv_ids, recv_w = self._dispatch(
+            x, topk_weights, topk_ids, order, k, send_split, recv_split)
+        y = compute(recv_x, recv_ids, recv_w)
+        if tuple(y.shape) != (recv_x.shape[0], H):
+            raise ValueError(f"compute returned {tuple(y.shape)}, expected {(recv_x.shape[0], H)}")
+        back = torch.empty((len(order), H), dtype=x.dtype, device=x.device)
+        self.comm.all_to_all_single(back, y.to(x.dtype).contiguous(), send_split, recv_split)
+        return self._combine(back, order, T, k, x.dtype)
+
+    def _plan(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pairs p = t*k + j sorted (stably) by destination rank, and rows per rank."""
+        flat = topk_ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
+            raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
+        dest = self._owner.to(flat.device)[flat]
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=self.comm.world_size)
+        return order, send_counts
+
+    def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """The agreement step: how many rows each rank sends where (int64 [world])."""
+        recv_counts = torch.empty_like(send_counts)
+        return self.comm.all_to_all_single(recv_counts, send_counts.contiguous())
+
+    def _dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  order: torch.Tensor, k: int, send_split: list[int], recv_split: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Send one x row per pair plus (local expert id, weight bits) as int64 [P, 2]."""
+        H, wdtype = x.shape[1], topk_weights.dtype
+        int_dtype = _INT_OF_SIZE[topk_weights.element_size()]
+        send_x = x[order // k].contiguous()
+        ids = self._local_index.to(x.device)[topk_ids.reshape(-1)[order]]
+        # Sign-extending the same-size int view to int64 and narrowing back is exact.
+        bits = topk_weights.reshape(-1)[order].contiguous().view(int_dtype).to(torch.int64)
+        send_meta = torch.stack([ids, bits], dim=1)
+        R = sum(recv_split)
+        recv_x = torch.empty((R, H), dtype=x.dtype, device=x.device)
+        recv_meta = torch.empty((R, 2), dtype=torch.int64, device=x.device)
+        self.comm.all_to_all_single(recv_x, send_x, recv_split, send_split)
+        self.comm.all_to_all_single(recv_meta, send_meta, recv_split, send_split)
+        recv_w = recv_meta[:, 1].to(int_dtype).view(wdtype)
+        return recv_x, recv_meta[:, 0].contiguous(), recv_w
+
+    @staticmethod
+    def _combine(back: torch.Tensor, order: torch.Tensor, T: int, k: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+        """Un-sort the returned rows to pair order and sum each token's slots j = 0..k-1."""
+        rows = torch.empty_like(back)
+        rows[order] = back
+        rows = rows.view(T, k, back.shape[1])
+        acc = torch.zeros((T, back.shape[1]), dtype=torch.float32, device=back.device)
+        for j in range(k):  # elementwise adds in slot order: no cross-row reduction
+            acc += rows[:, j].float()
+        return acc.to(dtype)
