@@ -37,8 +37,10 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_new: int) -> list[list[
     outs = []
     with torch.inference_mode():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new,
-                                 pad_token_id=0)
+            # An explicit mask: without one, generate masks every prompt token equal to
+            # the pad id.
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=max_new, pad_token_id=0)
             outs.append(ids[0, len(p):].tolist())
     return outs
 
