@@ -1,6 +1,7 @@
 """The `phalanx` command line.
 
     phalanx generate "some text" --max-tokens 32 [--model DIR] [--temperature T] [--json]
+                     [--tp N] [--dp N]
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=0, help="KV pages (0: sized automatically)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Ray actors)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks; experts spread over all")
+    p.add_argument("--collective-timeout", type=float, default=30.0,
+                   help="seconds any collective may take before the group fails")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -36,7 +41,15 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, page_size=args.page_size, num_pages=args.num_pages, device=args.device)
+    llm = LLM(args.model, tp=args.tp, dp=args.dp, page_size=args.page_size, num_pages=args.num_pages,
+              device=args.device, collective_timeout_s=args.collective_timeout)
+    try:
+        return _run_generate(llm, args, params)
+    finally:
+        llm.close()
+
+
+def _run_generate(llm, args: argparse.Namespace, params) -> int:
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template(
@@ -72,6 +85,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"phalanx: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # e.g. GroupFailure: a rank died; named with its epoch
+        print(f"phalanx: error: {e}", file=sys.stderr)
+        return 1
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -121,3 +121,14 @@ def test_default_model_and_cli(tmp_path):
     bad = subprocess.run(cmd[:5] + ["--max-tokens", "0"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "max_tokens" in bad.stderr
+
+
+def test_cli_dp_layout_matches_single_rank(tiny_model):
+    """`--dp 2` runs two rank actors on a local Ray; the tokens stay the same."""
+    base = [sys.executable, "-m", "phalanx.cli", "generate", "Hello there", "--max-tokens", "6",
+            "--json", "--model", tiny_model, "--collective-timeout", "20"]
+    single = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    group = subprocess.run(base + ["--dp", "2"], capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0 and group.returncode == 0, group.stderr[-2000:]
+    ids = [json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for r in (single, group)]
+    assert ids[0] == ids[1] and len(ids[0]) == 6
