@@ -27,9 +27,9 @@ class GroupClient:
     """Submit / poll / abort over the leaders of one group; `close()` stops it."""
 
     def __init__(self, config: EngineConfig, tp: int, dp: int, deadline_s: float,
-                 ray_address: Optional[str] = None) -> None:
+                 ray_address: Optional[str] = None, actor_cls=None) -> None:
         ensure_ray(num_cpus=max(8, 2 * tp * dp), address=ray_address)
-        self.supervisor = GroupSupervisor(config, tp, dp, deadline_s)
+        self.supervisor = GroupSupervisor(config, tp, dp, deadline_s, actor_cls=actor_cls)
         self.supervisor.form()
         self._rr = itertools.count()
         self.place: Callable[[str], int] = lambda rid: next(self._rr) % dp
@@ -53,7 +53,8 @@ class GroupClient:
     def poll(self) -> list[StepOutput]:
         refs = [leader.poll.remote(POLL_S) for leader in self.supervisor.leaders]
         outs = self._call(lambda: ray.get(refs))
-        merged = [o for batch in outs for o in batch]
+        # Fencing: a result of another epoch never reaches the caller.
+        merged = [o for batch in outs for o in batch if o.epoch == self.epoch]
         for o in merged:
             if o.finished:
                 self._where.pop(o.request_id, None)

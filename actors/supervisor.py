@@ -54,12 +54,16 @@ class GroupFailure(RuntimeError):
 class GroupSupervisor:
     """Starts, watches and stops the rank actors of one TP or DP×EP group."""
 
-    def __init__(self, config: EngineConfig, tp: int, dp: int, deadline_s: float) -> None:
+    def __init__(self, config: EngineConfig, tp: int, dp: int, deadline_s: float,
+                 actor_cls=None) -> None:
+        """`actor_cls`: the Ray actor class of a rank (default `RemoteRank`; benchmarks
+        and tests pass a `ray.remote` subclass of `RankActor`)."""
         self.config, self.tp, self.dp, self.deadline_s = config, tp, dp, deadline_s
+        self.actor_cls = actor_cls if actor_cls is not None else RemoteRank
         self.epoch = 0
         self.actors: list = []
         self._waits: dict = {}
-        self._pg = None
+        self._pgs: list = []
         self.start_info: list[dict] = []
 
     @property
@@ -75,13 +79,15 @@ class GroupSupervisor:
         self.epoch += 1
         gpu = self.config.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
-        self._pg = placement_group([bundle] * self.world_size,
-                                   strategy="STRICT_PACK" if self.dp == 1 else "PACK")
-        ray.get(self._pg.ready(), timeout=START_TIMEOUT_S)
+        # One placement group per TP group, strictly packed on one node (TP stays inside
+        # a node's fast links); DP groups may land on different nodes.
+        self._pgs = [placement_group([bundle] * self.tp, strategy="STRICT_PACK") for _ in range(self.dp)]
+        ray.get([pg.ready() for pg in self._pgs], timeout=START_TIMEOUT_S)
         self.actors = [
-            RemoteRank.options(
+            self.actor_cls.options(
                 num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=MAX_CONCURRENCY,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pgs[r // self.tp], placement_group_bundle_index=r % self.tp),
             ).remote(None) for r in range(self.world_size)]
         address = ray.get(self.actors[0].rendezvous_address.remote(), timeout=START_TIMEOUT_S)
         specs = [RankSpec(r, self.tp, self.dp, self.epoch, address, self.deadline_s, self.config)
@@ -124,9 +130,9 @@ class GroupSupervisor:
                 pass
         for a in self.actors:
             ray.kill(a, no_restart=True)
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-        self.actors, self._waits, self._pg = [], {}, None
+        for pg in self._pgs:
+            remove_placement_group(pg)
+        self.actors, self._waits, self._pgs = [], {}, []
 
     def failure(self, timeout_s: float = 0.0) -> Optional[GroupFailure]:
         deaths = self.deaths(timeout_s)

@@ -15,6 +15,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0  # prefix-cache hits, reported with the last token
+    epoch: int = 0  # the group epoch of the step that produced it (0: single rank)
 
 
 @dataclass(slots=True)

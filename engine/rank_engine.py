@@ -254,6 +254,8 @@ class RankEngine:
 
     def _finish(self, batch, inputs, logits) -> None:
         outputs = self.engine.step_outputs(batch, self.engine.runner.sample(inputs, logits))
+        for o in outputs:
+            o.epoch = self.spec.epoch
         if outputs:
             with self._lock:
                 self._outbox.extend(outputs)
