@@ -34,6 +34,7 @@ class GroupClient:
         self._rr = itertools.count()
         self.place: Callable[[str], int] = lambda rid: next(self._rr) % dp
         self._where: dict[str, int] = {}
+        self._pending: dict = {}  # outstanding poll call -> leader index
 
     @property
     def epoch(self) -> int:
@@ -51,8 +52,21 @@ class GroupClient:
             self.supervisor.leaders[dp_rank].abort.remote(request_id)
 
     def poll(self) -> list[StepOutput]:
-        refs = [leader.poll.remote(POLL_S) for leader in self.supervisor.leaders]
-        outs = self._call(lambda: ray.get(refs))
+        """Outputs of whichever leaders have some, waiting at most ~`POLL_S`.
+
+        One poll call stays outstanding per leader; as soon as any returns, its outputs
+        are taken and its call re-issued, so a quiet leader never delays a busy one."""
+        leaders = self.supervisor.leaders
+        for i, leader in enumerate(leaders):
+            if i not in self._pending.values():
+                self._pending[leader.poll.remote(POLL_S)] = i
+        ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=2 * POLL_S)
+        if ready:  # take every call that has finished by now, not just the first
+            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+        outs = []
+        for ref in ready:
+            self._pending.pop(ref)
+            outs.append(self._call(lambda: ray.get(ref)))
         # Fencing: a result of another epoch never reaches the caller.
         merged = [o for batch in outs for o in batch if o.epoch == self.epoch]
         for o in merged:
