@@ -320,6 +320,80 @@ def check_fused_experts_dispatch(g: torch.Generator) -> float:
     return 0.0
 
 
+LINEAR_TOL = 1e-5  # float32 under the interpreter, the skinny GEMM vs F.linear
+
+
+def check_linear(g: torch.Generator) -> float:
+    """linear (skinny Triton GEMM) vs F.linear: M 1/3/16 x N 8/100/128 x K 16/72/128, with
+    and without bias; x as a column-slice view (row stride > K) and a stride-2 view;
+    split-K and small tiles (several K steps, a partial last one); split-K deterministic.
+    (A row's bits alone vs in a 16-row batch are checked on the GPU only, by
+    bench/kernels_gpu.py: under the interpreter tl.dot is numpy's BLAS, whose per-element
+    order depends on the row's position in its micro-kernel.)"""
+    import torch.nn.functional as F
+
+    from phalanx.kernels.gpu.linear import skinny_linear_triton
+    from phalanx.kernels.linear import linear
+
+    errs = {}
+    for M in (1, 3, 16):
+        for N in (8, 100, 128):
+            for K in (16, 72, 128):
+                x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+                for bias in (None, b):
+                    errs[(M, N, K, bias is not None)] = _rel(linear(x, w, bias), F.linear(x, w, bias))
+    x, w, b = torch.randn(3, 72, generator=g), torch.randn(100, 72, generator=g), torch.randn(100, generator=g)
+    ref = F.linear(x, w, b)
+    views = {"slice": torch.cat([x, x], 1)[:, 72:], "stride2": torch.stack([x, x], 2).reshape(3, 144)[:, ::2]}
+    for name, v in views.items():  # row stride 144; column stride 2 (made contiguous)
+        assert torch.equal(v, x)
+        errs[name] = _rel(linear(v, w, b), ref)
+    for cfg in (dict(BLOCK_K=16, SPLIT_K=3), dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2), dict(BLOCK_K=16, SPLIT_K=1)):
+        out = skinny_linear_triton(x, w, b, cfg=cfg)
+        errs[str(cfg)] = _rel(out, ref)
+        assert torch.equal(out, skinny_linear_triton(x, w, b, cfg=cfg)), f"{cfg}: not deterministic"
+    bad = {key: e for key, e in errs.items() if not e < LINEAR_TOL}
+    assert not bad, f"over {LINEAR_TOL}: {bad}"
+    return max(errs.values())
+
+
+def check_linear_dispatch(g: torch.Generator) -> float:
+    """linear takes the skinny Triton GEMM for 2-D x with 1..SKINNY_MAX_M rows (under
+    force_triton), F.linear for M = 17, 3-D x, mixed dtypes and force_triton(False)."""
+    import torch.nn.functional as F
+
+    from phalanx.kernels import linear as lin
+    from phalanx.kernels.backend import force_triton
+    from phalanx.kernels.gpu import linear as gpu_lin
+
+    assert lin.SKINNY_MAX_M == 16
+    calls: list[str] = []
+    real_skinny, real_f = gpu_lin.skinny_linear_triton, F.linear
+    gpu_lin.skinny_linear_triton = lambda *a, **kw: (calls.append("skinny"), real_skinny(*a, **kw))[1]
+    F.linear = lambda *a, **kw: (calls.append("F.linear"), real_f(*a, **kw))[1]
+    errs = []
+    try:
+        w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+        for shape, forced_on, want in [((1, 40), True, "skinny"), ((16, 40), True, "skinny"),
+                                       ((17, 40), True, "F.linear"), ((2, 3, 40), True, "F.linear"),
+                                       ((4, 40), False, "F.linear")]:
+            x = torch.randn(*shape, generator=g)
+            calls.clear()
+            with force_triton(forced_on):
+                out = lin.linear(x, w, b)
+            assert calls == [want], (shape, forced_on, calls)
+            errs.append(_rel(out, real_f(x, w, b)))
+        calls.clear()
+        try:  # mixed dtypes: left to F.linear (which rejects them)
+            lin.linear(torch.randn(2, 40, generator=g), w.double())
+        except RuntimeError:
+            pass
+        assert calls == ["F.linear"], calls
+    finally:
+        gpu_lin.skinny_linear_triton, F.linear = real_skinny, real_f
+    return max(errs)
+
+
 def check_route(g: torch.Generator) -> float:
     """One-launch routing equals softmax + topk (+ renormalization), ids exactly."""
     from phalanx.kernels.moe import route, route_ref
@@ -349,7 +423,7 @@ def check_dispatch(g: torch.Generator) -> float:
     calls: list[str] = []
     targets = {"norm": ["rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton"],
                "attention": ["write_kv_triton", "decode_attention_triton", "prefill_attention_triton"],
-               "moe": ["fused_experts_triton"], "rope": ["rope_triton"]}
+               "moe": ["fused_experts_triton"], "rope": ["rope_triton"], "linear": ["skinny_linear_triton"]}
     for mod_name, fns in targets.items():
         mod = importlib.import_module(f"phalanx.kernels.gpu.{mod_name}")
         for fn in fns:
@@ -371,6 +445,9 @@ def check_dispatch(g: torch.Generator) -> float:
     attention.prefill_attention(q, kc, vc, meta, 0.25)
     moe.fused_experts(x, torch.rand(2, 1, generator=g), torch.tensor([[0], [1]]),
                       torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 4, generator=g))
+    from phalanx.kernels.linear import linear
+
+    linear(x, torch.randn(4, 8, generator=g))
     missing = sorted({f for fns in targets.values() for f in fns} - set(calls))
     assert not missing, f"not dispatched to Triton: {missing}"
     return 0.0
