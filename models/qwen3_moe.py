@@ -23,7 +23,6 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..kernels.activation import silu_and_mul
 from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
-from ..kernels.linear import linear
 from ..kernels.moe import fused_experts, make_expert_map, route
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.rope import RotaryEmbedding
@@ -56,7 +55,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -68,7 +67,7 @@ class Attention(nn.Module):
             out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
         else:
             out = prefill_attention(q, cache[0], cache[1], meta, self.scale)
-        return linear(out.reshape(t, q_size), self.o_proj)
+        return F.linear(out.reshape(t, q_size), self.o_proj)
 
 
 class DenseMLP(nn.Module):
@@ -80,7 +79,7 @@ class DenseMLP(nn.Module):
         self.down_proj = _empty(hidden, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -110,7 +109,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output, already summed over the TP group."""
-        weights, ids = route(linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
+        weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
         if self.ep is None:
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map)
         else:
