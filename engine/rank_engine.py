@@ -99,6 +99,7 @@ class RankEngine:
         self._lock = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
         self._outbox: list[StepOutput] = []
+        self._live: set[str] = set()  # submitted, not yet finished or aborted
         self._failure: Optional[RankFailure] = None
         self._stop = False
         self._done = threading.Event()
@@ -149,10 +150,14 @@ class RankEngine:
         self.engine._validate_prompt(prompt_token_ids, params)
         with self._lock:
             self._raise_if_failed()
+            if request_id in self._live:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._live.add(request_id)
             self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
+            self._live.discard(request_id)
             self._inbox.append(("abort", request_id))
 
     def poll(self, timeout_s: float = 0.1) -> list[StepOutput]:
@@ -259,6 +264,7 @@ class RankEngine:
         if outputs:
             with self._lock:
                 self._outbox.extend(outputs)
+                self._live.difference_update(o.request_id for o in outputs if o.finished)
                 self._lock.notify_all()
 
     def stats(self) -> dict:
