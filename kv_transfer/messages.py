@@ -1,0 +1,241 @@
+"""Wire format of the KV transport: msgspec control messages and the copy-descriptor table.
+
+Every control message is a tagged msgspec Struct encoded with msgpack (never pickle) and
+framed as one transport message: a little-endian u64 length, then the body (`frame`), so
+the receiver can keep receives posted into fixed buffers (`MAX_CTRL_BYTES`). On one
+connection (a prefill rank -> a decode rank) the sender speaks first with `Hello` and the
+receiver answers `HelloAck` (with the payload capacity of its receive buffers); then each
+message is a `TransferRequest` plus a payload message of exactly `payload_bytes` raw
+bytes, answered by one `TransferAck` with the same `seq`. Every message carries the
+epoch of the group that produced it; a receiver drops (never applies) messages of
+another epoch.
+
+Copy descriptors travel as one little-endian int32 table `[n, 10]` (`COPY_FIELDS`), a
+compact form of `planner.Copy` without the two ranks (implicit in the connection). The
+payload is the concatenation, in table order, of each copy's slab `[num_heads,
+num_tokens, head_dim]` (row-major) of the source pool. `copy_rows` maps a table to pool
+rows: a pool `[num_pages, heads, page_size, head_dim]` viewed as `[-1, g * head_dim]`
+(runs of g tokens of one head; g divides the page size, the offsets and the run lengths),
+so gather and scatter are one index_select / index_copy per (layer, kind, g) run, each
+side choosing its own g (`segments`).
+
+Pure logic: numpy and msgspec only; no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Union
+
+import msgspec
+import numpy as np
+
+from .planner import Copy
+
+PROTOCOL_VERSION = 1
+MAX_CTRL_BYTES = 1 << 20   # a framed TransferRequest (header + copy table) fits in this
+MAX_REPLY_BYTES = 1 << 16  # a framed Hello, HelloAck or TransferAck fits in this
+KIND_CODES = {"k": 0, "v": 1}
+COPY_FIELDS = ("layer", "kind", "src_head", "dst_head", "num_heads", "src_page",
+               "src_offset", "dst_page", "dst_offset", "num_tokens")
+(F_LAYER, F_KIND, F_SRC_HEAD, F_DST_HEAD, F_NUM_HEADS, F_SRC_PAGE, F_SRC_OFFSET,
+ F_DST_PAGE, F_DST_OFFSET, F_NUM_TOKENS) = range(len(COPY_FIELDS))
+# (head, page, offset) columns of each side
+SIDE_COLUMNS = {"src": (F_SRC_HEAD, F_SRC_PAGE, F_SRC_OFFSET),
+                "dst": (F_DST_HEAD, F_DST_PAGE, F_DST_OFFSET)}
+_COPY_DTYPE = np.dtype("<i4")
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """Sender -> receiver, first message of a connection."""
+
+    version: int
+    epoch: int
+    sender_rank: int
+    dtype: str        # torch dtype name of the pools, e.g. "float16"
+    head_dim: int
+
+
+class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
+    """Receiver -> sender: accepted (ok) or rejected with `error`, then closed.
+    `max_payload_bytes`: the largest payload one TransferRequest may announce."""
+
+    epoch: int
+    receiver_rank: int
+    ok: bool
+    max_payload_bytes: int = 0
+    error: str = ""
+
+
+class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
+    """A batch of copies for one destination, followed by `payload_bytes` raw bytes.
+
+    `seq` numbers the requests of one connection (from 1); `layers` is [layer_start,
+    layer_stop) of the copies; `copies` is the int32 table (see `encode_copies`)."""
+
+    request_id: str
+    epoch: int
+    seq: int
+    layer_start: int
+    layer_stop: int
+    copies: bytes
+    payload_bytes: int
+
+
+class TransferAck(msgspec.Struct, tag="ack", frozen=True):
+    """Receiver -> sender: the batch `seq` of `request_id` landed (ok) or was dropped."""
+
+    request_id: str
+    epoch: int
+    seq: int
+    layer_start: int
+    layer_stop: int
+    ok: bool
+    error: str = ""
+
+
+ToReceiver = Union[Hello, TransferRequest]
+ToSender = Union[HelloAck, TransferAck]
+
+_ENCODER = msgspec.msgpack.Encoder()
+TO_RECEIVER = msgspec.msgpack.Decoder(ToReceiver)
+TO_SENDER = msgspec.msgpack.Decoder(ToSender)
+
+
+_LEN = np.dtype("<u8")
+
+
+def frame(msg: msgspec.Struct) -> bytes:
+    """u64 length + msgpack body: one transport message."""
+    body = _ENCODER.encode(msg)
+    return np.array([len(body)], dtype=_LEN).tobytes() + body
+
+
+def unframe(buf: bytearray, decoder: msgspec.msgpack.Decoder) -> msgspec.Struct:
+    """Decode a framed message from the start of `buf`; ValueError if malformed."""
+    size = int(np.frombuffer(buf, dtype=_LEN, count=1)[0])
+    if not 0 < size <= len(buf) - _LEN.itemsize:
+        raise ValueError(f"framed message of {size} bytes in a {len(buf)}-byte buffer")
+    try:
+        return decoder.decode(memoryview(buf)[_LEN.itemsize:_LEN.itemsize + size])
+    except msgspec.DecodeError as e:
+        raise ValueError(f"undecodable control message: {e}") from e
+
+
+_COPY_GETTER = operator.attrgetter(*COPY_FIELDS)
+
+
+def encode_copies(copies: Sequence[Copy]) -> np.ndarray:
+    """The int32 table `[n, 10]` of `copies` (columns `COPY_FIELDS`, kind as 0/1)."""
+    rows = [_COPY_GETTER(c) for c in copies]
+    if not rows:
+        return np.empty((0, len(COPY_FIELDS)), dtype=_COPY_DTYPE)
+    kinds = np.array([KIND_CODES[r[1]] for r in rows], dtype=_COPY_DTYPE)
+    table = np.array([r[:1] + (0,) + r[2:] for r in rows], dtype=_COPY_DTYPE)
+    table[:, F_KIND] = kinds
+    return table
+
+
+def table_bytes(table: np.ndarray) -> bytes:
+    return np.ascontiguousarray(table, dtype=_COPY_DTYPE).tobytes()
+
+
+def decode_copies(raw: bytes) -> np.ndarray:
+    """The int32 table of a `TransferRequest.copies`; ValueError if malformed."""
+    width = len(COPY_FIELDS) * _COPY_DTYPE.itemsize
+    if len(raw) % width:
+        raise ValueError(f"copy table of {len(raw)} bytes is not a multiple of {width}")
+    return np.frombuffer(raw, dtype=_COPY_DTYPE).reshape(-1, len(COPY_FIELDS))
+
+
+def copy_nbytes(table: np.ndarray, head_dim: int, itemsize: int) -> np.ndarray:
+    """Payload bytes of each copy of `table` (int64)."""
+    return table[:, F_NUM_HEADS].astype(np.int64) * table[:, F_NUM_TOKENS] * head_dim * itemsize
+
+
+def payload_nbytes(table: np.ndarray, head_dim: int, itemsize: int) -> int:
+    """Bytes of the payload that carries `table`."""
+    return int(copy_nbytes(table, head_dim, itemsize).sum())
+
+
+MAX_COPIES = (MAX_CTRL_BYTES - 4096) // (len(COPY_FIELDS) * _COPY_DTYPE.itemsize)
+
+
+def split_table(table: np.ndarray, copy_bytes: np.ndarray,
+                max_payload: int) -> list[tuple[np.ndarray, int]]:
+    """Cut `table` at copy boundaries into parts of at most `max_payload` payload bytes
+    and `MAX_COPIES` copies: [(part, payload bytes)]. ValueError if one copy is larger."""
+    if len(table) and int(copy_bytes.max()) > max_payload:
+        raise ValueError(f"a copy of {int(copy_bytes.max())} bytes exceeds the receiver's "
+                         f"{max_payload}-byte messages")
+    parts, start, ends = [], 0, np.cumsum(copy_bytes)
+    while start < len(table):
+        base = int(ends[start - 1]) if start else 0
+        stop = int(np.searchsorted(ends, base + max_payload, side="right"))
+        stop = min(max(stop, start + 1), start + MAX_COPIES)
+        parts.append((table[start:stop], int(ends[stop - 1]) - base))
+        start = stop
+    return parts
+
+
+def check_copies(table: np.ndarray, side: str, num_layers: int, num_pages: int,
+                 heads: int, page_size: int) -> str:
+    """'' if every copy of `table` fits `side`'s pools, else what is wrong (vectorized)."""
+    if table.size == 0:
+        return "empty copy table"
+    head, page, off = (table[:, c] for c in SIDE_COLUMNS[side])
+    nh, nt = table[:, F_NUM_HEADS], table[:, F_NUM_TOKENS]
+    checks = (
+        ("layer", (table[:, F_LAYER] < 0) | (table[:, F_LAYER] >= num_layers)),
+        ("kind", (table[:, F_KIND] < 0) | (table[:, F_KIND] > 1)),
+        ("num_heads/num_tokens", (nh <= 0) | (nt <= 0)),
+        (f"{side} head range", (head < 0) | (head.astype(np.int64) + nh > heads)),
+        (f"{side} page", (page < 0) | (page >= num_pages)),
+        (f"{side} token range", (off < 0) | (off.astype(np.int64) + nt > page_size)),
+    )
+    for name, bad in checks:
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            return f"copy {i} {dict(zip(COPY_FIELDS, table[i].tolist()))}: bad {name}"
+    return ""
+
+
+def granules(table: np.ndarray, side: str, page_size: int) -> np.ndarray:
+    """Per copy, the largest run g of tokens such that its slots on `side` split into
+    whole rows of g tokens: gcd(offset, num_tokens, page_size)."""
+    off = table[:, SIDE_COLUMNS[side][2]].astype(np.int64)
+    return np.gcd(np.gcd(off, table[:, F_NUM_TOKENS].astype(np.int64)), page_size)
+
+
+def segments(table: np.ndarray, side: str, page_size: int) -> list[tuple[int, int, int, int, int]]:
+    """Maximal runs of copies with one (layer, kind, granule):
+    [(layer, kind, granule, first, stop)]; each run is one gather or scatter op."""
+    if len(table) == 0:
+        return []
+    g = granules(table, side, page_size)
+    key = (table[:, F_LAYER].astype(np.int64) * 2 + table[:, F_KIND]) * (page_size + 1) + g
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    starts = np.concatenate(([0], cuts))
+    stops = np.concatenate((cuts, [len(table)]))
+    return [(int(table[a, F_LAYER]), int(table[a, F_KIND]), int(g[a]), int(a), int(b))
+            for a, b in zip(starts, stops)]
+
+
+def copy_rows(table: np.ndarray, side: str, heads: int, page_size: int,
+              granule: int = 1) -> np.ndarray:
+    """int64 rows of `side`'s pool viewed as `[-1, granule * head_dim]` (runs of
+    `granule` tokens of one head) holding the slots of `table`, in payload order: copy by
+    copy, head-major, then token. Every offset and num_tokens must divide by `granule`."""
+    head_c, page_c, off_c = SIDE_COLUMNS[side]
+    t = table.astype(np.int64)
+    nh, nt = t[:, F_NUM_HEADS], t[:, F_NUM_TOKENS] // granule
+    counts = nh * nt
+    cid = np.repeat(np.arange(len(t)), counts)
+    local = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts,
+                                                                      counts)
+    ntc = nt[cid]
+    j, tok = local // ntc, local % ntc
+    per_page = page_size // granule
+    return ((t[cid, page_c] * heads + t[cid, head_c] + j) * per_page
+            + t[cid, off_c] // granule + tok)

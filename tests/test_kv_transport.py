@@ -1,0 +1,508 @@
+"""KV transport over real ucxx between spawned CPU processes on loopback (UCX_TLS=
+tcp,sm,self; with endpoint error handling on, UCX 1.21 picks tcp: its shared-memory
+transports cannot report a dead peer).
+
+Each process is an *actor*: it runs its transport objects on a `TransportThread` (the
+engine's threading model) and executes commands sent over a pipe, each in a worker
+thread, so a wait and a send can overlap. Every call has a wall-clock bound; the module
+fixture stops or kills every process it started, so a hang cannot stall CI.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+from phalanx.kv_transfer.layout import KVLayout
+from phalanx.kv_transfer.planner import plan_request
+from phalanx.kv_transfer.transport import (BlockingKVReceiver, BlockingKVSender, TransferError,
+                                           TransportThread)
+
+UCX_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_SOCKADDR_TLS_PRIORITY": "tcp",
+           "UCX_WARN_UNUSED_ENV_VARS": "n"}
+CALL_TIMEOUT_S = 30.0
+LAYERS = 2
+
+
+class Case(NamedTuple):
+    src_tp: int
+    dst_tp: int
+    kv_heads: int
+    src_page: int
+    dst_page: int
+    tokens: int = 45
+    head_dim: int = 8
+
+
+CASES = {
+    "tp2_to_tp1": Case(2, 1, 4, 16, 8),
+    "tp1_to_tp2": Case(1, 2, 4, 8, 16),
+    "tp4_kv2_to_tp1": Case(4, 1, 2, 4, 16),
+    "tp1_to_tp1": Case(1, 1, 4, 16, 16),
+    "big": Case(1, 1, 4, 16, 16, tokens=4096, head_dim=256),  # 32 MiB per layer
+}
+
+
+# ----------------------------------------------------------------------- actors
+
+def _actor_main(pipe, env: dict) -> None:
+    os.environ.update(env)  # before ucxx is first imported (lazily, by the transport)
+    torch.set_num_threads(1)
+    state = {"thread": TransportThread(), "lock": threading.Lock()}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
+
+    def run(cid, fn, kwargs):
+        try:
+            reply = (cid, "ok", fn(state, **kwargs))
+        except BaseException as e:
+            reply = (cid, "error", (type(e).__name__, str(e), traceback.format_exc()))
+        with state["lock"]:
+            pipe.send(reply)
+
+    while (msg := pipe.recv()) is not None:
+        pool.submit(run, *msg)
+    pool.shutdown(wait=True)
+    for obj in state.values():
+        if isinstance(obj, (BlockingKVSender, BlockingKVReceiver)):
+            obj.close()
+    state["thread"].stop()
+
+
+class Actor:
+    """A spawned process running `_actor_main`; `call(fn, **kw)` runs `fn(state, **kw)`."""
+
+    def __init__(self, ctx) -> None:
+        self._pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_actor_main, args=(child, UCX_ENV), daemon=True)
+        self.proc.start()
+        self._next, self._replies = 0, {}
+
+    def submit(self, fn, **kwargs) -> int:
+        self._next += 1
+        self._pipe.send((self._next, fn, kwargs))
+        return self._next
+
+    def result(self, cid: int, timeout_s: float = CALL_TIMEOUT_S):
+        deadline = time.monotonic() + timeout_s
+        while cid not in self._replies:
+            if not self._pipe.poll(max(deadline - time.monotonic(), 0)):
+                raise TimeoutError(f"actor {self.proc.pid}: no reply within {timeout_s} s")
+            rid, status, value = self._pipe.recv()
+            self._replies[rid] = (status, value)
+        status, value = self._replies.pop(cid)
+        if status == "error":
+            raise RuntimeError(f"{value[0]}: {value[1]}\n{value[2]}")
+        return value
+
+    def call(self, fn, **kwargs):
+        return self.result(self.submit(fn, **kwargs), CALL_TIMEOUT_S)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._pipe.send(None)
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+@pytest.fixture(scope="module")
+def actors():
+    """Start actors on demand (all in parallel when asked for together); kill at the end."""
+    ctx = mp.get_context("spawn")
+    started: list[Actor] = []
+
+    def start(n: int) -> list[Actor]:
+        new = [Actor(ctx) for _ in range(n)]
+        started.extend(new)
+        return new
+
+    yield start
+    for actor in started:
+        actor.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(actors):
+    """(prefill actor, decode actor), shared by the module's tests."""
+    return tuple(actors(2))
+
+
+# ----------------------------------------------------------------------- the data
+
+def _layouts(case: str) -> tuple[KVLayout, KVLayout]:
+    c = CASES[case]
+    return (KVLayout(c.src_tp, c.kv_heads, c.src_page, c.head_dim, LAYERS, 4),
+            KVLayout(c.dst_tp, c.kv_heads, c.dst_page, c.head_dim, LAYERS, 4))
+
+
+def _pages(layout: KVLayout, tokens: int, seed: int) -> tuple[int, list[int]]:
+    """(pool size, the request's page ids: a shuffled subset of the pool)."""
+    num_pages = layout.pages_for(tokens) + 3
+    ids = np.random.default_rng(seed).permutation(num_pages)[: layout.pages_for(tokens)]
+    return num_pages, [int(p) for p in ids]
+
+
+def _logical_kv(case: str) -> torch.Tensor:
+    """The request's KV by global head and token: [layer, kind, head, token, head_dim]."""
+    c = CASES[case]
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(LAYERS, 2, c.kv_heads, c.tokens, c.head_dim, generator=g)
+
+
+def _side_pools(case: str, side: str, rank: int, fill: str) -> list[tuple[torch.Tensor, ...]]:
+    """`side`'s pools of `rank` with the request's tokens in place; other slots are
+    noise ('noise') or zero ('zero')."""
+    layout, tokens = _layouts(case)[0 if side == "src" else 1], CASES[case].tokens
+    num_pages, ids = _pages(layout, tokens, 11 if side == "src" else 12)
+    heads = list(layout.heads_of(rank))
+    kv = _logical_kv(case)
+    g = torch.Generator().manual_seed(100 + rank)
+    t = torch.arange(tokens)
+    page = torch.tensor(ids)[t // layout.page_size]
+    off = t % layout.page_size
+    shape = (num_pages, len(heads), layout.page_size, layout.head_dim)
+    pools = []
+    for layer in range(LAYERS):
+        pair = []
+        for kind in range(2):
+            pool = torch.randn(shape, generator=g) if fill == "noise" else torch.zeros(shape)
+            pool[page, :, off, :] = kv[layer, kind, heads].permute(1, 0, 2)
+            pair.append(pool)
+        pools.append(tuple(pair))
+    return pools
+
+
+def _plan(case: str):
+    (src, dst), tokens = _layouts(case), CASES[case].tokens
+    return plan_request(src, dst, tokens, _pages(src, tokens, 11)[1], _pages(dst, tokens, 12)[1])
+
+
+def _zero_pools(case: str, rank: int) -> list[tuple[torch.Tensor, ...]]:
+    layout = _layouts(case)[1]
+    shape = (_pages(layout, CASES[case].tokens, 12)[0], len(layout.heads_of(rank)),
+             layout.page_size, layout.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYERS)]
+
+
+# ----------------------------------------------------------------------- actor commands
+
+def make_receivers(state, case: str, epoch: int = 1, timeout_s: float = 10.0,
+                   ranks=None) -> dict[int, tuple]:
+    ranks = range(_layouts(case)[1].tp) if ranks is None else ranks
+    addrs = {}
+    for r in ranks:
+        events = state.setdefault(("events", case, r), [])
+
+        def on_landed(request_id, layers, epoch, events=events, case=case, r=r):
+            rx = state[("rx", case, r)].receiver  # on the loop thread: direct access
+            events.append((request_id, layers.start, layers.stop, time.monotonic(),
+                           rx.landed(request_id)))
+
+        state[("pools", case, r)] = pools = _zero_pools(case, r)
+        rx = BlockingKVReceiver(state["thread"], pools, rank=r, epoch=epoch,
+                                timeout_s=timeout_s, on_landed=on_landed)
+        state[("rx", case, r)] = rx
+        addrs[r] = rx.start()
+    return addrs
+
+
+def make_senders(state, case: str, addrs: dict, epoch: int = 1, ranks=None, tag: str = "",
+                 timeout_s: float = 10.0) -> None:
+    ranks = range(_layouts(case)[0].tp) if ranks is None else ranks
+    for r in ranks:
+        tx = BlockingKVSender(state["thread"], _side_pools(case, "src", r, "noise"),
+                              rank=r, epoch=epoch, timeout_s=timeout_s)
+        state[("tx", case + tag, r)] = tx
+        for dst_rank, addr in addrs.items():
+            assert tx.connect(tuple(addr)) == dst_rank
+
+
+def send_all(state, case: str, addrs: dict, request_id: str) -> int:
+    """Every src rank streams every layer to every dst rank, all batches in flight."""
+    plan, futures = _plan(case), []
+    for layer in range(LAYERS):
+        sub = plan.for_layer(layer)
+        for (s, d) in sub.bytes_by_pair():
+            copies = [c for c in sub if c.src_rank == s and c.dst_rank == d]
+            tx = state[("tx", case, s)]
+            futures.append(tx.submit_layer(tuple(addrs[d]), request_id, copies))
+    return sum(f.result(CALL_TIMEOUT_S).ok for f in futures)
+
+
+def send_layer(state, case: str, addr, request_id: str, layer: int, tag: str = "",
+               rank: int = 0, timeout_s=None, epoch=None):
+    """One layer from one src rank; (ok, error type, error message, start, end)."""
+    tx = state[("tx", case + tag, rank)]
+    if epoch is not None:
+        tx.set_epoch(epoch)
+    copies = [c for c in _plan(case).for_layer(layer) if c.src_rank == rank]
+    start = time.monotonic()
+    try:
+        tx.send_layer_sync(tuple(addr), request_id, copies, timeout_s=timeout_s)
+        return True, "", "", start, time.monotonic()
+    except TransferError as e:
+        return False, type(e).__name__, str(e), start, time.monotonic()
+
+
+def check_landed(state, case: str, request_id: str) -> dict:
+    """Wait for the request, then compare with (1) the plan applied in-process and (2)
+    the layout's definition of where each (head, token) lives; bit-exact."""
+    plan = _plan(case)
+    src = {r: _side_pools(case, "src", r, "noise") for r in range(_layouts(case)[0].tp)}
+    out = {}
+    for r in range(_layouts(case)[1].tp):
+        rx = state[("rx", case, r)]
+        rx.wait_request_sync(request_id, CASES[case].tokens, timeout_s=10.0)
+        ref = _zero_pools(case, r)
+        for c in plan:
+            if c.dst_rank == r:
+                k = 0 if c.kind == "k" else 1
+                ref[c.layer][k][c.dst_page, c.dst_head:c.dst_head + c.num_heads,
+                                c.dst_offset:c.dst_offset + c.num_tokens] = \
+                    src[c.src_rank][c.layer][k][c.src_page, c.src_head:c.src_head + c.num_heads,
+                                               c.src_offset:c.src_offset + c.num_tokens]
+        semantic = _side_pools(case, "dst", r, "zero")
+        got = state[("pools", case, r)]
+        out[r] = {"vs_plan": all(torch.equal(ref[l][k], got[l][k])
+                                 for l in range(LAYERS) for k in range(2)),
+                  "vs_layout": all(torch.equal(semantic[l][k], got[l][k])
+                                   for l in range(LAYERS) for k in range(2))}
+    return out
+
+
+def wait_request(state, case: str, rank: int, request_id: str, timeout_s: float):
+    start = time.monotonic()
+    try:
+        state[("rx", case, rank)].wait_request_sync(request_id, CASES[case].tokens,
+                                                    timeout_s=timeout_s)
+        return "ok", "", time.monotonic() - start
+    except TransferError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+
+
+def receiver_view(state, case: str, rank: int, request_id: str) -> dict:
+    rx, pools = state[("rx", case, rank)], state[("pools", case, rank)]
+    return {"landed": rx.landed(request_id), "stats": rx.stats(),
+            "events": state[("events", case, rank)],
+            "layer_nonzero": [bool(pools[l][0].any() or pools[l][1].any()) for l in range(LAYERS)]}
+
+
+def set_receiver_epoch(state, case: str, rank: int, epoch: int) -> None:
+    state[("rx", case, rank)].set_epoch(epoch)
+
+
+def submit_layer(state, case: str, addr, request_id: str, layer: int, rank: int = 0,
+                 tag: str = "") -> bool:
+    """Start one layer's batch and return at once (`join_layer` waits for it)."""
+    tx = state[("tx", case + tag, rank)]
+    copies = [c for c in _plan(case).for_layer(layer) if c.src_rank == rank]
+    state[("inflight", case + tag, rank)] = (time.monotonic(),
+                                             tx.submit_layer(tuple(addr), request_id, copies))
+    return True
+
+
+def join_layer(state, case: str, rank: int = 0, tag: str = "", timeout_s: float = 20.0):
+    start, fut = state[("inflight", case + tag, rank)]
+    try:
+        fut.result(timeout_s)
+        return "ok", "", time.monotonic() - start
+    except TransferError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+
+
+# ----------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("case", ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1"])
+def test_request_kv_lands_bit_exact(pair, case):
+    """Planner + transport move a request's KV (2 layers, all batches in flight at once)
+    across different TP degrees and page sizes; the decode pools equal the plan applied
+    in-process and the layout's definition, bit for bit, and nothing else is written."""
+    prefill, decode = pair
+    addrs = decode.call(make_receivers, case=case)
+    prefill.call(make_senders, case=case, addrs=addrs)
+    acked = prefill.call(send_all, case=case, addrs=addrs, request_id=f"req-{case}")
+    assert acked == sum(len({(c.src_rank, c.dst_rank) for c in _plan(case).for_layer(l)})
+                        for l in range(LAYERS))
+    result = decode.call(check_landed, case=case, request_id=f"req-{case}")
+    assert result == {r: {"vs_plan": True, "vs_layout": True} for r in addrs}
+
+
+def test_layers_stream_in_order(pair):
+    """Layer 0 is written and acknowledged before layer 1 is sent; when layer 0 lands,
+    layer 1 has not (CLOCK_MONOTONIC is shared by the processes of one host)."""
+    prefill, decode = pair
+    addrs = decode.call(make_receivers, case="tp1_to_tp1")
+    prefill.call(make_senders, case="tp1_to_tp1", addrs=addrs)
+    sends = [prefill.call(send_layer, case="tp1_to_tp1", addr=addrs[0], request_id="stream",
+                          layer=layer) for layer in range(LAYERS)]
+    assert all(ok for ok, *_ in sends), sends
+    view = decode.call(receiver_view, case="tp1_to_tp1", rank=0, request_id="stream")
+    (rid0, a0, b0, t0, landed0), (rid1, a1, b1, t1, landed1) = view["events"]
+    assert (a0, b0, a1, b1) == (0, 1, 1, 2)
+    assert landed0 == {0: 2 * 4 * 45}          # layer 1 not there yet
+    assert landed1 == {0: 2 * 4 * 45, 1: 2 * 4 * 45}
+    (_, _, _, start0, acked0), (_, _, _, start1, acked1) = sends
+    assert start0 <= t0 <= acked0 <= start1 <= t1 <= acked1
+
+
+def test_sender_killed_mid_transfer_fails_the_wait(pair, actors):
+    """A prefill process dies while its second (32 MiB) layer is in flight: the decode
+    side's wait raises TransferError well before its deadline (the closed endpoint is
+    seen), and the receiver keeps serving."""
+    _, decode = pair
+    (victim,) = actors(1)
+    addrs = decode.call(make_receivers, case="big")
+    victim.call(make_senders, case="big", addrs=addrs)
+    waiting = decode.submit(wait_request, case="big", rank=0, request_id="doomed", timeout_s=8.0)
+    assert victim.call(send_layer, case="big", addr=addrs[0], request_id="doomed", layer=0)[0]
+    victim.call(submit_layer, case="big", addr=addrs[0], request_id="doomed", layer=1)
+    victim.signal(signal.SIGKILL)
+    kind, message, elapsed = decode.result(waiting, 20.0)
+    print(f"receiver wait failed after {elapsed:.3f} s: {message}")
+    assert kind == "TransferError", message
+    assert elapsed < 8.0 + 1.0
+    view = decode.call(receiver_view, case="big", rank=0, request_id="doomed")
+    assert view["landed"].get(0) == 2 * 4 * 4096 and view["landed"].get(1, 0) < 2 * 4 * 4096
+    assert view["stats"]["conn_lost"] == 1
+
+
+def test_receiver_hung_or_killed_fails_the_sender(pair, actors):
+    """A frozen decode process: a send hits its deadline (TransferError 'timeout');
+    then it is killed while a second connection's send is in flight: that send raises
+    TransferError at once, long before its 20 s deadline."""
+    prefill, _ = pair
+    (victim,) = actors(1)
+    addrs = victim.call(make_receivers, case="tp1_to_tp1", ranks=[0])
+    for tag in ("a", "b"):
+        prefill.call(make_senders, case="tp1_to_tp1", addrs=addrs, tag=tag, timeout_s=20.0)
+    assert prefill.call(send_layer, case="tp1_to_tp1", addr=addrs[0], request_id="x", layer=0,
+                        tag="a")[0]
+    victim.signal(signal.SIGSTOP)
+    ok, kind, message, start, end = prefill.call(send_layer, case="tp1_to_tp1", addr=addrs[0],
+                                                 request_id="x", layer=1, tag="a", timeout_s=1.5)
+    assert (ok, kind) == (False, "TransferError") and "timeout" in message, message
+    print(f"hung receiver: send failed after {end - start:.3f} s: {message}")
+    assert 1.4 <= end - start < 5.0
+    prefill.call(submit_layer, case="tp1_to_tp1", addr=addrs[0], request_id="y", layer=0,
+                 tag="b")
+    time.sleep(0.3)
+    victim.signal(signal.SIGKILL)
+    kind, message, elapsed = prefill.call(join_layer, case="tp1_to_tp1", tag="b")
+    print(f"killed receiver: send failed {elapsed - 0.3:.3f} s after the kill: {message}")
+    assert kind == "TransferError", message
+    assert elapsed < 10.0
+
+
+def test_other_epochs_are_dropped(pair):
+    """After the decode side moves to epoch 2, a batch stamped epoch 1 is dropped (not
+    written; negative ack -> TransferError), the connection stays usable, and the same
+    batch at epoch 2 lands. A sender of another epoch is refused at the handshake."""
+    prefill, decode = pair
+    case = "tp1_to_tp1"
+    addrs = decode.call(make_receivers, case=case, ranks=[0])  # fresh receiver, epoch 1
+    prefill.call(make_senders, case=case, addrs=addrs, tag="e")
+    assert prefill.call(send_layer, case=case, addr=addrs[0], request_id="ep", layer=0,
+                        tag="e")[0]
+    decode.call(set_receiver_epoch, case=case, rank=0, epoch=2)
+    ok, kind, message, *_ = prefill.call(send_layer, case=case, addr=addrs[0], request_id="ep",
+                                         layer=1, tag="e")
+    assert (ok, kind) == (False, "TransferError") and "stale epoch 1" in message, message
+    view = decode.call(receiver_view, case=case, rank=0, request_id="ep")
+    assert view["layer_nonzero"] == [True, False]
+    assert view["stats"]["dropped_epoch"] == 1 and view["stats"]["messages"] == 1
+    assert prefill.call(send_layer, case=case, addr=addrs[0], request_id="ep", layer=1,
+                        tag="e", epoch=2)[0]
+    view = decode.call(receiver_view, case=case, rank=0, request_id="ep")
+    assert view["layer_nonzero"] == [True, True] and view["stats"]["messages"] == 2
+    with pytest.raises(RuntimeError, match="TransferError.*rejected"):
+        prefill.call(make_senders, case=case, addrs=addrs, tag="old", epoch=1)
+
+
+# ----------------------------------------------------------------------- in-process
+
+def test_wire_format_round_trips_and_validates():
+    """Framed msgspec messages round-trip; copy tables encode compactly, split at copy
+    boundaries within a byte budget, and out-of-range copies are named."""
+    from phalanx.kv_transfer import messages as m
+    req = m.TransferRequest("r", 3, 7, 0, 2, b"\x01\x02", 10)
+    buf = bytearray(m.frame(req)) + bytearray(100)  # a fixed receive buffer, partly used
+    assert m.unframe(buf, m.TO_RECEIVER) == req
+    with pytest.raises(ValueError):
+        m.unframe(bytearray(16), m.TO_RECEIVER)
+    plan = _plan("tp2_to_tp1")
+    table = m.encode_copies(plan.copies)
+    assert table.shape == (len(plan), 10) and table.dtype == np.int32
+    assert np.array_equal(m.decode_copies(m.table_bytes(table)), table)
+    sizes = m.copy_nbytes(table, 8, 4)
+    parts = m.split_table(table, sizes, 1000)
+    assert np.array_equal(np.concatenate([p for p, _ in parts]), table)
+    assert all(n <= 1000 for _, n in parts) and sum(n for _, n in parts) == sizes.sum()
+    bad = table.copy()
+    bad[3, m.F_DST_PAGE] = 10**6
+    assert "dst page" in m.check_copies(bad, "dst", LAYERS, 20, 4, 8)
+    assert m.check_copies(table, "dst", LAYERS, 20, 4, 8) == ""
+
+
+@pytest.mark.parametrize("case", ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1"])
+def test_gather_scatter_match_the_plan_in_process(case):
+    """The transport's gather (every src rank) + scatter equal the plan applied slab by
+    slab, whatever granule each side picks (partial pages, different page sizes)."""
+    from phalanx.kv_transfer import messages as m
+    from phalanx.kv_transfer.transport import _Pools
+    plan = _plan(case)
+    for d in range(_layouts(case)[1].tp):
+        dst = _Pools(_zero_pools(case, d))
+        for s in range(_layouts(case)[0].tp):
+            table = m.encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == (s, d)])
+            if len(table):
+                src = _Pools(_side_pools(case, "src", s, "noise"))
+                buf = torch.empty(src.nbytes(table), dtype=torch.uint8)
+                src.gather(table, buf)
+                dst.scatter(table, buf)
+        want = _side_pools(case, "dst", d, "zero")
+        assert all(torch.equal(want[l][k], dst.pools[l][k]) for l in range(LAYERS)
+                   for k in range(2))
+
+
+def test_receiver_rejects_bad_batches_without_writing():
+    """Out-of-range copies, a payload size that disagrees with the copies, or another
+    epoch: the batch is dropped with a reason and the pools stay untouched."""
+    import asyncio
+    from phalanx.kv_transfer import messages as m
+    from phalanx.kv_transfer.transport import KVReceiver
+
+    async def run():
+        pools = _zero_pools("tp1_to_tp1", 0)
+        rx = KVReceiver(pools, rank=0, epoch=2)
+        table = m.encode_copies(_plan("tp1_to_tp1").for_layer(0).copies)
+        n = m.payload_nbytes(table, 8, 4)
+        payload = torch.ones(n, dtype=torch.uint8)
+        bad = table.copy()
+        bad[0, m.F_DST_HEAD] = 3
+        errors = [rx._apply(m.TransferRequest("r", 2, 1, 0, 1, m.table_bytes(bad), n), payload),
+                  rx._apply(m.TransferRequest("r", 2, 2, 0, 1, m.table_bytes(table), n - 4),
+                            payload),
+                  rx._apply(m.TransferRequest("r", 1, 3, 0, 1, m.table_bytes(table), n), payload)]
+        return errors, rx.stats, all(not t.any() for pair in pools for t in pair)
+
+    errors, stats, untouched = asyncio.run(run())
+    assert "dst head range" in errors[0] and "does not match" in errors[1]
+    assert "stale epoch 1" in errors[2]
+    assert stats["rejected"] == 2 and stats["dropped_epoch"] == 1 and untouched
