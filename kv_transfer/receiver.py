@@ -1,0 +1,270 @@
+"""Decode side of the KV transport: `KVReceiver` (async, on the transport loop) and
+`BlockingKVReceiver` (its synchronous front). Protocol, deadlines and threading model:
+`transport`'s docstring."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..log import get_logger
+from . import messages as m
+from .errors import TransferError
+from .staging import _Pools
+from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address,
+                          TransportThread, _abort, _on_loop, _post_recv, _reason,
+                          _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
+
+__all__ = ["BlockingKVReceiver", "KVReceiver"]
+
+log = get_logger(__name__)
+
+
+class _RecvConn:
+    def __init__(self, ep: Any) -> None:
+        self.ep, self.peer = ep, "unknown sender"
+        self.requests: set[str] = set()
+        self.broken = ""
+        self.tasks: list[asyncio.Task] = []
+
+
+class KVReceiver:
+    """Decode side: listens on (host, port) (0: any free port) and writes incoming
+    batches into its pools (per layer (k, v) of `[num_pages, kv_heads_local, page_size,
+    head_dim]`). `wait_request` reports when a request's KV has landed. Per connection it
+    keeps `staging_buffers` receives of up to `max_payload_bytes` posted.
+
+    on_landed(request_id, layers, epoch): called on the loop after a message is written,
+    before its ack is sent. `stats`: counters (connections accepted and lost, messages
+    and bytes written, messages dropped for their epoch or rejected). Async API: use on
+    one loop (module docstring)."""
+
+    def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
+                 epoch: int, host: str = "127.0.0.1", port: int = 0,
+                 timeout_s: float = 10.0, staging_buffers: int = 3,
+                 max_payload_bytes: int = 32 << 20, progress_mode: str = "thread",
+                 on_landed: Optional[Callable[[str, range, int], None]] = None) -> None:
+        self._pools = _Pools(pools)
+        self.rank, self.epoch, self.host, self._port = rank, epoch, host, port
+        self.timeout_s, self.max_payload_bytes = timeout_s, max_payload_bytes
+        self._staging_buffers, self._progress_mode = max(1, staging_buffers), progress_mode
+        self.on_landed = on_landed
+        self._listener: Any = None
+        self._conns: set[_RecvConn] = set()
+        self._rows: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self._failed: dict[str, tuple[str, str]] = {}
+        self._wakeup = asyncio.Event()
+        self.stats = {"connections": 0, "messages": 0, "bytes": 0, "dropped_epoch": 0,
+                      "rejected": 0, "conn_lost": 0}
+
+    @property
+    def address(self) -> Address:
+        return (self.host, self._port)
+
+    async def start(self) -> Address:
+        """Start listening; returns the (host, port) senders connect to."""
+        ucxx = ensure_ucx(self._progress_mode)
+        self._listener = ucxx.create_listener(self._on_connect, self._port,
+                                              connect_timeout=self.timeout_s)
+        self._port = self._listener.port
+        return self.address
+
+    def set_epoch(self, epoch: int) -> None:
+        """Enter `epoch`: later messages of other epochs are dropped; waits fail."""
+        self.epoch = epoch
+        self._notify()
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's landing state (after it is admitted or aborted)."""
+        self._rows.pop(request_id, None)
+        self._failed.pop(request_id, None)
+
+    def landed(self, request_id: str) -> dict[int, int]:
+        """Token slots (heads x tokens, K and V) written so far, per layer."""
+        return dict(self._rows.get(request_id, {}))
+
+    def _notify(self) -> None:
+        self._wakeup.set()
+        self._wakeup = asyncio.Event()
+
+    async def wait_request(self, request_id: str, num_tokens: int, *,
+                           layers: Optional[range] = None,
+                           timeout_s: Optional[float] = None) -> None:
+        """Return once tokens [0, num_tokens) of `layers` (default all) have landed, K and
+        V of every local head. TransferError at the deadline, when a connection that
+        carried part of it breaks, on an epoch change, or if more than that landed."""
+        layers = range(self._pools.num_layers) if layers is None else layers
+        need, epoch = 2 * self._pools.heads * num_tokens, self.epoch
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            got = self._rows.get(request_id, {})
+            done = sum(got.get(layer, 0) == need for layer in layers)
+            if any(got.get(layer, 0) > need for layer in layers):
+                raise TransferError(request_id, epoch, "receiver", "more KV than expected")
+            if done == len(layers):
+                return
+            if request_id in self._failed:
+                raise TransferError(request_id, epoch, *self._failed[request_id])
+            if self.epoch != epoch:
+                raise TransferError(request_id, epoch, "receiver", f"epoch is now {self.epoch}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(request_id, epoch, "unknown sender",
+                                    f"timeout: {done}/{len(layers)} layers landed")
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _on_connect(self, ep: Any) -> None:
+        conn = _RecvConn(ep)
+        self._conns.add(conn)
+        self.stats["connections"] += 1
+        conn.tasks.append(asyncio.current_task())
+        try:
+            await self._serve(conn)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._break(conn, _reason(e))
+
+    def _check_hello(self, hello: Any) -> str:
+        if not isinstance(hello, m.Hello):
+            return f"expected Hello, got {type(hello).__name__}"
+        mine = (m.PROTOCOL_VERSION, self.epoch, str(self._pools.dtype).removeprefix("torch."),
+                self._pools.head_dim)
+        theirs = (hello.version, hello.epoch, hello.dtype, hello.head_dim)
+        return "" if mine == theirs else f"(version, epoch, dtype, head_dim) {theirs} != {mine}"
+
+    async def _serve(self, conn: _RecvConn) -> None:
+        """Handshake, then land messages in order through ring slots whose control and
+        payload receives stay posted ahead."""
+        hello = await _recv_msg(conn.ep, TAG_CTRL, m.TO_RECEIVER, self.timeout_s)
+        conn.peer = f"sender rank {getattr(hello, 'sender_rank', '?')}"
+        error = self._check_hello(hello)
+        await _send_msg(conn.ep, TAG_REPLY, m.HelloAck(
+            self.epoch, self.rank, not error, self.max_payload_bytes, error), self.timeout_s)
+        if error:  # let the sender read the refusal and hang up first
+            try:
+                await asyncio.wait_for(_post_recv(conn.ep, TAG_CTRL, bytearray(8)),
+                                       self.timeout_s)
+            except Exception:  # the hang-up (or our deadline)
+                pass
+            raise ValueError(f"refused: {error}")
+        slots = [(bytearray(m.MAX_CTRL_BYTES),
+                  torch.empty(self.max_payload_bytes, dtype=torch.uint8, device=self._pools.device))
+                 for _ in range(self._staging_buffers)]
+        posted = [self._post(conn, slot) for slot in slots]
+        n = 0
+        while True:
+            k = n % len(slots)
+            ctrl_task, payload_task = posted[k]
+            await ctrl_task  # idle: no deadline
+            msg = m.unframe(slots[k][0], m.TO_RECEIVER)
+            if not isinstance(msg, m.TransferRequest):
+                raise ValueError(f"unexpected {type(msg).__name__}")
+            if msg.epoch == self.epoch:
+                conn.requests.add(msg.request_id)
+            await asyncio.wait_for(payload_task, self.timeout_s)
+            error = self._apply(msg, slots[k][1])
+            posted[k] = self._post(conn, slots[k])
+            await _send_msg(conn.ep, TAG_REPLY, m.TransferAck(
+                msg.request_id, msg.epoch, msg.seq, msg.layer_start, msg.layer_stop,
+                not error, error[:1000]), self.timeout_s)
+            n += 1
+
+    def _post(self, conn: _RecvConn, slot: tuple) -> tuple[asyncio.Task, asyncio.Task]:
+        return (_post_recv(conn.ep, TAG_CTRL, slot[0]),
+                _post_recv(conn.ep, TAG_PAYLOAD, _ucx_buf(slot[1])))
+
+    def _apply(self, msg: m.TransferRequest, buf: torch.Tensor) -> str:
+        """Write one message's payload (at the start of `buf`) into the pools; '' or why
+        it was dropped."""
+        if msg.epoch != self.epoch:
+            self.stats["dropped_epoch"] += 1
+            return f"stale epoch {msg.epoch}: receiver is at epoch {self.epoch}"
+        try:
+            table = m.decode_copies(msg.copies)
+            error = self._pools.check(table, "dst")
+            if not error and self._pools.nbytes(table) != msg.payload_bytes:
+                error = f"payload of {msg.payload_bytes} bytes does not match the copies"
+        except ValueError as e:
+            error = str(e)
+        if error:
+            self.stats["rejected"] += 1
+            return error
+        for layer, slots in self._pools.scatter(table, buf[:msg.payload_bytes]).items():
+            self._rows[msg.request_id][layer] += slots
+        self.stats["messages"] += 1
+        self.stats["bytes"] += msg.payload_bytes
+        if self.on_landed is not None:
+            self.on_landed(msg.request_id, range(msg.layer_start, msg.layer_stop), msg.epoch)
+        self._notify()
+        return ""
+
+    def _break(self, conn: _RecvConn, reason: str, *, fault: bool = True) -> None:
+        if conn.broken:
+            return
+        conn.broken = reason
+        if fault:
+            self.stats["conn_lost"] += 1
+            log.warning("kv_recv_conn_broken", peer=conn.peer, reason=reason)
+        for request_id in conn.requests:
+            self._failed.setdefault(request_id, (conn.peer, f"connection lost: {reason}"))
+        for task in conn.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        _abort(conn.ep)
+        self._conns.discard(conn)
+        self._notify()
+
+    async def close(self) -> None:
+        tasks = [t for conn in self._conns for t in conn.tasks]
+        for conn in list(self._conns):
+            self._break(conn, "receiver closed", fault=False)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+
+class BlockingKVReceiver:
+    """`KVReceiver` for synchronous callers, living on `thread`'s loop; keyword arguments
+    as `KVReceiver`'s (`on_landed` runs on that loop's thread)."""
+
+    def __init__(self, thread: TransportThread, pools: Sequence[tuple[torch.Tensor, ...]],
+                 **kwargs: Any) -> None:
+        self.thread = thread
+        self.receiver: KVReceiver = thread.call(_on_loop(KVReceiver, pools, **kwargs),
+                                                _MARGIN_S)
+
+    def start(self) -> Address:
+        return self.thread.call(self.receiver.start(), _MARGIN_S)
+
+    def wait_request_sync(self, request_id: str, num_tokens: int, *,
+                          layers: Optional[range] = None,
+                          timeout_s: Optional[float] = None) -> None:
+        bound = (self.receiver.timeout_s if timeout_s is None else timeout_s) + _MARGIN_S
+        self.thread.call(self.receiver.wait_request(request_id, num_tokens, layers=layers,
+                                                    timeout_s=timeout_s), bound)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.thread.call(_on_loop(self.receiver.set_epoch, epoch), _MARGIN_S)
+
+    def release(self, request_id: str) -> None:
+        self.thread.call(_on_loop(self.receiver.release, request_id), _MARGIN_S)
+
+    def landed(self, request_id: str) -> dict[int, int]:
+        return self.thread.call(_on_loop(self.receiver.landed, request_id), _MARGIN_S)
+
+    def stats(self) -> dict[str, int]:
+        return self.thread.call(_on_loop(dict, self.receiver.stats), _MARGIN_S)
+
+    def close(self) -> None:
+        self.thread.call(self.receiver.close(), _MARGIN_S)

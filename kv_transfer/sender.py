@@ -1,0 +1,285 @@
+"""Prefill side of the KV transport: `KVSender` (async, on the transport loop) and
+`BlockingKVSender` (its synchronous front). Protocol, deadlines and threading model:
+`transport`'s docstring."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from ..log import get_logger
+from . import messages as m
+from .errors import TransferError
+from .planner import Copy
+from .staging import _Pools
+from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address,
+                          TransportThread, _abort, _on_loop, _post_send, _reason,
+                          _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
+
+__all__ = ["BlockingKVSender", "Copies", "KVSender"]
+
+log = get_logger(__name__)
+Copies = Union[Sequence[Copy], np.ndarray]
+
+
+class _Batch:
+    """One `send_layer` call: done when every part of it is acked."""
+
+    __slots__ = ("request_id", "epoch", "future", "parts_left")
+
+    def __init__(self, request_id: str, epoch: int, parts: int) -> None:
+        self.request_id, self.epoch, self.parts_left = request_id, epoch, parts
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+
+
+class _SenderConn:
+    def __init__(self, peer: str, ep: Any, hello: m.HelloAck, staging: int) -> None:
+        self.peer, self.ep, self.receiver_rank = peer, ep, hello.receiver_rank
+        self.capacity = hello.max_payload_bytes
+        self.free: asyncio.Queue[torch.Tensor] = asyncio.Queue()  # staging buffers
+        for _ in range(max(1, staging)):
+            self.free.put_nowait(torch.empty(0, dtype=torch.uint8))
+        self.seq = 0
+        self.queue: deque[tuple[_Batch, np.ndarray, int]] = deque()  # (batch, part, bytes)
+        self.wake = asyncio.Event()
+        self.pending: dict[int, list[_Batch]] = {}  # seq -> batches with a part in it
+        self.broken = ""
+        self.tasks: list[asyncio.Task] = []
+
+
+class KVSender:
+    """Prefill side: sends this rank's copies to decode ranks, one connection per peer.
+
+    pools: per layer (k, v) of `[num_pages, kv_heads_local, page_size, head_dim]`.
+    rank: this prefill TP rank (`Copy.src_rank`). timeout_s: default deadline of one
+    `send_layer` (queueing, staging, send and ack). staging_buffers: messages in flight
+    per connection. Async API: use on one loop (module docstring).
+    """
+
+    def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
+                 epoch: int, timeout_s: float = 10.0, connect_timeout_s: float = 5.0,
+                 staging_buffers: int = 3, progress_mode: str = "thread") -> None:
+        self._pools = _Pools(pools)
+        self.rank, self.epoch = rank, epoch
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._staging_buffers, self._progress_mode = staging_buffers, progress_mode
+        self._conns: dict[Address, _SenderConn] = {}
+
+    def set_epoch(self, epoch: int) -> None:
+        """Stamp later batches with `epoch` (batches already submitted keep theirs)."""
+        self.epoch = epoch
+
+    async def connect(self, peer: Address) -> int:
+        """Connect (or reconnect a broken connection) to the receiver at `peer` and
+        handshake; returns the receiver's rank. TransferError on failure or rejection."""
+        ucxx = ensure_ucx(self._progress_mode)
+        old = self._conns.get(peer)
+        if old is not None and not old.broken:
+            return old.receiver_rank
+        name, deadline, ep = f"{peer[0]}:{peer[1]}", time.monotonic() + self.connect_timeout_s, None
+        left = lambda: max(deadline - time.monotonic(), 0.0)  # noqa: E731
+        try:
+            ep = await asyncio.wait_for(ucxx.create_endpoint(
+                peer[0], peer[1], connect_timeout=self.connect_timeout_s), left())
+            await _send_msg(ep, TAG_CTRL, m.Hello(
+                m.PROTOCOL_VERSION, self.epoch, self.rank,
+                str(self._pools.dtype).removeprefix("torch."), self._pools.head_dim), left())
+            hello = await _recv_msg(ep, TAG_REPLY, m.TO_SENDER, left())
+        except Exception as e:
+            if ep is not None:
+                _abort(ep)
+            raise TransferError("", self.epoch, name, f"connect failed: {_reason(e)}") from e
+        if not isinstance(hello, m.HelloAck) or not hello.ok:
+            _abort(ep)
+            raise TransferError("", self.epoch, name, f"rejected: {getattr(hello, 'error', hello)}")
+        conn = _SenderConn(name, ep, hello, self._staging_buffers)
+        conn.tasks = [asyncio.create_task(self._read_acks(conn)),
+                      asyncio.create_task(self._pump(conn))]
+        self._conns[peer] = conn
+        return conn.receiver_rank
+
+    def _conn(self, peer: Address, request_id: str) -> _SenderConn:
+        conn = self._conns.get(peer)
+        if conn is None or conn.broken:
+            detail = conn.broken if conn else "not connected"
+            raise TransferError(request_id, self.epoch, f"{peer[0]}:{peer[1]}", detail)
+        return conn
+
+    def _table(self, copies: Copies, conn: _SenderConn) -> np.ndarray:
+        if isinstance(copies, np.ndarray):  # pre-encoded (messages.encode_copies)
+            table = copies
+        else:
+            bad = [c for c in copies if c.src_rank != self.rank or c.dst_rank != conn.receiver_rank]
+            if bad:
+                raise ValueError(f"copy {bad[0]} is not from rank {self.rank} to the peer's "
+                                 f"rank {conn.receiver_rank}")
+            table = m.encode_copies(copies)
+        error = self._pools.check(table, "src")
+        if error:
+            raise ValueError(error)
+        return table
+
+    async def send_layer(self, peer: Address, request_id: str, copies: Copies, *,
+                         timeout_s: Optional[float] = None) -> m.TransferAck:
+        """Send one batch of copies (one destination; a layer or a chunk of layers) to
+        `peer`; return the ack of its last message once the receiver has written it.
+
+        ValueError for copies that are not this rank's, not the peer's, or out of the
+        pools; TransferError on timeout, rejection (e.g. stale epoch) or a lost peer."""
+        conn = self._conn(peer, request_id)
+        table = self._table(copies, conn)
+        parts = m.split_table(table, self._pools.copy_nbytes(table), conn.capacity)
+        batch = _Batch(request_id, self.epoch, len(parts))
+        conn.queue.extend((batch, part, nbytes) for part, nbytes in parts)
+        conn.wake.set()
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            ack = await asyncio.wait_for(batch.future, timeout)
+        except asyncio.TimeoutError:
+            self._break(conn, f"no ack within {timeout} s")
+            raise TransferError(request_id, batch.epoch, conn.peer, "timeout") from None
+        if not ack.ok:
+            raise TransferError(request_id, batch.epoch, conn.peer, f"rejected: {ack.error}")
+        return ack
+
+    def _next_message(self, conn: _SenderConn) -> tuple[list[_Batch], np.ndarray, int]:
+        """The queue's head part and the following ones of the same request and epoch,
+        within the receiver's capacity: (their batches, copy table, payload bytes)."""
+        batch, part, total = conn.queue.popleft()
+        batches, tables = [batch], [part]
+        while conn.queue:
+            nxt, part, nbytes = conn.queue[0]
+            if ((nxt.request_id, nxt.epoch) != (batch.request_id, batch.epoch)
+                    or total + nbytes > conn.capacity
+                    or sum(len(t) for t in tables) + len(part) > m.MAX_COPIES):
+                break
+            conn.queue.popleft()
+            batches.append(nxt)
+            tables.append(part)
+            total += nbytes
+        return batches, tables[0] if len(tables) == 1 else np.concatenate(tables), total
+
+    async def _pump(self, conn: _SenderConn) -> None:
+        """Gather and post queued parts in order. Its waits are bounded by the batches'
+        own deadlines: one that expires breaks the connection, which cancels the pump."""
+        try:
+            while True:
+                while not conn.queue:
+                    conn.wake.clear()
+                    await conn.wake.wait()
+                batches, table, nbytes = self._next_message(conn)
+                conn.seq += 1
+                conn.pending[conn.seq] = batches  # from here on `_break` fails them
+                buf = await conn.free.get()
+                if buf.numel() < nbytes:
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self._pools.device)
+                self._pools.gather(table, buf[:nbytes])
+                layers = table[:, m.F_LAYER]
+                msg = m.TransferRequest(batches[0].request_id, batches[0].epoch, conn.seq,
+                                        int(layers.min()), int(layers.max()) + 1,
+                                        m.table_bytes(table), nbytes)
+                sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg)),
+                         _post_send(conn.ep, TAG_PAYLOAD, _ucx_buf(buf[:nbytes]))]
+                asyncio.create_task(self._sent(conn, sends, buf))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._break(conn, f"send failed: {e!r}")
+
+    async def _sent(self, conn: _SenderConn, sends: list[asyncio.Task],
+                    buf: torch.Tensor) -> None:
+        """Recycle the staging buffer once UCX is done with it (never if a send failed)."""
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self._break(conn, f"send failed: {errors[0]!r}")
+        else:
+            conn.free.put_nowait(buf)
+
+    async def _read_acks(self, conn: _SenderConn) -> None:
+        try:
+            while True:
+                ack = await _recv_msg(conn.ep, TAG_REPLY, m.TO_SENDER, None)  # idle: no deadline
+                if not isinstance(ack, m.TransferAck):
+                    raise ValueError(f"unexpected {type(ack).__name__}")
+                batches = conn.pending.pop(ack.seq, None)
+                if not batches or (ack.request_id, ack.epoch) != (batches[0].request_id,
+                                                                  batches[0].epoch):
+                    log.warning("kv_ack_dropped", peer=conn.peer, seq=ack.seq,
+                                request_id=ack.request_id, epoch=ack.epoch)
+                    continue
+                for batch in batches:
+                    batch.parts_left -= 1
+                    if (batch.parts_left == 0 or not ack.ok) and not batch.future.done():
+                        batch.future.set_result(ack)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._break(conn, f"connection lost: {e!r}")
+
+    def _break(self, conn: _SenderConn, reason: str, *, fault: bool = True) -> None:
+        """Mark `conn` broken, fail its queued and unacked batches, abort the endpoint."""
+        if conn.broken:
+            return
+        conn.broken = reason
+        if fault:
+            log.warning("kv_send_conn_broken", peer=conn.peer, reason=reason)
+        batches = [b for b, _, _ in conn.queue] + [b for bs in conn.pending.values() for b in bs]
+        conn.queue.clear()
+        conn.pending.clear()
+        for batch in batches:
+            if not batch.future.done():
+                batch.future.set_exception(TransferError(batch.request_id, batch.epoch,
+                                                         conn.peer, reason))
+                batch.future.exception()  # marks it retrieved: its waiter re-raises it
+        for task in conn.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        _abort(conn.ep)
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            self._break(conn, "sender closed", fault=False)
+        self._conns.clear()
+        await asyncio.sleep(0)
+
+
+
+class BlockingKVSender:
+    """`KVSender` for synchronous callers (e.g. the engine thread), living on `thread`'s
+    loop; keyword arguments as `KVSender`'s. `submit_layer` returns a concurrent Future at
+    once (stream layer l while computing layer l+1); `send_layer_sync` waits for the ack.
+    Errors as `KVSender`'s, raised by the Future or the call."""
+
+    def __init__(self, thread: TransportThread, pools: Sequence[tuple[torch.Tensor, ...]],
+                 **kwargs: Any) -> None:
+        self.thread = thread
+        self.sender: KVSender = thread.call(_on_loop(KVSender, pools, **kwargs), _MARGIN_S)
+
+    def connect(self, peer: Address) -> int:
+        return self.thread.call(self.sender.connect(peer),
+                                self.sender.connect_timeout_s + _MARGIN_S)
+
+    def submit_layer(self, peer: Address, request_id: str, copies: Copies, *,
+                     timeout_s: Optional[float] = None) -> concurrent.futures.Future:
+        return self.thread.submit(self.sender.send_layer(peer, request_id, copies,
+                                                         timeout_s=timeout_s))
+
+    def send_layer_sync(self, peer: Address, request_id: str, copies: Copies, *,
+                        timeout_s: Optional[float] = None) -> m.TransferAck:
+        bound = (self.sender.timeout_s if timeout_s is None else timeout_s) + _MARGIN_S
+        return self.submit_layer(peer, request_id, copies, timeout_s=timeout_s).result(bound)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.thread.call(_on_loop(self.sender.set_epoch, epoch), _MARGIN_S)
+
+    def close(self) -> None:
+        self.thread.call(self.sender.close(), _MARGIN_S)
+

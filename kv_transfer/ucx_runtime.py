@@ -1,0 +1,151 @@
+"""ucxx process state and helpers of the KV transport (see `transport`'s docstring for the
+threading model): `ensure_ucx` / `shutdown_ucx` bind ucxx to one event loop per process,
+`TransportThread` runs that loop for synchronous callers, and small wrappers post sends
+and receives, frame control messages and abort endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, Optional
+
+import torch
+
+from ..log import get_logger
+from . import messages as m
+
+__all__ = ["Address", "TAG_CTRL", "TAG_PAYLOAD", "TAG_REPLY", "TransportThread",
+           "ensure_ucx", "shutdown_ucx"]
+
+log = get_logger(__name__)
+Address = tuple[str, int]
+TAG_CTRL, TAG_PAYLOAD, TAG_REPLY = 1, 2, 3
+_ABORT_PERIOD_NS = 10**9
+
+_ucx_loop: Optional[asyncio.AbstractEventLoop] = None
+
+
+def ensure_ucx(progress_mode: str = "thread") -> Any:
+    """Initialise ucxx on the running loop (once per process) and return the module.
+
+    'thread' modes use a UCX progress thread plus Python futures (idle waits cost no
+    CPU); ucxx's default without futures busy-polls a core per waiting coroutine.
+    RuntimeError if ucxx was initialised by us on another loop."""
+    global _ucx_loop
+    import ucxx
+
+    loop = asyncio.get_running_loop()
+    if _ucx_loop is None:
+        try:
+            ucxx.init(progress_mode=progress_mode,
+                      enable_python_future=progress_mode.startswith("thread"))
+        except RuntimeError:  # initialised elsewhere: trust its loop binding
+            pass
+        _ucx_loop = loop
+    elif _ucx_loop is not loop:
+        raise RuntimeError("ucxx is bound to another event loop of this process; run "
+                           "every sender/receiver on one loop (see TransportThread)")
+    return ucxx
+
+
+def shutdown_ucx() -> None:
+    """Stop ucxx's notifier thread (a non-daemon thread: without this the process may
+    not exit) and reset ucxx. Call after closing every sender and receiver."""
+    global _ucx_loop
+    import ucxx
+
+    ucxx.stop_notifier_thread()
+    try:
+        ucxx.reset()
+    except Exception as e:  # objects still alive somewhere: leave the context be
+        log.debug("ucxx_reset_skipped", error=repr(e))
+    _ucx_loop = None
+
+
+def _ucx_buf(t: torch.Tensor) -> Any:
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # an aborted connection fails posted operations nobody awaits
+
+
+def _post_send(ep: Any, tag: int, buf: Any) -> asyncio.Task:
+    """Start a send: tasks start in creation order, so sends post in call order."""
+    task = asyncio.ensure_future(ep.send(buf, tag=tag))
+    task.add_done_callback(_retrieved)
+    return task
+
+
+def _post_recv(ep: Any, tag: int, buf: Any) -> asyncio.Task:
+    task = asyncio.ensure_future(ep.recv(buf, tag=tag))
+    task.add_done_callback(_retrieved)
+    return task
+
+
+async def _send_msg(ep: Any, tag: int, msg: Any, timeout: float) -> None:
+    await asyncio.wait_for(ep.send(m.frame(msg), tag=tag), timeout)
+
+
+async def _recv_msg(ep: Any, tag: int, decoder: Any, timeout: Optional[float]) -> Any:
+    buf = bytearray(m.MAX_REPLY_BYTES)
+    await asyncio.wait_for(ep.recv(buf, tag=tag), timeout)
+    return m.unframe(buf, decoder)
+
+
+def _abort(ep: Any) -> None:
+    try:
+        ep.abort(period=_ABORT_PERIOD_NS)
+    except Exception as e:  # already closed or failed
+        log.debug("ucx_abort_failed", error=repr(e))
+
+
+def _reason(e: BaseException) -> str:
+    return "timeout" if isinstance(e, asyncio.TimeoutError) else repr(e)
+
+
+# ------------------------------------------------------------------ synchronous use
+
+class TransportThread:
+    """A daemon thread running the process's transport event loop. `submit` schedules a
+    coroutine on it from any thread (a concurrent Future); `call` waits for the result
+    (TimeoutError after `timeout_s`, the coroutine is then cancelled). `stop` shuts ucxx
+    down (`shutdown_ucx`) and ends the thread; close senders and receivers first."""
+
+    def __init__(self, name: str = "phalanx-kv-transport") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine, timeout_s: float) -> Any:
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"transport call did not finish within {timeout_s} s") from None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        async def _down() -> None:
+            shutdown_ucx()
+
+        if self._thread.is_alive():
+            try:
+                self.call(_down(), timeout_s)
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(timeout_s)
+
+
+_MARGIN_S = 5.0  # outer bound of blocking calls on top of the transport's own deadlines
+
+
+async def _on_loop(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
