@@ -272,7 +272,7 @@ def measure(llm: LLM, probe, batch: int, steps: int, warmup: int, prompt_len: in
     return out
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--batches", default="1,32")
@@ -285,45 +285,35 @@ def main() -> None:
                          "Ranks run with max(1, threads // world) (1 on a 2-core box); with 2 "
                          "threads on a loaded 2-core box the stub's [32, vocab] argmax alone "
                          "swings from 0.05 to 8 ms (OpenMP wake-ups)")
-    args = ap.parse_args()
-    layouts = args.layouts.split(",")
-    batches = [int(b) for b in args.batches.split(",")]
-    model = str(default_model_dir())
-    from phalanx.models.loader import read_model_config
-    mcfg = read_model_config(model)
-    max_tokens = min(mcfg.max_position_embeddings - args.prompt_len - 1,
-                     args.warmup + args.steps + 4 * max(args.steps, 100))
-    pages_per_seq = -(-(args.prompt_len + max_tokens) // 16)
-    num_pages = 2 * max(batches) * pages_per_seq + 16  # room for aborted pages in flight
-    llm_kw = dict(max_num_seqs=max(64, max(batches)), page_size=16, num_pages=num_pages,
-                  enable_prefix_caching=False, collective_timeout_s=args.deadline_s)
+    return ap.parse_args()
 
-    if any(LAYOUTS[name] != (1, 1) for name in layouts):
-        from phalanx.actors.supervisor import ensure_ray
-        ensure_ray(num_cpus=max(8, 2 * max(tp * dp for tp, dp in LAYOUTS.values())))
 
+def _build(name: str, model: str, llm_kw: dict, single_threads: int):
+    """The LLM of one layout and its probe; the rank actors run the stubbed model."""
+    tp, dp = LAYOUTS[name]
+    if tp * dp == 1:
+        if single_threads > 0:
+            torch.set_num_threads(single_threads)
+        llm = LLM(model, **llm_kw)
+        return llm, SingleProbe(llm), None
+    with stub_group_client():
+        llm = LLM(model, tp=tp, dp=dp, **llm_kw)
+    probe = GroupProbe(llm)
+    return llm, probe, probe.rtt_ms()
+
+
+def _run_layouts(args, layouts, batches, model, llm_kw, max_tokens, vocab) -> list[dict]:
     default_threads = torch.get_num_threads()
     rows = []
-    t_start = time.perf_counter()
     for name in layouts:
         tp, dp = LAYOUTS[name]
         t_form = time.perf_counter()
-        if tp * dp == 1:
-            if args.single_threads > 0:
-                torch.set_num_threads(args.single_threads)
-            llm = LLM(model, **llm_kw)
-            probe = SingleProbe(llm)
-            rtt = None
-        else:
-            with stub_group_client():
-                llm = LLM(model, tp=tp, dp=dp, **llm_kw)
-            probe = GroupProbe(llm)
-            rtt = probe.rtt_ms()
+        llm, probe, rtt = _build(name, model, llm_kw, args.single_threads)
         form_s = time.perf_counter() - t_form
         try:
             for b in batches:
                 r = measure(llm, probe, b, args.steps, args.warmup, args.prompt_len, max_tokens,
-                            mcfg.vocab_size, seed=1000 * tp + 100 * dp + b)
+                            vocab, seed=1000 * tp + 100 * dp + b)
                 r.update(layout=name, tp=tp, dp=dp, form_s=form_s, ping_rtt_ms=rtt)
                 rows.append(r)
                 print(f"{name:7} batch {b:3d}: caller {r['caller_ms']:.3f} ms/step, leader "
@@ -334,26 +324,10 @@ def main() -> None:
         finally:
             llm.close()
             torch.set_num_threads(default_threads)
-    total_s = time.perf_counter() - t_start
+    return rows
 
-    base = {r["batch"]: r for r in rows if r["layout"] == "single"}
-    for r in rows:
-        b = base.get(r["batch"])
-        r["x_single_caller"] = r["caller_ms"] / b["caller_ms"] if b else None
-        r["x_single_leader"] = r["leader_ms"] / b["leader_ms"] if b else None
-    result = dict(rows=rows, steps=args.steps, warmup=args.warmup, prompt_len=args.prompt_len,
-                  max_tokens=max_tokens, num_pages=num_pages, total_s=total_s,
-                  single_threads=args.single_threads or default_threads,
-                  cpus=os.cpu_count(), torch=torch.__version__, ray=ray.__version__,
-                  python=platform.python_version(),
-                  poll_s=__import__("phalanx.actors.group_client", fromlist=["POLL_S"]).POLL_S)
-    out = os.path.join(os.environ.get("OUT", "."), "step_overhead.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    if ray.is_initialized():
-        ray.shutdown()
 
+def _print_table(rows: list[dict], args, total_s: float, out: str) -> None:
     print(f"\n{args.steps} decode steps per point after {args.warmup} warm-up tokens, "
           f"{os.cpu_count()} CPUs, total {total_s:.0f} s; JSON: {out}")
     print("caller: wall time per step of tokens arriving through LLM's polling; leader: "
@@ -374,6 +348,45 @@ def main() -> None:
         quiet = f"{quiet:8.3f}" if quiet is not None else f"{'-':>8}"
         print(f"{r['layout']:8} {r['batch']:5d} {r['caller_ms']:15.3f} {r['leader_ms']:15.3f} {xs} "
               f"{r['poll_ms_mean']:8.2f} {comm:11.3f} {quiet}")
+
+
+def main() -> None:
+    args = _parse_args()
+    layouts = args.layouts.split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    model = str(default_model_dir())
+    from phalanx.models.loader import read_model_config
+    mcfg = read_model_config(model)
+    max_tokens = min(mcfg.max_position_embeddings - args.prompt_len - 1,
+                     args.warmup + args.steps + 4 * max(args.steps, 100))
+    pages_per_seq = -(-(args.prompt_len + max_tokens) // 16)
+    num_pages = 2 * max(batches) * pages_per_seq + 16  # room for aborted pages in flight
+    llm_kw = dict(max_num_seqs=max(64, max(batches)), page_size=16, num_pages=num_pages,
+                  enable_prefix_caching=False, collective_timeout_s=args.deadline_s)
+    if any(LAYOUTS[name] != (1, 1) for name in layouts):
+        from phalanx.actors.supervisor import ensure_ray
+        ensure_ray(num_cpus=max(8, 2 * max(tp * dp for tp, dp in LAYOUTS.values())))
+    t_start = time.perf_counter()
+    rows = _run_layouts(args, layouts, batches, model, llm_kw, max_tokens, mcfg.vocab_size)
+    total_s = time.perf_counter() - t_start
+    base = {r["batch"]: r for r in rows if r["layout"] == "single"}
+    for r in rows:
+        b = base.get(r["batch"])
+        r["x_single_caller"] = r["caller_ms"] / b["caller_ms"] if b else None
+        r["x_single_leader"] = r["leader_ms"] / b["leader_ms"] if b else None
+    result = dict(rows=rows, steps=args.steps, warmup=args.warmup, prompt_len=args.prompt_len,
+                  max_tokens=max_tokens, num_pages=num_pages, total_s=total_s,
+                  single_threads=args.single_threads or torch.get_num_threads(),
+                  cpus=os.cpu_count(), torch=torch.__version__, ray=ray.__version__,
+                  python=platform.python_version(),
+                  poll_s=__import__("phalanx.actors.group_client", fromlist=["POLL_S"]).POLL_S)
+    out = os.path.join(os.environ.get("OUT", "."), "step_overhead.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    if ray.is_initialized():
+        ray.shutdown()
+    _print_table(rows, args, total_s, out)
 
 
 if __name__ == "__main__":
