@@ -16,6 +16,7 @@ Any collective error or deadline ends the loop; `poll` then raises `RankFailure`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -119,13 +120,21 @@ class RankEngine:
         """Meet the peers (within the deadline), load the shard, start the loop."""
         s = self.spec
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, s.world_size)))
-        self.comm = GroupComm.init(s.rank, s.world_size, s.tp, s.init_method, s.epoch, s.deadline_s)
+        config = s.config
+        if config.device.startswith("cuda"):
+            # One GPU per rank (Ray sets CUDA_VISIBLE_DEVICES). Multi-rank steps run eager:
+            # our NCCL deadline loop polls from the host, which a CUDA graph cannot.
+            index = torch.device(config.device).index
+            torch.cuda.set_device(index if index is not None else s.rank % torch.cuda.device_count())
+            config = dataclasses.replace(config, enforce_eager=True)
+        self.comm = GroupComm.init(s.rank, s.world_size, s.tp, s.init_method, s.epoch,
+                                   s.deadline_s, device=config.device)
         shard, placement = shard_for(s, s.config.model.num_experts)
         ep = None
         if placement is not None:
             ep = ExpertParallel(EPDispatcher(self.comm, s.config.model.num_experts, placement[0],
                                              placement[1]), before_dispatch=self.fault_point)
-        self.engine = LLMEngine(s.config, shard, self.comm, ep)
+        self.engine = LLMEngine(config, shard, self.comm, ep)
         self._thread = threading.Thread(target=self._run, name=f"rank{s.rank}-loop", daemon=True)
         self._thread.start()
         log.info("rank_started", rank=s.rank, epoch=s.epoch, tp_rank=s.tp_rank, dp_rank=s.dp_rank)

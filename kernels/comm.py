@@ -13,7 +13,9 @@ a new rendezvous address (the caller picks both).
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -51,15 +53,18 @@ class GroupComm:
     All ranks of the world must call the same collectives in the same order; a rank
     with no work still takes part (it passes empty tensors).
 
-    Note on backends: only gloo is exercised here; its process-group timeout turns a
-    dead or stalled peer into an exception within the deadline. NCCL is no detector: a
-    survivor can wait well over 60 s with a 5 s timeout, so a GPU build needs its own
-    wait loop (poll the work until a monotonic deadline, then abort the communicator)
-    behind this same interface.
+    Backends: tensors on the CPU travel over gloo, whose process-group timeout turns a
+    dead or stalled peer into an exception within the deadline. With ``device="cuda"``
+    the groups are ``cpu:gloo,cuda:nccl``: control messages (plans, agreement, epochs)
+    stay on gloo, activations go over NCCL. NCCL is no detector (a survivor waited over
+    60 s with a 5 s timeout), so every NCCL collective is issued with ``async_op`` and
+    this class polls the work until a monotonic deadline; past it, every communicator of
+    the epoch is aborted (``ncclCommAbort`` frees the stuck kernel) and the call raises
+    :class:`CollectiveError`.
     """
 
     def __init__(self, rank: int, world_size: int, tp_size: int, epoch: int,
-                 deadline_s: float, tp_group: Any) -> None:
+                 deadline_s: float, tp_group: Any, nccl: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
         self.tp_size = tp_size
@@ -69,26 +74,33 @@ class GroupComm:
         self.epoch = epoch
         self.deadline_s = deadline_s
         self._tp_group = tp_group
+        self.nccl = nccl  # CUDA tensors go over NCCL with our own deadline wait loop
         self._broken: str | None = None
         self._destroyed = False
+        self._aborting: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
     def init(cls, rank: int, world_size: int, tp_size: int, init_method: str, epoch: int,
-             deadline_s: float, backend: str = "gloo") -> GroupComm:
+             deadline_s: float, device: str = "cpu") -> GroupComm:
         """Join the world at ``init_method`` (e.g. ``"tcp://127.0.0.1:PORT"``, new per epoch).
 
         Creates the default process group and every TP group (same order on all ranks),
         all with ``timeout=deadline_s``, then checks that every rank joined with the same
         ``epoch``. Raises :class:`CollectiveError` (op ``"init"``) on a bad layout, a
         rendezvous that misses the deadline, an already initialized default group, or an
-        epoch mismatch.
+        epoch mismatch. ``device``: ``"cpu"`` (gloo only) or ``"cuda"`` (gloo for CPU
+        tensors, NCCL for CUDA tensors; call after ``torch.cuda.set_device``).
         """
         if world_size < 1 or tp_size < 1 or world_size % tp_size or not 0 <= rank < world_size:
             raise CollectiveError("init", epoch, rank,
                                   f"bad layout rank={rank} world={world_size} tp={tp_size}")
         timeout = timedelta(seconds=deadline_s)
+        nccl = device.startswith("cuda")
+        backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"
+        if nccl:  # we abort on our own deadline; NCCL's watchdog must not kill the process
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         created = False
         try:
             dist.init_process_group(backend, init_method=init_method, world_size=world_size,
@@ -98,10 +110,10 @@ class GroupComm:
             if tp_size > 1:
                 for dp in range(world_size // tp_size):
                     ranks = list(range(dp * tp_size, (dp + 1) * tp_size))
-                    group = dist.new_group(ranks=ranks, timeout=timeout)
+                    group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
                     if rank in ranks:
                         tp_group = group
-            comm = cls(rank, world_size, tp_size, epoch, deadline_s, tp_group)
+            comm = cls(rank, world_size, tp_size, epoch, deadline_s, tp_group, nccl)
             comm._agree_on_epoch()
         except Exception as e:
             if created:  # never tear down a default group that someone else owns
@@ -130,6 +142,10 @@ class GroupComm:
         if self._destroyed:
             return True
         self._broken = self._broken or "destroyed"
+        if self._aborting is not None:
+            self._aborting.join(timeout=min(self.deadline_s, 10.0))
+            self._destroyed = not self._aborting.is_alive() and not dist.is_initialized()
+            return self._destroyed
         self._tp_group = None
         self._destroyed = self._destroy_default_bounded(self.deadline_s)
         return self._destroyed
@@ -161,15 +177,52 @@ class GroupComm:
     # ---------------------------------------------------------------- collectives
 
     def _run(self, name: str, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
-        """Call torch.distributed collective ``name``; any failure breaks the comm."""
+        """Call torch.distributed collective ``name``; any failure breaks the comm.
+
+        On a CUDA tensor (first argument) with NCCL, the collective is asynchronous and
+        :meth:`_wait` bounds it by the deadline."""
         if self._broken is not None:
             raise CollectiveError(name, self.epoch, self.rank,
                                   f"communicator is broken ({self._broken})")
+        on_gpu = self.nccl and _first_tensor(args).is_cuda
         try:
-            return fn(*args, **kwargs)
+            if not on_gpu:
+                return fn(*args, **kwargs)
+            work = fn(*args, async_op=True, **kwargs)
+            self._wait(name, work)
+            return None
+        except CollectiveError:
+            raise
         except Exception as e:
             self._broken = f"{name}: {type(e).__name__}: {str(e)[:200]}"
             raise CollectiveError(name, self.epoch, self.rank, str(e)) from e
+
+    def _wait(self, name: str, work: Any) -> None:
+        """Poll an NCCL work until done or the deadline; past it, abort the epoch."""
+        deadline = time.monotonic() + self.deadline_s
+        polls = 0
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self._broken = f"{name}: no completion within {self.deadline_s:g} s"
+                self._abort_nccl()
+                raise CollectiveError(name, self.epoch, self.rank, self._broken)
+            polls += 1
+            if polls > 200:  # spin briefly (µs-scale collectives), then yield the core
+                time.sleep(50e-6)
+        work.wait()  # orders the caller's stream after the collective; raises its error
+
+    def _abort_nccl(self) -> None:
+        """Abort every communicator of this epoch on a helper thread: the caller raises
+        at once; :meth:`destroy` waits (bounded) for the abort to finish."""
+        def target() -> None:
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # best effort: the epoch is being thrown away
+                pass
+
+        self._tp_group = None
+        self._aborting = threading.Thread(target=target, name="phalanx-abort-pg", daemon=True)
+        self._aborting.start()
 
     def all_reduce_tp(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the TP group in place and return it (identity when tp == 1)."""
@@ -198,7 +251,7 @@ class GroupComm:
         return t
 
     def all_reduce_world_max(self, value: int) -> int:
-        """Maximum of ``value`` over all ranks of the world."""
+        """Maximum of ``value`` over all ranks of the world (a CPU tensor: gloo)."""
         t = torch.tensor([value], dtype=torch.int64)
         self._run("all_reduce_world_max", dist.all_reduce, t, op=dist.ReduceOp.MAX)
         return int(t[0])
@@ -217,8 +270,8 @@ class GroupComm:
         return output
 
     def barrier(self) -> None:
-        """Wait until every rank of the world got here (within the deadline)."""
-        self._run("barrier", dist.barrier)
+        """Wait until every rank of the world got here (within the deadline; over gloo)."""
+        self._run("barrier", dist.all_reduce, torch.zeros(1, dtype=torch.int64))
 
     def _check_alive(self, op: str, t: torch.Tensor) -> torch.Tensor:
         # Identity ops still refuse to run on a broken comm: the step is being aborted.
@@ -231,3 +284,13 @@ class GroupComm:
         state = f"broken={self._broken!r}" if self._broken else "ok"
         return (f"GroupComm(rank={self.rank}, world={self.world_size}, tp={self.tp_size}, "
                 f"epoch={self.epoch}, deadline_s={self.deadline_s}, {state})")
+
+
+def _first_tensor(args: Sequence[Any]) -> torch.Tensor:
+    """The tensor a collective works on (lists of tensors: the first one)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return a[0]
+    raise TypeError("collective called without a tensor")

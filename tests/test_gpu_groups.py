@@ -1,0 +1,81 @@
+"""Multi-GPU groups: Ray rank actors with one GPU each, NCCL for activations, gloo for plans.
+
+Greedy tokens of the TP and DP×EP layouts on two GPUs equal the CPU engine's; a rank
+killed while its peer is inside an NCCL all-to-all makes the survivor leave it within the
+deadline through our own wait loop (NCCL itself never returns), and the caller gets a
+`GroupFailure`. Needs two CUDA devices (the GPU machine's `nvidia-h200-x2`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from phalanx import LLM, SamplingParams
+from phalanx.actors.supervisor import GroupFailure
+
+from test_hf_oracle import make_prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+
+MAX_NEW = 12
+KW = dict(max_num_seqs=8, max_num_batched_tokens=96, page_size=4, num_pages=200)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cpu_tokens(tiny_model):
+    prompts = make_prompts(2048, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm = LLM(tiny_model, device="cpu", **KW)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)], ids=["tp2", "dp2"])
+def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp):
+    prompts, expected = cpu_tokens
+    llm = LLM(tiny_model, tp=tp, dp=dp, device="cuda", dtype="float32",
+              collective_timeout_s=30, **KW)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        for i, out in enumerate(outs):
+            assert out.outputs[0].token_ids == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
+        stats = llm.group.stats()
+        assert all(not s["failed"] for s in stats)
+    finally:
+        llm.close()
+
+
+def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model):
+    deadline = 5.0
+    llm = LLM(tiny_model, dp=2, device="cuda", dtype="bfloat16", page_size=8, num_pages=256,
+              collective_timeout_s=deadline)
+    try:
+        victim = llm.group.supervisor.actors[1]
+        ray.get(victim.arm_fault.remote("moe_dispatch", 40))
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        t0 = time.monotonic()
+        with pytest.raises(GroupFailure) as info:
+            llm.generate(prompt_token_ids=[[5 + i] * 20 for i in range(6)], sampling_params=params)
+        elapsed = time.monotonic() - t0
+        failure = info.value
+        assert failure.dead_ranks == [1], failure
+        survivor = {d.rank: d.reason for d in failure.deaths if d.rank != 1}
+        assert set(survivor) == {0}, failure
+        assert "CollectiveError" in survivor[0] and "epoch 1" in survivor[0], survivor
+        print(f"caller got GroupFailure after {elapsed:.2f}s: {failure}")
+        assert elapsed < deadline + 15, f"caller waited {elapsed:.1f}s"
+    finally:
+        llm.close()
