@@ -2,6 +2,7 @@
 
     phalanx generate "some text" --max-tokens 32 [--model DIR] [--temperature T] [--json]
                      [--tp N] [--dp N]
+                     [--prefill-tp N --decode-dp N --decode-tp N --prefill-instances N]
 """
 
 from __future__ import annotations
@@ -32,6 +33,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks; experts spread over all")
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds any collective may take before the group fails")
+    add_disagg_arguments(p)
+
+
+def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregated layout (any of these selects it)")
+    g.add_argument("--prefill-tp", type=int, default=None, help="TP ranks of each prefill instance")
+    g.add_argument("--prefill-instances", type=int, default=None, help="prefill TP groups")
+    g.add_argument("--decode-dp", type=int, default=None, help="decode DP ranks (experts over all)")
+    g.add_argument("--decode-tp", type=int, default=None, help="TP ranks inside each decode DP rank")
+    g.add_argument("--prefill-page-size", type=int, default=None,
+                   help="prefill-side page size (default: --page-size)")
+
+
+def disagg_kwargs(args: argparse.Namespace) -> dict:
+    return dict(prefill_tp=args.prefill_tp, prefill_instances=args.prefill_instances,
+                decode_dp=args.decode_dp, decode_tp=args.decode_tp,
+                prefill_page_size=args.prefill_page_size)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -42,7 +60,8 @@ def _generate(args: argparse.Namespace) -> int:
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, tp=args.tp, dp=args.dp, page_size=args.page_size, num_pages=args.num_pages,
-              device=args.device, collective_timeout_s=args.collective_timeout)
+              device=args.device, collective_timeout_s=args.collective_timeout,
+              **disagg_kwargs(args))
     try:
         return _run_generate(llm, args, params)
     finally:

@@ -202,6 +202,35 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """The disaggregated layout (ARCHITECTURE §2-§4): `prefill_instances` TP groups of
+    `prefill_tp` ranks stream KV to one decode group of `decode_dp` DP ranks, each
+    `decode_tp` wide. Page sizes may differ between the two sides."""
+
+    prefill_tp: int = 1
+    prefill_instances: int = 1
+    decode_dp: int = 1
+    decode_tp: int = 1
+    prefill_page_size: int = 0  # 0: the decode side's page size
+    transfer_timeout_s: float = 30.0  # every KV batch is acked within this
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tp", "prefill_instances", "decode_dp", "decode_tp"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                     name, f"must be an integer >= 1, got {value!r}")
+        _require(isinstance(self.prefill_page_size, int) and self.prefill_page_size >= 0,
+                 "prefill_page_size", f"must be 0 (same as decode) or positive, got "
+                 f"{self.prefill_page_size!r}")
+        _require(self.transfer_timeout_s > 0, "transfer_timeout_s",
+                 f"must be positive, got {self.transfer_timeout_s}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DisaggConfig":
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything one rank's engine needs; `model` comes from the checkpoint folder."""
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from typing import Iterator, Optional, Sequence, Union
@@ -41,7 +42,14 @@ class LLM:
                  enable_prefix_caching: bool = True, max_model_len: int = 0,
                  device: str = "cpu", dtype: str = "auto", seed: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
-                 collective_timeout_s: float = 30.0, ray_address: Optional[str] = None) -> None:
+                 collective_timeout_s: float = 30.0, ray_address: Optional[str] = None,
+                 prefill_tp: Optional[int] = None, decode_dp: Optional[int] = None,
+                 decode_tp: Optional[int] = None, prefill_instances: Optional[int] = None,
+                 prefill_page_size: Optional[int] = None) -> None:
+        """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
+        `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
+        a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
+        prefill side's)."""
         path = _resolve_model(model)
         try:
             model_cfg = read_model_config(path)
@@ -59,13 +67,33 @@ class LLM:
             device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
         self.engine: Optional[LLMEngine] = None
         self.group = None
-        if tp * dp == 1:
+        disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)
+        if any(v is not None for v in disagg):
+            if tp * dp != 1:
+                raise ValueError("tp/dp: give either tp/dp (colocated) or the prefill_*/decode_* "
+                                 "layout (disaggregated), not both")
+            self.group = self._disaggregated(*disagg, collective_timeout_s, ray_address)
+        elif tp * dp == 1:
             self.engine = LLMEngine(self.config)
         else:
             from .actors.group_client import GroupClient
             self.group = GroupClient(self.config, tp, dp, collective_timeout_s, ray_address)
         self._tokenizer = None
         self._ids = itertools.count()
+
+    def _disaggregated(self, prefill_tp, decode_dp, decode_tp, prefill_instances,
+                       prefill_page_size, timeout_s, ray_address):
+        from .actors.disagg_client import DisaggClient
+        from .config import DisaggConfig
+
+        layout = DisaggConfig(prefill_tp=prefill_tp or 1, decode_dp=decode_dp or 1,
+                              decode_tp=decode_tp or 1, prefill_instances=prefill_instances or 1,
+                              prefill_page_size=prefill_page_size or 0,
+                              transfer_timeout_s=timeout_s)
+        prefill_cache = dataclasses.replace(
+            self.config.cache, page_size=layout.prefill_page_size or self.config.cache.page_size)
+        prefill = dataclasses.replace(self.config, cache=prefill_cache)
+        return DisaggClient(prefill, self.config, layout, timeout_s, ray_address)
 
     @property
     def tokenizer(self):

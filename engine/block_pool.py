@@ -122,6 +122,17 @@ class BlockPool:
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
 
+    def held_hashes(self) -> list[int]:
+        """Chain hashes of every page the pool holds (in use or cached, not yet evicted):
+        what the router's prefix tree is reconciled with. Safe to call from a thread other
+        than the owner's (a copy taken while the owner mutates the index is retried)."""
+        for _ in range(8):
+            try:
+                return list(self.cached)
+            except RuntimeError:  # "dictionary changed size during iteration"
+                continue
+        return []
+
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

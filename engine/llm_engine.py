@@ -7,6 +7,7 @@ before it touches the scheduler and the engine stays usable.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from typing import Optional, Sequence as Seq
@@ -94,6 +95,45 @@ class LLMEngine:
             raise ValueError(f"num_pages: {self.num_pages} pages of {page_size} tokens cannot "
                              f"hold one request of {longest} tokens")
         return tokens
+
+    # -- disaggregation: prefill here, decode elsewhere (ARCHITECTURE §2) -----------
+    def add_prefill_request(self, request_id: str, prompt_token_ids: Seq[int],
+                            params: SamplingParams, transfer_key: int) -> Sequence:
+        """Prefill only: sample the first token, then keep the prompt's pages (rows of
+        the KV stream `transfer_key`) until `release_held`. `params` must carry its seed
+        when sampled, so that the decode side continues the same random stream."""
+        if not params.greedy and params.seed is None:
+            raise ValueError("a disaggregated sampled request needs its seed fixed up front")
+        if not isinstance(transfer_key, int) or transfer_key <= 0:
+            raise ValueError(f"transfer_key must be a positive int, got {transfer_key!r}")
+        seq = self.add_request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=1))
+        seq.transfer_key, seq.hold_kv = transfer_key, True
+        return seq
+
+    def release_held(self, request_id: str) -> bool:
+        return self.scheduler.release_held(request_id)
+
+    def reserve(self, request_id: str, num_tokens: int) -> Optional[list[int]]:
+        """Pages for a prompt's KV about to arrive (None: no room now)."""
+        if request_id in self.sequences:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return self.scheduler.reserve(request_id, num_tokens)
+
+    def unreserve(self, request_id: str) -> bool:
+        return self.scheduler.unreserve(request_id)
+
+    def admit_prefilled(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
+                        params: SamplingParams) -> Sequence:
+        """Continue a request prefilled elsewhere: its prompt KV sits in the pages
+        reserved under its id, `first_token` was sampled by the prefill side."""
+        if request_id in self.sequences:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        tokens = self._validate_prompt(prompt_token_ids, params)
+        seq = Sequence(request_id, tokens, params, next(self._arrivals))
+        seq.output_token_ids.append(int(first_token))
+        self.scheduler.admit_prefilled(seq)
+        self.sequences[request_id] = seq
+        return seq
 
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)

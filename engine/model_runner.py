@@ -127,12 +127,14 @@ class ModelRunner:
         seq_lens = np.empty(len(batch.items), dtype=np.int32)
         max_pages = max(len(seq.pages) for seq, _ in batch.items)
         tables = np.zeros((len(batch.items), max_pages), dtype=np.int32)
+        row_keys = np.zeros(len(batch.items), dtype=np.int64)
         logits_idx, sampled = [], []
         t = 0
         for row, (seq, n) in enumerate(batch.items):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             pages = seq.pages
             tables[row, :len(pages)] = pages
+            row_keys[row] = seq.transfer_key
             if n == 1:  # decode rows: scalar work, no temporary arrays
                 ids[t] = seq.token_id(begin)
                 positions[t] = begin
@@ -152,26 +154,31 @@ class ModelRunner:
         host = {"input_ids": put("input_ids", ids), "positions": put("positions", positions),
                 "slot_mapping": put("slot_mapping", slots), "query_start_loc": put("qsl", starts),
                 "seq_lens": put("seq_lens", seq_lens), "block_tables": put("block_tables", tables),
-                "logits_indices": put("logits_indices", np.asarray(logits_idx, dtype=np.int64))}
+                "logits_indices": put("logits_indices", np.asarray(logits_idx, dtype=np.int64)),
+                "row_keys": torch.from_numpy(row_keys)}
         return BatchInputs(host, int(max(n for _, n in batch.items)), int(seq_lens.max()), sampled)
 
-    def _run_eager(self, inputs: BatchInputs) -> torch.Tensor:
-        dev = {k: v.to(self.device, non_blocking=True) for k, v in inputs.host.items()}
+    def _run_eager(self, inputs: BatchInputs, layer_done=None) -> torch.Tensor:
+        dev = {k: v.to(self.device, non_blocking=True) for k, v in inputs.host.items()
+               if k != "row_keys"}
         meta = AttentionMetadata(
             query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
             block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
             max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len)
-        hidden = self.model(dev["input_ids"], dev["positions"], self.caches, meta)
+        hidden = self.model(dev["input_ids"], dev["positions"], self.caches, meta, layer_done)
         return self.model.compute_logits(hidden[dev["logits_indices"]])
 
     @torch.inference_mode()
-    def forward(self, inputs: BatchInputs) -> torch.Tensor:
-        """Logits of the rows to sample (every row of a decode batch), `[L, vocab]`."""
-        if self.graphs is not None and inputs.decode_only and self.graphs.fits(inputs.num_logits):
+    def forward(self, inputs: BatchInputs, layer_done=None) -> torch.Tensor:
+        """Logits of the rows to sample (every row of a decode batch), `[L, vocab]`.
+
+        `layer_done(i)`: called after layer i (eager only; streams KV while computing)."""
+        if (layer_done is None and self.graphs is not None and inputs.decode_only
+                and self.graphs.fits(inputs.num_logits)):
             h = inputs.host
             return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
                                    h["seq_lens"], h["block_tables"])
-        return self._run_eager(inputs)
+        return self._run_eager(inputs, layer_done)
 
     @staticmethod
     def sample(inputs: BatchInputs, logits: torch.Tensor) -> dict[str, int]:

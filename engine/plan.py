@@ -6,7 +6,8 @@ header, then a payload whose size the header gives.
 Header (int64[8]): status, epoch, T (tokens), S (sequences), P (block-table width),
 L (rows to sample), max_query_len, max_seq_len.
 Payload (int64): input_ids[T], positions[T], slot_mapping[T], query_start_loc[S+1],
-seq_lens[S], block_tables[S*P], logits_indices[L].
+seq_lens[S], block_tables[S*P], logits_indices[L], row_keys[S] (per row: the key of
+the KV stream it feeds, 0 for none).
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ def header_of(status: int, epoch: int, inputs: Optional[BatchInputs]) -> torch.T
 def payload_of(inputs: BatchInputs) -> torch.Tensor:
     h = inputs.host
     parts = [h["input_ids"], h["positions"], h["slot_mapping"], h["query_start_loc"],
-             h["seq_lens"], h["block_tables"].reshape(-1), h["logits_indices"]]
+             h["seq_lens"], h["block_tables"].reshape(-1), h["logits_indices"], h["row_keys"]]
     return torch.cat([t.to(torch.int64) for t in parts])
 
 
 def payload_size(header: torch.Tensor) -> int:
     """Elements of the payload that follows `header` (0: no batch, nothing follows)."""
     t, s, p, l = (int(x) for x in header[2:6])
-    return 0 if t == 0 else 3 * t + (s + 1) + s + s * p + l
+    return 0 if t == 0 else 3 * t + (s + 1) + 2 * s + s * p + l
 
 
 def inputs_of(header: torch.Tensor, payload: torch.Tensor, epoch: int) -> Optional[BatchInputs]:
@@ -55,9 +56,10 @@ def inputs_of(header: torch.Tensor, payload: torch.Tensor, epoch: int) -> Option
     if int(header[0]) != WORK or int(header[2]) == 0:
         return None
     t, s, p, l, max_q, max_s = (int(x) for x in header[2:8])
-    sizes = [t, t, t, s + 1, s, s * p, l]
-    ids, pos, slots, qsl, lens, tables, logits = torch.split(payload, sizes)
+    sizes = [t, t, t, s + 1, s, s * p, l, s]
+    ids, pos, slots, qsl, lens, tables, logits, keys = torch.split(payload, sizes)
     host = {"input_ids": ids, "positions": pos, "slot_mapping": slots,
             "query_start_loc": qsl.to(torch.int32), "seq_lens": lens.to(torch.int32),
-            "block_tables": tables.to(torch.int32).reshape(s, p), "logits_indices": logits}
+            "block_tables": tables.to(torch.int32).reshape(s, p), "logits_indices": logits,
+            "row_keys": keys}
     return BatchInputs(host, max_q, max_s, sampled=[])

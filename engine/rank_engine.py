@@ -203,6 +203,7 @@ class RankEngine:
             with torch.inference_mode():
                 while True:
                     status = self._step()
+                    self._service()
                     if status == planmod.STOP:
                         break
                     idle = min(idle * 2, IDLE_SLEEP_MAX_S) if status == planmod.IDLE else IDLE_SLEEP_MIN_S
@@ -221,11 +222,55 @@ class RankEngine:
             items, self._inbox = self._inbox, []
             stop = self._stop
         for kind, item in items:
-            if kind == "add":
-                self.engine.add_request(*item)
-            else:
-                self.engine.abort_request(item)
+            self._handle(kind, item)
         return stop
+
+    def _handle(self, kind: str, item) -> None:
+        """Apply one inbox item on the loop thread (subclasses add kinds)."""
+        if kind == "add":
+            self.engine.add_request(*item)
+        elif kind == "abort":
+            self.engine.abort_request(item)
+        elif kind == "call":
+            fn, reply = item
+            try:
+                reply.append((True, fn(self.engine)))
+            except Exception as e:  # noqa: BLE001 - handed back to the caller
+                reply.append((False, e))
+        else:
+            raise ValueError(f"unknown inbox item {kind!r}")
+
+    def run_on_loop(self, fn, timeout_s: float = 30.0):
+        """Run `fn(engine)` on the loop thread (DP leaders) and return its result; its
+        exception is raised here. TimeoutError if the loop does not get to it in time."""
+        if not self.is_leader:
+            raise ValueError(f"rank {self.spec.rank} is not a DP leader")
+        reply: list = []
+        with self._lock:
+            self._raise_if_failed()
+            self._inbox.append(("call", (fn, reply)))
+        end = time.monotonic() + timeout_s
+        while not reply:
+            if time.monotonic() > end:
+                raise TimeoutError(f"rank {self.spec.rank}: loop busy for {timeout_s} s")
+            with self._lock:
+                self._raise_if_failed()
+            time.sleep(0.0005)
+        ok, value = reply[0]
+        if not ok:
+            raise value
+        return value
+
+    # -- extension points (disaggregated roles) --------------------------------------
+    def _layer_hook(self, inputs):
+        """A `layer_done(i)` callback for this step's forward, or None."""
+        return None
+
+    def _after_forward(self, inputs) -> None:
+        """Runs on every rank after a real forward (before sampling)."""
+
+    def _service(self) -> None:
+        """Runs once per loop iteration, work or not (e.g. to reap finished transfers)."""
 
     def _step(self) -> int:
         """One lockstep iteration; returns the group's status (IDLE, WORK or STOP)."""
@@ -248,7 +293,8 @@ class RankEngine:
         if inputs is None:
             self.engine.model.dummy_forward()
             return status
-        logits = runner.forward(inputs)
+        logits = runner.forward(inputs, self._layer_hook(inputs))
+        self._after_forward(inputs)
         self.steps += 1
         if self.is_leader:
             self._finish(batch, inputs, logits)
@@ -281,4 +327,12 @@ class RankEngine:
                "failed": self._failure is not None}
         if self.is_leader and self.engine is not None:
             out.update(self.engine.stats())
+            out["prefix_query_tokens"] = self.engine.pool.query_tokens
         return out
+
+    def held_prefix_hashes(self) -> list[int]:
+        """Page chain hashes this rank's KV pool holds (DP leaders; `[]` before start):
+        the router refreshes its prefix tree of this rank's group from them."""
+        if self.engine is None:
+            return []
+        return self.engine.pool.held_hashes()

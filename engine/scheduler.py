@@ -53,13 +53,21 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Disaggregation (ARCHITECTURE §2): pages of finished prefills still being read
+        # by decode ranks; pages reserved for KV arriving from prefill; sequences whose
+        # KV has landed, waiting for a running slot.
+        self.held: dict[str, list[int]] = {}
+        self.reserved: dict[str, list[int]] = {}
+        self.prefilled: deque[Sequence] = deque()
 
     # -- admission -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Optional[Sequence]:
-        for queue in (self.running, self.waiting):
+        self.release_held(request_id)
+        self.unreserve(request_id)
+        for queue in (self.running, self.waiting, self.prefilled):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -68,16 +76,56 @@ class Scheduler:
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.prefilled)
+
+    # -- KV that crosses groups (prefill → decode) -----------------------------------
+    def release_held(self, request_id: str) -> bool:
+        """Free the pages a finished prefill kept for its readers."""
+        pages = self.held.pop(request_id, None)
+        if pages is not None:
+            self.pool.release(pages)
+        return pages is not None
+
+    def reserve(self, request_id: str, num_tokens: int) -> Optional[list[int]]:
+        """Pages for `num_tokens` tokens of KV that will arrive from prefill, or None
+        when the pool cannot spare them now (the caller retries later)."""
+        if request_id in self.reserved:
+            raise ValueError(f"request_id {request_id!r} already has a reservation")
+        need = -(-num_tokens // self.pool.page_size)
+        if need > self.pool.num_free_pages:
+            return None
+        self.reserved[request_id] = pages = self.pool.allocate(need)
+        return list(pages)
+
+    def unreserve(self, request_id: str) -> bool:
+        pages = self.reserved.pop(request_id, None)
+        if pages is not None:
+            self.pool.release(pages)
+        return pages is not None
+
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """Queue `seq` (prompt + its first token) whose prompt KV has landed in the pages
+        reserved under its id; it joins the running batch when a slot is free."""
+        pages = self.reserved.pop(seq.request_id, None)
+        if pages is None:
+            raise ValueError(f"request_id {seq.request_id!r} has no reservation")
+        seq.pages = pages
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.WAITING
+        self.prefilled.append(seq)
 
     # -- one step --------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        while self.prefilled and len(self.running) < self.max_num_seqs:
+            seq = self.prefilled.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -177,7 +225,10 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.pool.release(seq.pages)
+        if seq.hold_kv and reason != "abort":
+            self.held[seq.request_id] = seq.pages
+        else:
+            self.pool.release(seq.pages)
         seq.pages = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

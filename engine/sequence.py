@@ -30,7 +30,8 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "arrival",
                  "status", "finish_reason", "num_computed_tokens", "pages", "page_hashes",
-                 "num_registered_pages", "num_cached_tokens", "num_preemptions")
+                 "num_registered_pages", "num_cached_tokens", "num_preemptions",
+                 "transfer_key", "hold_kv")
 
     def __init__(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                  arrival: int) -> None:
@@ -47,6 +48,8 @@ class Sequence:
         self.num_registered_pages = 0
         self.num_cached_tokens = 0  # prefix-cache hits at first admission
         self.num_preemptions = 0
+        self.transfer_key = 0  # > 0: its KV streams to a decode rank (plan row key)
+        self.hold_kv = False  # keep the pages after finishing until `release_held`
 
     @property
     def num_tokens(self) -> int:

@@ -40,7 +40,9 @@ class KVReceiver:
     keeps `staging_buffers` receives of up to `max_payload_bytes` posted.
 
     on_landed(request_id, layers, epoch): called on the loop after a message is written,
-    before its ack is sent. `stats`: counters (connections accepted and lost, messages
+    before its ack is sent. gated: accept only request ids announced with `expect` (and
+    not yet `release`d), so a late write of an abandoned transfer can never land in pages
+    that were given back; others get a negative ack. `stats`: counters (connections accepted and lost, messages
     and bytes written, messages dropped for their epoch or rejected). Async API: use on
     one loop (module docstring)."""
 
@@ -48,8 +50,10 @@ class KVReceiver:
                  epoch: int, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 10.0, staging_buffers: int = 3,
                  max_payload_bytes: int = 32 << 20, progress_mode: str = "thread",
-                 on_landed: Optional[Callable[[str, range, int], None]] = None) -> None:
+                 on_landed: Optional[Callable[[str, range, int], None]] = None,
+                 gated: bool = False) -> None:
         self._pools = _Pools(pools)
+        self._expected: Optional[set[str]] = set() if gated else None
         self.rank, self.epoch, self.host, self._port = rank, epoch, host, port
         self.timeout_s, self.max_payload_bytes = timeout_s, max_payload_bytes
         self._staging_buffers, self._progress_mode = max(1, staging_buffers), progress_mode
@@ -79,8 +83,16 @@ class KVReceiver:
         self.epoch = epoch
         self._notify()
 
+    def expect(self, request_id: str) -> None:
+        """Open the gate for `request_id` (gated receivers)."""
+        if self._expected is not None:
+            self._expected.add(request_id)
+
     def release(self, request_id: str) -> None:
-        """Forget a request's landing state (after it is admitted or aborted)."""
+        """Forget a request's landing state (after it is admitted or aborted) and close
+        its gate: later messages for it are refused."""
+        if self._expected is not None:
+            self._expected.discard(request_id)
         self._rows.pop(request_id, None)
         self._failed.pop(request_id, None)
 
@@ -188,6 +200,9 @@ class KVReceiver:
         if msg.epoch != self.epoch:
             self.stats["dropped_epoch"] += 1
             return f"stale epoch {msg.epoch}: receiver is at epoch {self.epoch}"
+        if self._expected is not None and msg.request_id not in self._expected:
+            self.stats["rejected"] += 1
+            return f"request {msg.request_id!r} is not expected here"
         try:
             table = m.decode_copies(msg.copies)
             error = self._pools.check(table, "dst")
@@ -256,6 +271,9 @@ class BlockingKVReceiver:
 
     def set_epoch(self, epoch: int) -> None:
         self.thread.call(_on_loop(self.receiver.set_epoch, epoch), _MARGIN_S)
+
+    def expect(self, request_id: str) -> None:
+        self.thread.call(_on_loop(self.receiver.expect, request_id), _MARGIN_S)
 
     def release(self, request_id: str) -> None:
         self.thread.call(_on_loop(self.receiver.release, request_id), _MARGIN_S)

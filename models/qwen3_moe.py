@@ -14,7 +14,7 @@ sequences in the batch, plus `AttentionMetadata` saying where each sequence's KV
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -204,12 +204,17 @@ class CausalLM(nn.Module):
         return self.comm.all_reduce_tp(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states `[T, hidden]` (normed) of every token in the batch."""
+                meta: AttentionMetadata,
+                layer_done: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+        """Final hidden states `[T, hidden]` (normed) of every token in the batch.
+
+        `layer_done(i)` runs once layer i has written its KV (streaming prefill)."""
         x = self.embed(input_ids)
         residual = None
-        for layer, cache in zip(self.layers, caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             x, residual = layer(x, residual, positions, self.rope, cache, meta)
+            if layer_done is not None:
+                layer_done(i)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 

@@ -79,3 +79,22 @@ def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model):
         assert elapsed < deadline + 15, f"caller waited {elapsed:.1f}s"
     finally:
         llm.close()
+
+
+def test_two_gpu_disaggregated_equals_cpu(tiny_model, cpu_tokens):
+    """Prefill on one GPU streams KV over UCX (cuda_ipc) to the decode rank on the other."""
+    prompts, expected = cpu_tokens
+    llm = LLM(tiny_model, prefill_tp=1, decode_dp=1, device="cuda", dtype="float32",
+              collective_timeout_s=30, **KW)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        for i, out in enumerate(outs):
+            assert out.outputs[0].token_ids == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
+        stats = llm.group.stats()
+        assert stats["recoveries"] == 0
+        kv = ray.get(llm.group.decode.actors[0].kv_stats.remote())
+        print(f"decode receiver: {kv}")
+        assert kv["messages"] > 0 and kv["rejected"] == 0
+    finally:
+        llm.close()

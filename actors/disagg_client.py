@@ -1,0 +1,300 @@
+"""Drive the disaggregated layout from the caller's process: prefill TP instances stream
+each prompt's KV to one decode DP×EP group, which continues the request (ARCHITECTURE §2).
+
+A request's life: queued → prefill (decode pages reserved, gates open, prefill streams
+and samples the first token) → decode (admitted once every prefill rank reports all its
+batches acked) → finished. Each prefill attempt has its own transfer id. If a prefill
+instance fails (a rank dies mid-transfer), its requests are abandoned cleanly (gates
+closed before their decode pages are given back), the instance is re-formed under a new
+epoch, and the requests are prefilled again: greedy or seeded sampling gives the same
+first token, which the caller has at most once. A decode group failure is raised as
+`GroupFailure` (decode recovery is not built yet).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import ray
+from ray.exceptions import RayActorError
+
+from ..config import DisaggConfig, EngineConfig
+from ..engine.outputs import StepOutput
+from ..engine.rank_engine import RankFailure
+from ..engine.sampling_params import SamplingParams
+from ..log import get_logger
+from .decode_rank import RemoteDecodeRank
+from .prefill_rank import KVDestination, RemotePrefillRank
+from .supervisor import GroupFailure, GroupSupervisor, ensure_ray
+
+log = get_logger(__name__)
+
+POLL_S = 0.05
+_ACTOR_ERRORS = (RankFailure, RayActorError)
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    tokens: list[int]
+    params: SamplingParams
+    state: str = "queued"  # queued | prefill | decode
+    attempt: int = 0
+    dp_rank: int = -1
+    instance: int = -1
+    key: int = 0
+    transfer_id: str = ""
+    first: Optional[StepOutput] = None  # the prefill's first token, once sampled
+    sent: set = field(default_factory=set)  # prefill ranks whose batches are all acked
+    emitted_first: bool = False
+
+
+class DisaggClient:
+    """Submit / poll / abort over a disaggregated deployment; `close()` stops it."""
+
+    def __init__(self, prefill_config: EngineConfig, decode_config: EngineConfig,
+                 layout: DisaggConfig, deadline_s: float, ray_address: Optional[str] = None) -> None:
+        world = layout.prefill_tp * layout.prefill_instances + layout.decode_dp * layout.decode_tp
+        ensure_ray(num_cpus=max(8, 2 * world), address=ray_address)
+        self.layout, self.config = layout, decode_config
+        self.decode = GroupSupervisor(decode_config, layout.decode_tp, layout.decode_dp,
+                                      deadline_s, actor_cls=RemoteDecodeRank)
+        self.prefill = [GroupSupervisor(prefill_config, layout.prefill_tp, 1, deadline_s,
+                                        actor_cls=RemotePrefillRank)
+                        for _ in range(layout.prefill_instances)]
+        try:
+            for group in [self.decode, *self.prefill]:
+                group.form()
+        except Exception:
+            self.close()
+            raise
+        info = sorted(self.decode.start_info, key=lambda i: i["rank"])
+        self._kv_addresses = [tuple(i["kv_address"]) for i in info]
+        self._dst_layout = info[0]["kv_layout"]
+        rr, rr_prefill = itertools.count(), itertools.count()
+        self.place: Callable[[str], int] = lambda rid: next(rr) % layout.decode_dp
+        self.place_prefill: Callable[[str], int] = lambda rid: next(rr_prefill) % len(self.prefill)
+        self._reqs: dict[str, _Request] = {}
+        self._queue: deque[str] = deque()
+        self._keys = itertools.count(1)
+        self._pending: dict = {}  # outstanding poll call -> (side, index, rank, epoch)
+        self._out: list[StepOutput] = []
+        self._seeds = random.Random(decode_config.seed)
+        self.recoveries = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.decode.epoch
+
+    # -- requests --------------------------------------------------------------------
+    def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams) -> None:
+        if request_id in self._reqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        tokens = list(tokens)
+        leader = self.decode.leaders[0]
+        self._decode_call(lambda: ray.get(leader.validate.remote(tokens, params)))
+        if not params.greedy and params.seed is None:  # both sides must draw the same stream
+            params = params.with_seed(self._seeds.getrandbits(63))
+        self._reqs[request_id] = _Request(request_id, tokens, params)
+        self._queue.append(request_id)
+        self._pump()
+
+    def abort(self, request_id: str) -> None:
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return
+        if req.state == "queued":
+            self._queue.remove(request_id)
+        elif req.state == "prefill":
+            self._abandon(req, instance_alive=True)
+        else:
+            self.decode.leaders[req.dp_rank].abort.remote(request_id)
+
+    def _pump(self) -> None:
+        """Start prefills in arrival order while decode pages can be reserved."""
+        while self._queue:
+            rid = self._queue.popleft()
+            if not self._start_prefill(self._reqs[rid]):
+                self._queue.appendleft(rid)
+                return
+
+    def _decode_ranks(self, dp_rank: int) -> list:
+        tp = self.layout.decode_tp
+        return self.decode.actors[dp_rank * tp:(dp_rank + 1) * tp]
+
+    def _start_prefill(self, req: _Request) -> bool:
+        if req.dp_rank < 0:
+            req.dp_rank = self.place(req.request_id)
+        n, dp = len(req.tokens), req.dp_rank
+        leader = self.decode.leaders[dp]
+        pages = self._decode_call(lambda: ray.get(leader.reserve.remote(req.request_id, n)))
+        if pages is None:
+            return False
+        req.attempt += 1
+        req.transfer_id = f"{req.request_id}#{req.attempt}"
+        ranks = self._decode_ranks(dp)
+        self._decode_call(lambda: ray.get([r.open_gate.remote(req.transfer_id) for r in ranks]))
+        req.instance, req.key = self.place_prefill(req.request_id), next(self._keys)
+        req.state, req.sent, req.first = "prefill", set(), None
+        tp = self.layout.decode_tp
+        dest = KVDestination(req.request_id, req.transfer_id,
+                             tuple(self._kv_addresses[dp * tp:(dp + 1) * tp]), self._dst_layout,
+                             tuple(pages), n, dp)
+        group = self.prefill[req.instance]
+        try:
+            ray.get([a.expect.remote(req.key, dest) for a in group.actors])
+            ray.get(group.leaders[0].submit_prefill.remote(req.request_id, req.tokens,
+                                                           req.params, req.key))
+        except _ACTOR_ERRORS:
+            self._recover_prefill(req.instance)
+        return True
+
+    # -- outputs ---------------------------------------------------------------------
+    def poll(self) -> list[StepOutput]:
+        """Tokens of any request since the last poll, waiting at most ~`POLL_S`."""
+        self._pump()
+        self._issue_polls()
+        ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=2 * POLL_S)
+        if ready:
+            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+        for ref in ready:
+            tag = self._pending.pop(ref, None)
+            if tag is not None:
+                self._take(ref, tag)
+        for req in [r for r in self._reqs.values() if r.state == "prefill"]:
+            if req.first is not None and len(req.sent) == self.layout.prefill_tp:
+                self._hand_over(req)
+        out, self._out = self._out, []
+        return out
+
+    def _issue_polls(self) -> None:
+        waiting = set(self._pending.values())
+        for i, group in enumerate(self.prefill):
+            for r, actor in enumerate(group.actors):
+                tag = ("prefill", i, r, group.epoch)
+                if tag not in waiting:
+                    self._pending[actor.poll_events.remote(POLL_S)] = tag
+        for d, leader in enumerate(self.decode.leaders):
+            tag = ("decode", d, 0, self.decode.epoch)
+            if tag not in waiting:
+                self._pending[leader.poll.remote(POLL_S)] = tag
+
+    def _take(self, ref, tag) -> None:
+        side, index, _, epoch = tag
+        if side == "decode":
+            outs = self._decode_call(lambda: ray.get(ref))
+            for o in outs:
+                if o.epoch == self.decode.epoch and o.request_id in self._reqs:
+                    self._out.append(o)
+                    if o.finished:
+                        self._reqs.pop(o.request_id, None)
+            return
+        if epoch != self.prefill[index].epoch:
+            return  # fencing: a result of a replaced instance never counts
+        try:
+            outs, events = ray.get(ref)
+        except _ACTOR_ERRORS as e:
+            log.warning("prefill_instance_failed", instance=index, epoch=epoch, error=str(e)[:300])
+            self._recover_prefill(index)
+            return
+        for o in outs:
+            self._on_first_token(index, o)
+        for e in events:
+            req = self._reqs.get(e.request_id)
+            if req is None or req.transfer_id != e.transfer_id or req.state != "prefill":
+                continue
+            if e.ok:
+                req.sent.add(e.rank)
+            else:
+                self._abandon(req, instance_alive=True)
+
+    def _on_first_token(self, index: int, o: StepOutput) -> None:
+        req = self._reqs.get(o.request_id)
+        if req is None or req.state != "prefill" or req.instance != index:
+            return
+        final = (o.finish_reason == "stop" or req.params.max_tokens == 1
+                 or len(req.tokens) + 1 >= self.config.max_model_len)
+        reason = ("stop" if o.finish_reason == "stop" else "length") if final else None
+        req.first = StepOutput(req.request_id, list(o.new_token_ids), final, reason,
+                               o.num_cached_tokens, self.decode.epoch)
+        if not req.emitted_first:  # a re-prefill samples the same token: emit it once
+            req.emitted_first = True
+            self._out.append(req.first)
+
+    def _hand_over(self, req: _Request) -> None:
+        """Every prefill rank's batches are acked: free the prefill pages, close the
+        gates, and continue on the decode rank (or finish at the first token)."""
+        self.prefill[req.instance].leaders[0].release.remote(req.request_id)
+        ranks = self._decode_ranks(req.dp_rank)
+        self._decode_call(lambda: ray.get([r.close_gate.remote(req.transfer_id) for r in ranks]))
+        leader = self.decode.leaders[req.dp_rank]
+        if req.first.finished:
+            self._decode_call(lambda: ray.get(leader.unreserve.remote(req.request_id)))
+            self._reqs.pop(req.request_id, None)
+            return
+        token = req.first.new_token_ids[0]
+        self._decode_call(lambda: ray.get(leader.admit.remote(req.request_id, req.tokens,
+                                                              token, req.params)))
+        req.state = "decode"
+
+    # -- failures --------------------------------------------------------------------
+    def _abandon(self, req: _Request, instance_alive: bool) -> None:
+        """Give up this prefill attempt: gates closed, then the decode pages returned;
+        the request goes back to the front of the queue (unless it was aborted)."""
+        ranks = self._decode_ranks(req.dp_rank)
+        self._decode_call(lambda: ray.get([r.close_gate.remote(req.transfer_id) for r in ranks]))
+        leader = self.decode.leaders[req.dp_rank]
+        self._decode_call(lambda: ray.get(leader.unreserve.remote(req.request_id)))
+        if instance_alive:
+            group = self.prefill[req.instance]
+            for a in group.actors:
+                a.forget.remote(req.key)
+            group.leaders[0].abort.remote(req.request_id)
+        req.state, req.transfer_id, req.sent, req.first = "queued", "", set(), None
+        if req.request_id in self._reqs and req.request_id not in self._queue:
+            self._queue.appendleft(req.request_id)
+
+    def _recover_prefill(self, index: int) -> None:
+        """Replace a failed prefill instance (new epoch) and prefill its requests again."""
+        group = self.prefill[index]
+        deaths = group.deaths()
+        log.warning("prefill_recovery", instance=index, epoch=group.epoch,
+                    deaths=[(d.rank, d.reason[:120]) for d in deaths])
+        group.shutdown()
+        self._pending = {ref: tag for ref, tag in self._pending.items()
+                         if not (tag[0] == "prefill" and tag[1] == index)}
+        lost = sorted((r for r in self._reqs.values()
+                       if r.state == "prefill" and r.instance == index),
+                      key=lambda r: r.request_id, reverse=True)
+        for req in lost:
+            self._abandon(req, instance_alive=False)
+        group.form()
+        self.recoveries += 1
+
+    def _decode_call(self, fn):
+        try:
+            return fn()
+        except _ACTOR_ERRORS as e:
+            deadline = time.monotonic() + self.decode.deadline_s + 5.0
+            deaths = self.decode.deaths()
+            while time.monotonic() < deadline and len(deaths) < self.decode.world_size:
+                time.sleep(0.05)
+                deaths = self.decode.deaths()
+            raise GroupFailure(self.decode.epoch, deaths) from e
+
+    # -- operations ------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"decode": ray.get([a.stats.remote() for a in self.decode.actors]),
+                "prefill": [ray.get([a.stats.remote() for a in g.actors]) for g in self.prefill],
+                "prefill_epochs": [g.epoch for g in self.prefill],
+                "recoveries": self.recoveries}
+
+    def close(self) -> None:
+        for group in [self.decode, *self.prefill]:
+            if group.actors:
+                group.shutdown()

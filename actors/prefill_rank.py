@@ -1,0 +1,222 @@
+"""Prefill role: a rank of a prefill TP group that streams each request's KV to its
+decode ranks layer by layer, while it computes the later layers (ARCHITECTURE §2, §4).
+
+Every rank of the group learns each request's destination up front (`expect`, before
+the leader schedules it) and recognises the request's rows in every step by their plan
+row key. After layer i of a step, each rank sends the copies it is the holder of (the
+resharding planner decides) for the tokens computed so far and not yet sent. When a
+request's last prompt token has been sent and every batch is acked, the rank reports the
+transfer done; the leader keeps the request's pages (`hold_kv`) until the caller, having
+heard from every rank, says `release`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import ray
+
+from ..kv_transfer.layout import KVLayout
+from ..kv_transfer.planner import plan_tokens
+from ..kv_transfer.transport import Address, BlockingKVSender, TransportThread
+from ..log import get_logger
+from .rank_actor import RankActor
+
+log = get_logger(__name__)
+
+TRANSFER_EPOCH = 1  # transport fencing is per transfer id (gated receivers), not per group
+
+
+@dataclass(frozen=True, slots=True)
+class KVDestination:
+    """Where one request's prompt KV goes: one decode DP rank (all its TP ranks)."""
+
+    request_id: str
+    transfer_id: str  # request id + attempt: the receivers' gate key
+    addresses: tuple[Address, ...]  # receiver of each decode TP rank, by TP rank
+    layout: KVLayout  # the decode side's layout (its TP degree and page size)
+    pages: tuple[int, ...]  # decode pages reserved for the prompt
+    num_tokens: int  # prompt length
+    replica_hint: int  # spreads reads over prefill replicas of a head (decode DP rank)
+
+
+@dataclass(slots=True)
+class TransferEvent:
+    """A rank's report on one transfer: done (every batch acked) or failed."""
+
+    request_id: str
+    transfer_id: str
+    rank: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _Stream:
+    dest: KVDestination
+    sent_upto: int = 0  # tokens [0, sent_upto) are queued for sending
+    futures: list = field(default_factory=list)
+    failed: str = ""
+
+
+def kv_layout_of(engine, tp: int) -> KVLayout:
+    """The KV layout of an engine's cache on a side of `tp` ranks."""
+    k = engine.runner.caches[0][0]
+    cfg = engine.config.model
+    return KVLayout(tp=tp, num_kv_heads=cfg.num_key_value_heads, page_size=k.shape[2],
+                    head_dim=k.shape[3], num_layers=len(engine.runner.caches),
+                    dtype_bytes=k.element_size())
+
+
+class PrefillRank(RankActor):
+    """`RankActor` with a KV sender; the leader prefills and holds, every rank streams."""
+
+    def __init__(self, spec=None) -> None:
+        super().__init__(spec)
+        self._streams: dict[int, _Stream] = {}  # plan row key -> stream
+        self._events: list[TransferEvent] = []
+        self._step_keys: list[tuple[int, int]] = []  # (key, end) streamed by this step
+        self._transport = None
+        self._sender = None
+        self.layout = None
+
+    def start(self) -> dict:
+        info = super().start()
+        s = self.spec
+        self.layout = kv_layout_of(self.engine, s.tp)
+        self._transport = TransportThread(name=f"rank{s.rank}-kv")
+        self._sender = BlockingKVSender(self._transport, self.engine.runner.caches,
+                                        rank=s.tp_rank, epoch=TRANSFER_EPOCH,
+                                        timeout_s=s.deadline_s)
+        return info
+
+    # -- caller side -----------------------------------------------------------------
+    def expect(self, key: int, dest: KVDestination) -> None:
+        """Learn a request's destination (every rank, before the leader's submit)."""
+        for address in dest.addresses:
+            self._sender.connect(tuple(address))
+        with self._lock:
+            self._raise_if_failed()
+            self._streams[key] = _Stream(dest)
+
+    def submit_prefill(self, request_id: str, prompt_token_ids: list[int], params, key: int) -> None:
+        if not self.is_leader:
+            raise ValueError(f"rank {self.spec.rank} is not the prefill leader")
+        self.engine._validate_prompt(prompt_token_ids, params)
+        with self._lock:
+            self._raise_if_failed()
+            if request_id in self._live:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._live.add(request_id)
+            self._inbox.append(("prefill", (request_id, list(prompt_token_ids), params, key)))
+
+    def forget(self, key: int) -> None:
+        """Stop streaming `key` (its request was aborted or moved elsewhere)."""
+        with self._lock:
+            self._streams.pop(key, None)
+
+    def release(self, request_id: str) -> None:
+        """Every reader is done: the leader frees the request's pages."""
+        with self._lock:
+            self._inbox.append(("release", request_id))
+
+    def poll_events(self, timeout_s: float = 0.1) -> tuple[list, list[TransferEvent]]:
+        """(step outputs, transfer events) since the last call; waits up to `timeout_s`."""
+        with self._lock:
+            if not self._outbox and not self._events and self._failure is None:
+                self._lock.wait(timeout_s)
+            self._raise_if_failed()
+            out, self._outbox = self._outbox, []
+            events, self._events = self._events, []
+        return out, events
+
+    # -- loop side -------------------------------------------------------------------
+    def _handle(self, kind: str, item) -> None:
+        if kind == "prefill":
+            self.engine.add_prefill_request(*item)
+        elif kind == "release":
+            self.engine.release_held(item)
+        else:
+            super()._handle(kind, item)
+
+    def _layer_hook(self, inputs):
+        sends = self._plan_sends(inputs)
+        if not sends:
+            return None
+
+        def layer_done(layer: int) -> None:
+            for key, dst_rank, copies in sends.get(layer, ()):
+                self.fault_point("kv_send")
+                stream = self._streams[key]
+                address = tuple(stream.dest.addresses[dst_rank])
+                stream.futures.append(self._sender.submit_layer(
+                    address, stream.dest.transfer_id, copies))
+
+        return layer_done
+
+    def _plan_sends(self, inputs) -> dict[int, list]:
+        """This rank's copies of this step, by layer: [(key, decode tp rank, copies)]."""
+        h = inputs.host
+        self._step_keys = []
+        sends: dict[int, list] = defaultdict(list)
+        with self._lock:
+            streams = dict(self._streams)
+        for row, key in enumerate(h["row_keys"].tolist()):
+            stream = streams.get(key)
+            if not key or stream is None or stream.failed:
+                continue
+            dest = stream.dest
+            end = min(int(h["seq_lens"][row]), dest.num_tokens)
+            if end <= stream.sent_upto:
+                continue
+            src_pages = h["block_tables"][row, :-(-end // self.layout.page_size)].tolist()
+            plan = plan_tokens(self.layout, dest.layout, range(stream.sent_upto, end), src_pages,
+                               dest.pages, replica_hint=dest.replica_hint)
+            by_target: dict[tuple[int, int], list] = defaultdict(list)
+            for c in plan.copies:
+                if c.src_rank == self.spec.tp_rank:
+                    by_target[(c.layer, c.dst_rank)].append(c)
+            for (layer, dst_rank), copies in by_target.items():
+                sends[layer].append((key, dst_rank, copies))
+            self._step_keys.append((key, end))
+        return sends
+
+    def _after_forward(self, inputs) -> None:
+        for key, end in self._step_keys:
+            self._streams[key].sent_upto = end
+        self._step_keys = []
+
+    def _service(self) -> None:
+        """Report streams whose last batch is acked, or that failed."""
+        if not self._streams:
+            return
+        events = []
+        with self._lock:
+            for key, st in list(self._streams.items()):
+                error = st.failed or _first_error(st.futures)
+                complete = st.sent_upto >= st.dest.num_tokens
+                if not error and not (complete and all(f.done() for f in st.futures)):
+                    continue
+                del self._streams[key]
+                events.append(TransferEvent(st.dest.request_id, st.dest.transfer_id,
+                                            self.spec.rank, not error, error))
+            if events:
+                self._events.extend(events)
+                self._lock.notify_all()
+        for e in events:
+            if not e.ok:
+                log.warning("kv_transfer_failed", rank=self.spec.rank, epoch=self.spec.epoch,
+                            request_id=e.request_id, transfer_id=e.transfer_id, error=e.error)
+
+
+
+def _first_error(futures: list[concurrent.futures.Future]) -> str:
+    for f in futures:
+        if f.done() and f.exception() is not None:
+            return f"{type(f.exception()).__name__}: {f.exception()}"
+    return ""
+
+
+RemotePrefillRank = ray.remote(PrefillRank)
