@@ -1,0 +1,257 @@
+"""Routing policies: which DP group (or prefill instance) gets a request.
+
+The router hands a policy the candidate groups, each with a load snapshot and the number
+of prompt tokens its prefix tree says that group already holds; the policy picks one.
+
+Contract of every `RoutingPolicy`:
+- `choose(candidates, prompt_tokens)` returns the `group` of one of `candidates`
+  (never anything else); `candidates` is non-empty (ValueError otherwise) and in the
+  router's stable group order.
+- Deterministic: the choice depends only on the arguments and the policy's own state
+  (e.g. a round-robin cursor), never on time, randomness or dict/set iteration order.
+- Cheap: O(len(candidates)); it is called once per request on the router's hot path.
+- A policy never mutates its inputs.
+
+Policies are registered under kind "routing" (see `registry`) and built with
+`make_routing_policy(name, config)`; `config` is the policy's `Config` dataclass, a
+mapping of its fields (unknown keys rejected), or None for the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Hashable, Mapping, Sequence
+
+from . import registry
+
+KIND = "routing"
+DEFAULT_POLICY = "prefix_aware"
+
+
+def _require(cond: bool, owner: str, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{owner}.{name}: {msg}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLoad:
+    """A load snapshot of one group: tokens waiting for prefill, requests running, and
+    the fraction of KV pages in use (0..1)."""
+
+    queued_tokens: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.queued_tokens) and self.queued_tokens >= 0, "GroupLoad",
+                 "queued_tokens", f"must be a non-negative integer, got {self.queued_tokens!r}")
+        _require(_is_int(self.running) and self.running >= 0, "GroupLoad", "running",
+                 f"must be a non-negative integer, got {self.running!r}")
+        _require(_is_real(self.kv_usage) and 0.0 <= self.kv_usage <= 1.0, "GroupLoad",
+                 "kv_usage", f"must be a number in [0, 1], got {self.kv_usage!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One group a request may go to: its id, load, and prefix-tree match in tokens."""
+
+    group: Hashable
+    load: GroupLoad
+    matched_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NoConfig:
+    """The config of a policy that has no settings."""
+
+
+def _check_common(cfg: Any) -> None:
+    me = type(cfg).__name__
+    _require(_is_int(cfg.running_cost_tokens) and cfg.running_cost_tokens >= 0, me,
+             "running_cost_tokens",
+             f"must be a non-negative integer, got {cfg.running_cost_tokens!r}")
+    _require(_is_real(cfg.kv_high_watermark) and 0.0 < cfg.kv_high_watermark <= 1.0, me,
+             "kv_high_watermark", f"must be a number in (0, 1], got {cfg.kv_high_watermark!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LeastLoadedConfig:
+    """- `running_cost_tokens`: the load of a group, in tokens, is
+      `queued_tokens + running_cost_tokens * running` (`load_tokens`): a running request
+      costs decode steps even when it queued nothing;
+    - `kv_high_watermark`: groups whose KV usage is at or above it are skipped while any
+      group below it exists (a full cache preempts instead of serving)."""
+
+    running_cost_tokens: int = 256
+    kv_high_watermark: float = 0.95
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixAwareConfig:
+    """Settings of the prefix-aware policy.
+
+    - `balance_abs_tokens`, `balance_ratio`: the load is *imbalanced* when the busiest
+      candidate's queued tokens exceed the least busy one's by more than
+      `balance_abs_tokens` AND are more than `balance_ratio` times as many; then load wins
+      and the least loaded candidate is chosen whatever the prefix matches say.
+      `balance_ratio = 1.0` makes the absolute difference the only test.
+    - `load_weight`: otherwise the score of a candidate is
+      `matched_tokens - load_weight * load_tokens` (prefill tokens saved against load
+      ahead; 1.0 is a pure cost estimate in tokens, lower favours locality).
+    - `running_cost_tokens`, `kv_high_watermark`: as in `LeastLoadedConfig`; the
+      imbalance test compares `load_tokens` too.
+    """
+
+    balance_abs_tokens: int = 4096
+    balance_ratio: float = 1.25
+    load_weight: float = 0.5
+    running_cost_tokens: int = 256
+    kv_high_watermark: float = 0.95
+
+    def __post_init__(self) -> None:
+        me = type(self).__name__
+        _require(_is_int(self.balance_abs_tokens) and self.balance_abs_tokens >= 0, me,
+                 "balance_abs_tokens",
+                 f"must be a non-negative integer, got {self.balance_abs_tokens!r}")
+        _require(_is_real(self.balance_ratio) and self.balance_ratio >= 1.0, me,
+                 "balance_ratio", f"must be a number >= 1.0, got {self.balance_ratio!r}")
+        _require(_is_real(self.load_weight) and self.load_weight >= 0.0, me, "load_weight",
+                 f"must be a finite number >= 0, got {self.load_weight!r}")
+        _check_common(self)
+
+
+def _resolve_config(cls: type, config: Any) -> Any:
+    """`config` as an instance of `cls`: itself, built from a mapping, or the defaults."""
+    if config is None:
+        return cls()
+    if isinstance(config, cls):
+        return config
+    if isinstance(config, Mapping):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**config)
+    raise TypeError(f"expected a {cls.__name__}, a mapping or None, got {type(config).__name__}")
+
+
+def load_tokens(load: GroupLoad, running_cost_tokens: int) -> int:
+    """A group's load in tokens: queued tokens plus a fixed cost per running request."""
+    return load.queued_tokens + running_cost_tokens * load.running
+
+
+def below_watermark(candidates: Sequence[Candidate], watermark: float) -> Sequence[Candidate]:
+    """The candidates with KV usage below `watermark`, or all of them if none is."""
+    ok = [c for c in candidates if c.load.kv_usage < watermark]
+    return ok if ok else candidates
+
+
+class RoutingPolicy(ABC):
+    """Picks one group among candidates (contract in the module docstring)."""
+
+    Config: ClassVar[type] = NoConfig
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = _resolve_config(self.Config, config)
+
+    def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Hashable:
+        """The group of the chosen candidate; ValueError when there is none."""
+        if not candidates:
+            raise ValueError(f"{type(self).__name__}: no candidate groups to choose from")
+        return self._choose(candidates, prompt_tokens).group
+
+    @abstractmethod
+    def _choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Candidate:
+        """The chosen candidate; `candidates` is non-empty."""
+
+
+@registry.register(KIND, "round_robin")
+class RoundRobinPolicy(RoutingPolicy):
+    """Cycles through the candidates in order, ignoring load and prefixes."""
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self._cursor = 0
+
+    def _choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Candidate:
+        c = candidates[self._cursor % len(candidates)]
+        self._cursor += 1
+        return c
+
+
+@registry.register(KIND, "least_loaded")
+class LeastLoadedPolicy(RoutingPolicy):
+    """The least loaded candidate (`load_tokens`, then KV usage; ties: first in order),
+    skipping groups over the KV watermark."""
+
+    Config = LeastLoadedConfig
+
+    def _choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Candidate:
+        rc = self.config.running_cost_tokens
+        return min(below_watermark(candidates, self.config.kv_high_watermark),
+                   key=lambda c: (load_tokens(c.load, rc), c.load.kv_usage))
+
+
+@registry.register(KIND, "prefix_aware")
+class PrefixAwarePolicy(RoutingPolicy):
+    """Longest cached prefix against load; load alone when imbalanced (see
+    `PrefixAwareConfig`). Counts its decisions in `load_overrides` / `prefix_choices`."""
+
+    Config = PrefixAwareConfig
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self.load_overrides = 0  # decisions taken by load because of imbalance
+        self.prefix_choices = 0  # decisions taken by score
+
+    def imbalanced(self, loads: Sequence[int]) -> bool:
+        """Whether the busiest and least busy of `loads` (`load_tokens` values) differ
+        beyond both thresholds."""
+        hi, lo = max(loads), min(loads)
+        cfg = self.config
+        return hi - lo > cfg.balance_abs_tokens and hi > cfg.balance_ratio * lo
+
+    def _choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Candidate:
+        cfg = self.config
+        cands = below_watermark(candidates, cfg.kv_high_watermark)
+        loads = [load_tokens(c.load, cfg.running_cost_tokens) for c in cands]
+        if self.imbalanced(loads):
+            self.load_overrides += 1
+            i = min(range(len(cands)), key=lambda i: (loads[i], -cands[i].matched_tokens,
+                                                      cands[i].load.kv_usage, i))
+            return cands[i]
+        self.prefix_choices += 1
+        w = cfg.load_weight
+        i = min(range(len(cands)), key=lambda i: (w * loads[i] - cands[i].matched_tokens,
+                                                  loads[i], cands[i].load.kv_usage, i))
+        return cands[i]
+
+
+def make_routing_policy(name: str = DEFAULT_POLICY, config: Any = None) -> RoutingPolicy:
+    """A new policy registered as `name` (ValueError listing the known names)."""
+    cls = registry.get(KIND, name)
+    return cls(config)  # type: ignore[operator]
+
+
+def routing_policy_names() -> list[str]:
+    return registry.names(KIND)
+
+
+__all__ = ["Candidate", "DEFAULT_POLICY", "GroupLoad", "KIND", "LeastLoadedConfig",
+           "LeastLoadedPolicy", "NoConfig", "PrefixAwareConfig", "PrefixAwarePolicy",
+           "RoundRobinPolicy", "RoutingPolicy", "below_watermark", "load_tokens",
+           "make_routing_policy", "routing_policy_names"]

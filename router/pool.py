@@ -1,0 +1,227 @@
+"""A pool of placement targets of one kind (DP groups, or prefill instances): their
+prefix tree, their load, and the routing policy that picks among them.
+
+Contract:
+- `route` considers exactly the targets in the pool at the moment of the call: a target
+  removed with `remove` never receives another request, from the next call on.
+- With no target (or all excluded) `route` raises `NoTargetError` at once; nothing waits.
+- Load seen by the policy, per target: `queued_tokens = max(reported, own)` and
+  `running = max(reported, own)`, where `reported` is the last `update_load` snapshot
+  and `own` is the pool's accounting of requests it routed there and not yet released
+  (own tokens = the prompt tokens that target did not hold, by the tree, when routed,
+  until `settle` says the prefill is done);
+  `kv_usage` is the reported one. The max never counts a request twice, and keeps the
+  load current between two reports.
+- A request id is tracked at most once per pool (`route` of a tracked id: ValueError);
+  `release` is idempotent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Collection, Hashable, Optional, Sequence
+
+from ..policies import Candidate, GroupLoad, RoutingPolicy, make_routing_policy
+
+from .prefix_tree import PrefixTree
+
+_ZERO = GroupLoad()
+
+
+class NoTargetError(RuntimeError):
+    """No target in the pool to route to."""
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Counters since the pool was built: decisions, prompt tokens routed, and the
+    tokens of those prompts the chosen target held according to the tree (the router's
+    own hit estimate; the ranks' prefix caches are the ground truth)."""
+
+    decisions: int = 0
+    prompt_tokens: int = 0
+    matched_tokens: int = 0
+    per_target: dict[Hashable, int] = field(default_factory=dict)
+
+    @property
+    def estimated_hit_rate(self) -> float:
+        return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _Own:
+    tokens: int = 0
+    requests: int = 0
+
+
+class PlacementPool:
+    """Targets of one kind, in the order they were added (see the module docstring)."""
+
+    def __init__(self, *, page_size: int, capacity_pages: int, policy: str = "prefix_aware",
+                 policy_config: Any = None, kind: str = "target") -> None:
+        self.kind = kind
+        self.tree = PrefixTree(page_size, capacity_pages)
+        self.policy: RoutingPolicy = make_routing_policy(policy, policy_config)
+        self.policy_name = policy
+        self.stats = PoolStats()
+        self._reported: dict[Hashable, GroupLoad] = {}
+        self._own: dict[Hashable, _Own] = {}
+        self._effective: dict[Hashable, GroupLoad] = {}
+        self._inflight: dict[str, tuple[Hashable, int]] = {}  # request id -> (target, tokens)
+
+    # ---- membership -----------------------------------------------------------------
+
+    @property
+    def targets(self) -> list[Hashable]:
+        return list(self._reported)
+
+    def __contains__(self, target: object) -> bool:
+        return target in self._reported
+
+    def __len__(self) -> int:
+        return len(self._reported)
+
+    def add(self, target: Hashable, *, capacity_pages: Optional[int] = None,
+            load: Optional[GroupLoad] = None) -> None:
+        """Adds a target (ValueError if present); `capacity_pages` bounds its tree."""
+        if target is None:
+            raise ValueError(f"a {self.kind} id cannot be None")
+        if target in self._reported:
+            raise ValueError(f"{self.kind} {target!r} is already in the pool")
+        if capacity_pages is not None:
+            self.tree.set_capacity(target, capacity_pages)
+        self._reported[target] = load if load is not None else _ZERO
+        self._own[target] = _Own()
+        self._refresh_effective(target)
+
+    def remove(self, target: Hashable) -> list[str]:
+        """Removes a target at once: no request goes there from now on, its prefixes and
+        accounting are dropped. Returns the ids of the requests routed there and not yet
+        released (the caller recovers them); KeyError if the target is unknown."""
+        if target not in self._reported:
+            raise KeyError(f"unknown {self.kind} {target!r}; known: {self.targets}")
+        del self._reported[target], self._own[target], self._effective[target]
+        self.tree.remove_group(target)
+        stranded = [rid for rid, (t, _) in self._inflight.items() if t == target]
+        for rid in stranded:
+            del self._inflight[rid]
+        return stranded
+
+    # ---- load -----------------------------------------------------------------------
+
+    def update_load(self, target: Hashable, load: GroupLoad) -> None:
+        """Stores the latest snapshot a target reported (KeyError if unknown)."""
+        if not isinstance(load, GroupLoad):
+            raise TypeError(f"expected a GroupLoad, got {type(load).__name__}")
+        if target not in self._reported:
+            raise KeyError(f"unknown {self.kind} {target!r}; known: {self.targets}")
+        self._reported[target] = load
+        self._refresh_effective(target)
+
+    def load(self, target: Hashable) -> GroupLoad:
+        """The load the policy sees for `target` (KeyError if unknown)."""
+        try:
+            return self._effective[target]
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {target!r}; known: {self.targets}") from None
+
+    def loads(self) -> dict[Hashable, GroupLoad]:
+        return dict(self._effective)
+
+    def inflight(self, target: Optional[Hashable] = None) -> list[str]:
+        """Tracked request ids (on `target` only, when given), in routing order."""
+        return [rid for rid, (t, _) in self._inflight.items() if target is None or t == target]
+
+    def _refresh_effective(self, target: Hashable) -> None:
+        rep, own = self._reported[target], self._own[target]
+        if own.tokens <= rep.queued_tokens and own.requests <= rep.running:
+            self._effective[target] = rep
+        else:
+            self._effective[target] = GroupLoad(max(rep.queued_tokens, own.tokens),
+                                                max(rep.running, own.requests), rep.kv_usage)
+
+    # ---- routing --------------------------------------------------------------------
+
+    def route(self, request_id: str, tokens: Sequence[int], *,
+              exclude: Collection[Hashable] = ()) -> Hashable:
+        """Picks a target for `tokens` through the policy, lists the prompt's pages for it
+        in the tree, and tracks the request's load there until `release`."""
+        if request_id in self._inflight:
+            raise ValueError(f"request {request_id!r} is already routed to {self.kind} "
+                             f"{self._inflight[request_id][0]!r}; finish (release) it first")
+        targets = [t for t in self._reported if t not in exclude] if exclude else self._reported
+        if not targets:
+            raise NoTargetError(f"no {self.kind} to route request {request_id!r} to "
+                                f"(pool: {self.targets}, excluded: {sorted(map(repr, exclude))})")
+        hashes = self.tree.hashes(tokens)
+        pages = self.tree.match_pages(hashes)
+        ps = self.tree.page_size
+        eff = self._effective
+        cands = [Candidate(t, eff[t], pages.get(t, 0) * ps) for t in targets]
+        target = self.policy.choose(cands, len(tokens))
+        if target not in targets:
+            raise RuntimeError(f"policy {self.policy_name!r} chose {target!r}, "
+                               f"not a candidate {self.kind}")
+        matched = min(pages.get(target, 0) * ps, len(tokens))
+        cost = len(tokens) - matched
+        self.tree.insert_hashes(target, hashes)
+        self._inflight[request_id] = (target, cost)
+        own = self._own[target]
+        own.tokens += cost
+        own.requests += 1
+        self._refresh_effective(target)
+        st = self.stats
+        st.decisions += 1
+        st.prompt_tokens += len(tokens)
+        st.matched_tokens += matched
+        st.per_target[target] = st.per_target.get(target, 0) + 1
+        return target
+
+    def release(self, request_id: str, tokens: Optional[Sequence[int]] = None) -> bool:
+        """Drops a request's load; with `tokens` (e.g. prompt + output), lists their pages
+        for the target it ran on. False if the id was not tracked."""
+        entry = self._inflight.pop(request_id, None)
+        if entry is None:
+            return False
+        target, cost = entry
+        own = self._own[target]
+        own.tokens -= cost
+        own.requests -= 1
+        self._refresh_effective(target)
+        if tokens is not None:
+            self.tree.insert(target, tokens)
+        return True
+
+    def settle(self, request_id: str) -> bool:
+        """The request's prompt is in (prefill done): its queued tokens leave the target's
+        load, its running request stays until `release`. False if not tracked."""
+        entry = self._inflight.get(request_id)
+        if entry is None:
+            return False
+        target, cost = entry
+        if cost:
+            self._inflight[request_id] = (target, 0)
+            self._own[target].tokens -= cost
+            self._refresh_effective(target)
+        return True
+
+    def target_of(self, request_id: str) -> Optional[Hashable]:
+        entry = self._inflight.get(request_id)
+        return entry[0] if entry else None
+
+    # ---- prefixes -------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int]) -> dict[Hashable, int]:
+        """Tokens of `tokens` each target holds by the tree (read-only)."""
+        return self.tree.match(tokens)
+
+    def refresh_prefixes(self, target: Hashable, held: Collection[int],
+                         as_of: Optional[int] = None) -> int:
+        """Reconciles the tree with the page hashes `target` reports (see
+        `PrefixTree.refresh`; `as_of` = `self.tree.clock` when the report was asked for)."""
+        if target not in self._reported:
+            raise KeyError(f"unknown {self.kind} {target!r}; known: {self.targets}")
+        return self.tree.refresh(target, held, as_of)
+
+
+__all__ = ["NoTargetError", "PlacementPool", "PoolStats"]

@@ -1,0 +1,144 @@
+"""Response bodies of the OpenAI routes phalanx serves, as msgspec Structs.
+
+One definition for both sides: the server encodes these, the SDK decodes them. Field
+names and nesting follow `openai/openapi-subset.json` (CreateCompletionResponse,
+CreateChatCompletionResponse, CreateChatCompletionStreamResponse, ListModelsResponse,
+ErrorResponse). Decoding ignores fields it does not know, so other OpenAI-compatible
+servers decode too. Optional fields that are absent encode as absent (`UNSET`), never
+as `null`, except where the spec marks them required-but-nullable (`logprobs`,
+`finish_reason`, a chat message's `content`/`refusal`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+__all__ = [
+    "UNSET", "Usage", "PromptTokensDetails", "CompletionChoice", "Completion",
+    "ChatMessage", "ChatChoice", "ChatCompletion", "ChatDelta", "ChatChunkChoice",
+    "ChatCompletionChunk", "Model", "ModelList", "ErrorDetail", "ErrorResponse",
+]
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    """Token counts of one request (summed over its choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: Union[PromptTokensDetails, UnsetType] = UNSET
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: Optional[str] = None  # "stop" | "length"; null on non-final chunks
+    logprobs: Any = None
+
+
+class Completion(msgspec.Struct):
+    """`/v1/completions` response, and each chunk of its stream (same object type).
+
+    A stream's usage chunk (when `stream_options.include_usage`) has no choices."""
+
+    id: str
+    object: str  # "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Union[Usage, None, UnsetType] = UNSET
+
+    @property
+    def text(self) -> str:
+        """The first choice's text ("" for a usage-only chunk)."""
+        return self.choices[0].text if self.choices else ""
+
+
+class ChatMessage(msgspec.Struct):
+    role: str  # "assistant"
+    content: Optional[str]
+    refusal: Optional[str] = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    finish_reason: Optional[str] = None
+    logprobs: Any = None
+
+
+class ChatCompletion(msgspec.Struct):
+    """`/v1/chat/completions` response (non-streaming)."""
+
+    id: str
+    object: str  # "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Union[Usage, None, UnsetType] = UNSET
+
+    @property
+    def text(self) -> str:
+        return (self.choices[0].message.content or "") if self.choices else ""
+
+
+class ChatDelta(msgspec.Struct):
+    role: Union[str, UnsetType] = UNSET
+    content: Union[str, None, UnsetType] = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: Optional[str] = None
+    logprobs: Any = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One SSE chunk of a streamed chat completion (`object == "chat.completion.chunk"`)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Union[Usage, None, UnsetType] = UNSET
+
+    @property
+    def text(self) -> str:
+        """The first choice's content delta ("" when none)."""
+        if not self.choices:
+            return ""
+        content = self.choices[0].delta.content
+        return content if isinstance(content, str) else ""
+
+
+class Model(msgspec.Struct):
+    id: str
+    object: str  # "model"
+    created: int
+    owned_by: str
+    max_model_len: Union[int, UnsetType] = UNSET  # extension: the served context length
+
+
+class ModelList(msgspec.Struct):
+    object: str  # "list"
+    data: list[Model]
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorDetail

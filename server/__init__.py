@@ -1,0 +1,19 @@
+"""The OpenAI-compatible HTTP server (aiohttp) and the backend contract it serves.
+
+    from phalanx.server import EngineBackend, create_app, serve
+    backend = EngineBackend.from_model_dir(None)          # the tiny default model
+    await serve(create_app(backend, api_key="secret"), port=8000)
+
+The server only talks to a `ServingBackend` (backend.py): `EngineBackend` runs one
+engine in-process; the router over a Ray cluster implements the same contract.
+"""
+
+from .app import DEFAULT_MAX_BODY_BYTES, create_app
+from .backend import ServingBackend, TokenDelta
+from .engine_backend import EngineBackend
+from .errors import OpenAIError
+from .runner import BackgroundServer, RunningServer, serve, start_server
+
+__all__ = ["ServingBackend", "TokenDelta", "EngineBackend", "create_app", "serve",
+           "start_server", "RunningServer", "BackgroundServer", "OpenAIError",
+           "DEFAULT_MAX_BODY_BYTES"]

@@ -1,0 +1,176 @@
+"""One choice of a request, from token deltas to text events; and their merge.
+
+`ChoiceRun` drives one prompt through the backend: `admit()` waits for the first
+delta (so a `ValueError` from the backend surfaces before any response byte is sent),
+`events()` turns deltas into text events (stop strings applied), records TTFT and
+inter-token latency, and on exit — normal, early, error or cancellation — aborts the
+backend request unless the backend already finished it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional, Sequence
+
+from ..engine.sampling_params import SamplingParams
+from ..log import get_logger
+from .backend import ServingBackend, TokenDelta
+from .detokenizer import TextAssembler
+from .errors import SERVER_ERROR, OpenAIError
+from .metrics import ServerMetrics
+
+log = get_logger(__name__)
+
+__all__ = ["ChoiceEvent", "ChoiceRun", "merge_runs"]
+
+
+@dataclass(slots=True)
+class ChoiceEvent:
+    """New text of choice `index`; `finish_reason` ("stop"/"length") on its last event."""
+
+    index: int
+    text: str
+    finish_reason: Optional[str] = None
+
+
+class ChoiceRun:
+    """One prompt's generation. Counters (`num_tokens`, `num_cached_tokens`) are
+    final once `events()` is exhausted."""
+
+    def __init__(self, backend: ServingBackend, request_id: str, index: int,
+                 prompt_token_ids: list[int], params: SamplingParams, stop: Sequence[str],
+                 metrics: ServerMetrics, arrival: float) -> None:
+        self.backend, self.request_id, self.index = backend, request_id, index
+        self.prompt_token_ids, self.params = prompt_token_ids, params
+        self.text = TextAssembler(backend.tokenizer, stop)
+        self.metrics, self._last = metrics, arrival
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self._agen: Optional[AsyncIterator[TokenDelta]] = None
+        self._first: Optional[TokenDelta] = None
+        self._backend_done = False
+        self._closed = False
+
+    async def admit(self) -> None:
+        """Submit and wait for the first delta. Raises what the backend raises
+        (ValueError: the request is invalid); the run is then closed."""
+        self._agen = self.backend.generate(self.request_id, self.prompt_token_ids, self.params)
+        try:
+            self._first = await self._agen.__anext__()
+        except StopAsyncIteration:
+            await self.close()
+            raise RuntimeError(f"backend ended {self.request_id} without a final delta") from None
+        except ValueError:
+            self._backend_done = True  # refused: the backend holds nothing to abort
+            await self.close()
+            raise
+        except BaseException:
+            await self.close()
+            raise
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Text events up to and including the finishing one; closes the run at exit."""
+        try:
+            delta = self._first
+            while delta is not None:
+                event = self._consume(delta)
+                if event is not None:
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+                delta = await self._agen.__anext__()
+        except StopAsyncIteration:
+            raise RuntimeError(f"backend ended {self.request_id} without a final delta") from None
+        finally:
+            await self.close()
+
+    def _consume(self, delta: TokenDelta) -> Optional[ChoiceEvent]:
+        now = time.monotonic()
+        n = len(delta.token_ids)
+        if n:
+            self.metrics.observe_tokens(n, now - self._last, first=self.num_tokens == 0)
+            self._last = now
+        self.num_tokens += n
+        if delta.finished:
+            self._backend_done = True
+            self.num_cached_tokens = delta.num_cached_tokens
+            if delta.finish_reason == "abort":
+                raise OpenAIError(503, "The request was aborted by the server.",
+                                  type=SERVER_ERROR, code="request_aborted")
+        text = self.text.feed(delta.token_ids, final=delta.finished)
+        if self.text.stopped:
+            return ChoiceEvent(self.index, text, "stop")
+        if delta.finished:
+            return ChoiceEvent(self.index, text, delta.finish_reason or "stop")
+        return ChoiceEvent(self.index, text) if text else None
+
+    async def close(self) -> None:
+        """Release the backend request (abort it unless it finished). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._agen is not None:
+            try:
+                await self._agen.aclose()
+            except Exception as e:  # noqa: BLE001 - closing must not mask the real error
+                log.warning("backend_close_failed", request_id=self.request_id, error=repr(e))
+        if not self._backend_done:
+            try:
+                await self.backend.abort(self.request_id)
+            except Exception as e:  # noqa: BLE001
+                log.warning("backend_abort_failed", request_id=self.request_id, error=repr(e))
+
+
+async def admit_all(runs: Sequence[ChoiceRun]) -> None:
+    """Admit every run concurrently; if any fails, close them all and re-raise the
+    first failure (a ValueError wins over other errors, so it can become a 400)."""
+    results = await asyncio.gather(*(r.admit() for r in runs), return_exceptions=True)
+    errors = [e for e in results if isinstance(e, BaseException)]
+    if errors:
+        for r in runs:
+            await r.close()
+        raise next((e for e in errors if isinstance(e, (ValueError, OpenAIError))), errors[0])
+
+
+_DONE = object()
+
+
+async def merge_runs(runs: Sequence[ChoiceRun]) -> AsyncIterator[ChoiceEvent]:
+    """Events of several admitted runs as they come (one run: no extra task). On exit,
+    every run is closed (unfinished ones aborted)."""
+    if len(runs) == 1:
+        async with aclosing(runs[0].events()) as events:
+            async for event in events:
+                yield event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for event in run.events():
+                queue.put_nowait(event)
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer below
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(_DONE)
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for r in runs:
+            await r.close()

@@ -1,0 +1,205 @@
+"""`POST /v1/completions` and `POST /v1/chat/completions`.
+
+Both routes share one flow: decode + validate the body (protocol.py), check the model,
+tokenize (chat: the model folder's chat template), fit `max_tokens` to the context,
+admit every choice with the backend (a backend ValueError becomes a 400 before any byte
+is sent), then answer in one JSON body or as SSE. Whatever way a request ends — done,
+client gone, handler cancelled, error — its unfinished backend requests are aborted.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import msgspec
+from aiohttp import web
+
+from ..engine.sampling_params import SamplingParams
+from ..log import get_logger
+from . import protocol as proto
+from .backend import ServingBackend
+from .errors import SERVER_ERROR, OpenAIError
+from .formats import ChatFormat, CompletionFormat, Envelope, make_usage
+from .generation import ChoiceRun, admit_all, merge_runs
+from .metrics import ServerMetrics
+from .request_keys import ARRIVAL, REQUEST_ID
+from .sse import SSEStream
+
+log = get_logger(__name__)
+
+__all__ = ["GenerationHandlers"]
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default of /v1/completions
+_Format = Union[CompletionFormat, ChatFormat]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A validated request, ready to run."""
+
+    env: Envelope
+    prompts: list[list[int]]
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    fmt: _Format
+    prompt_param: str  # "prompt" or "messages": where a refused prompt came from
+
+
+class GenerationHandlers:
+    """The two generation routes over one backend."""
+
+    def __init__(self, backend: ServingBackend, metrics: ServerMetrics, model_name: str) -> None:
+        self.backend, self.metrics, self.model_name = backend, metrics, model_name
+
+    # -- routes ----------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = proto.decode_request(await request.read(), proto.CompletionRequest)
+        self._check_model(req.model)
+        prompts = [self._tokenize(p) for p in proto.completion_prompts(req)]
+        max_tokens = self._fit(prompts, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
+                               "max_tokens", "prompt")
+        plan = self._plan(req, "cmpl", prompts, max_tokens, CompletionFormat(), "prompt")
+        return await self._execute(request, plan)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = proto.decode_request(await request.read(), proto.ChatCompletionRequest)
+        self._check_model(req.model)
+        prompt = self._render_chat(proto.chat_messages(req))
+        requested, param = (req.max_completion_tokens, "max_completion_tokens") \
+            if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
+        max_tokens = self._fit([prompt], requested, None, param, "messages")
+        plan = self._plan(req, "chatcmpl", [prompt], max_tokens, ChatFormat(), "messages")
+        return await self._execute(request, plan)
+
+    # -- validation --------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
+                              f"`{self.model_name}`.", param="model", code="model_not_found")
+
+    def _tokenize(self, prompt: Union[str, list[int]]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        ids = self.backend.tokenizer.encode(prompt, add_special_tokens=False)
+        if not ids:
+            raise OpenAIError(400, "prompt must not be empty.", param="prompt",
+                              code="invalid_value")
+        return list(ids)
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.backend.tokenizer
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - templates raise on messages they refuse
+            raise OpenAIError(400, f"The chat template rejected the messages: {e}",
+                              param="messages", code="invalid_value") from None
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _fit(self, prompts: list[list[int]], requested: Optional[int], default: Optional[int],
+             param: str, prompt_param: str) -> int:
+        """max_tokens for these prompts: a prompt that fills the context is 400; an
+        explicit max_tokens beyond the room left is 400; a default is clipped to it."""
+        limit = self.backend.max_model_len
+        longest = max(len(p) for p in prompts)
+        room = limit - longest
+        if room <= 0:
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens, "
+                              f"but the prompt has {longest} tokens.", param=prompt_param,
+                              code="context_length_exceeded")
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. "
+                              f"However, you requested {longest + requested} tokens ({longest} "
+                              f"in the {prompt_param}, {requested} for the completion).",
+                              param=param, code="context_length_exceeded")
+        return requested
+
+    def _plan(self, req: proto.SamplingFields, prefix: str, prompts: list[list[int]],
+              max_tokens: int, fmt: _Format, prompt_param: str) -> _Plan:
+        env = Envelope(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name)
+        opts = req.stream_options
+        return _Plan(env, prompts, proto.sampling_params(req, max_tokens), proto.stop_strings(req),
+                     bool(req.stream), bool(req.stream and opts and opts.include_usage), fmt,
+                     prompt_param)
+
+    # -- running -----------------------------------------------------------------------
+    async def _execute(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
+        request[REQUEST_ID] = plan.env.id
+        arrival = request.get(ARRIVAL, time.monotonic())
+        multi = len(plan.prompts) > 1
+        runs = [ChoiceRun(self.backend, f"{plan.env.id}-{i}" if multi else plan.env.id, i,
+                          p, plan.params, plan.stop, self.metrics, arrival)
+                for i, p in enumerate(plan.prompts)]
+        self.metrics.in_flight.inc()
+        try:
+            try:
+                await admit_all(runs)
+            except ValueError as e:  # the backend refused it (contract: before any token)
+                param = plan.prompt_param if str(e).startswith("prompt") else None
+                raise OpenAIError(400, str(e), param=param, code="invalid_value") from None
+            self.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompts))
+            if plan.stream:
+                return await self._stream(request, plan, runs)
+            return await self._respond(plan, runs)
+        finally:
+            for r in runs:
+                await r.close()
+            self.metrics.in_flight.dec()
+            self.metrics.e2e.observe(time.monotonic() - arrival)
+
+    async def _respond(self, plan: _Plan, runs: list[ChoiceRun]) -> web.Response:
+        texts: list[list[str]] = [[] for _ in runs]
+        reasons: list[Optional[str]] = [None] * len(runs)
+        async with aclosing(merge_runs(runs)) as events:
+            async for event in events:
+                texts[event.index].append(event.text)
+                if event.finish_reason is not None:
+                    reasons[event.index] = event.finish_reason
+        body = plan.fmt.response(plan.env, ["".join(t) for t in texts], reasons,
+                                 _usage(plan, runs))
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json",
+                            headers={"X-Request-Id": plan.env.id})
+
+    async def _stream(self, request: web.Request, plan: _Plan,
+                      runs: list[ChoiceRun]) -> web.StreamResponse:
+        sse = SSEStream(request, headers={"X-Request-Id": plan.env.id})
+        await sse.start()
+        try:
+            for chunk in plan.fmt.opening_chunks(plan.env, len(runs)):
+                await sse.send(chunk)
+            async with aclosing(merge_runs(runs)) as events:
+                async for event in events:
+                    await sse.send(plan.fmt.chunk(plan.env, event))
+            if plan.include_usage:
+                await sse.send(plan.fmt.usage_chunk(plan.env, _usage(plan, runs)))
+            await sse.done()
+        except ConnectionResetError:
+            log.info("client_disconnected", request_id=plan.env.id)
+        except Exception as e:  # noqa: BLE001 - headers are out: report in-stream
+            await _send_error(sse, plan.env.id, e)
+        return sse.response
+
+
+def _usage(plan: _Plan, runs: list[ChoiceRun]):
+    return make_usage(sum(len(p) for p in plan.prompts), sum(r.num_tokens for r in runs),
+                      sum(r.num_cached_tokens for r in runs))
+
+
+async def _send_error(sse: SSEStream, request_id: str, e: Exception) -> None:
+    """An `{"error": ...}` event then `[DONE]` (the openai client raises on it)."""
+    err = e if isinstance(e, OpenAIError) else OpenAIError(
+        500, f"Internal error while generating: {type(e).__name__}", type=SERVER_ERROR)
+    if not isinstance(e, OpenAIError):
+        log.error("stream_failed", request_id=request_id, error=repr(e))
+    try:
+        await sse.response.write(b"data: " + err.body() + b"\n\n")
+        await sse.done()
+    except ConnectionResetError:
+        pass

@@ -1,0 +1,255 @@
+"""Request bodies of `/v1/completions` and `/v1/chat/completions` (msgspec, strict).
+
+Decoding is strict: JSON types must match (a string where an int is expected, a bool
+where a number is expected, ... are 400 with `param` naming the field; see errors.py
+for why 400 and not 422) and unknown top-level fields are refused (400, "Unrecognized
+request argument"), as the OpenAI API does. Fields of the spec that phalanx does not
+implement are accepted only at their neutral value (`n: 1`, `echo: false`,
+`logprobs: null`, penalties 0, ...); anything else is 400 naming the field.
+
+Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off) and `ignore_eos` (bool).
+`stop` is implemented by matching the detokenized text (up to 4 non-empty strings).
+Response bodies live in `phalanx.sdk.types` (shared with the SDK).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Type, TypeVar, Union
+
+import msgspec
+
+from ..engine.sampling_params import SamplingParams
+from .errors import OpenAIError
+
+__all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart",
+           "ChatMessageIn", "ChatCompletionRequest", "decode_request", "completion_prompts",
+           "chat_messages", "stop_strings", "sampling_params", "MAX_PROMPTS"]
+
+MAX_PROMPTS = 256  # prompts per /v1/completions request
+MAX_STOP = 4
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+T = TypeVar("T")
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: Optional[bool] = None
+    include_obfuscation: Optional[bool] = None  # accepted, no effect
+
+
+class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
+    """Fields shared by both routes."""
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None  # extension
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, int]] = None
+    user: Optional[str] = None
+    ignore_eos: Optional[bool] = None  # extension
+
+
+class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
+    """CreateCompletionRequest. `prompt`: a string, a list of token ids, or a list of
+    either (one choice per prompt, `index` = the prompt's position)."""
+
+    prompt: Union[str, list[Any]]
+    best_of: Optional[int] = None
+    echo: Optional[bool] = None
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessageIn(msgspec.Struct):
+    """A chat message; only text content (a string or `{"type": "text"}` parts)."""
+
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
+    """CreateChatCompletionRequest (text only). `max_completion_tokens` wins over the
+    deprecated `max_tokens` when both are given."""
+
+    messages: list[ChatMessageIn]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+
+
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_FIELD = re.compile(r"field `(?P<name>[^`]+)`")
+
+
+def decode_request(body: bytes, cls: Type[T]) -> T:
+    """Decode and type-check a request body; OpenAIError(400) on any mismatch."""
+    try:
+        req = msgspec.json.decode(body, type=cls)
+    except msgspec.ValidationError as e:
+        raise _validation_error(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise OpenAIError(400, f"We could not parse the JSON body of your request ({e}). "
+                          "The body must be a JSON object.", code="invalid_json") from None
+    _check_common(req)
+    return req
+
+
+def _validation_error(text: str) -> OpenAIError:
+    at = _AT.search(text)
+    path = at.group("path") if at else ""
+    message = text[:at.start()] if at else text
+    field = _FIELD.search(message)
+    if message.startswith("Object contains unknown field") and field:
+        name = ".".join(p for p in (path, field.group("name")) if p)
+        return OpenAIError(400, f"Unrecognized request argument supplied: {name}", param=name,
+                           code="unknown_parameter")
+    if message.startswith("Object missing required field") and field:
+        name = ".".join(p for p in (path, field.group("name")) if p)
+        return OpenAIError(400, f"Missing required parameter: '{name}'.", param=name,
+                           code="missing_required_parameter")
+    where = f" at '{path}'" if path else ""
+    return OpenAIError(400, f"Invalid type{where}: {message}", param=path or None,
+                       code="invalid_type")
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def _check_common(req: SamplingFields) -> None:
+    """Ranges and unsupported values shared by both routes."""
+    if req.max_tokens is not None and req.max_tokens <= 0:
+        raise _bad("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}.")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise _bad("temperature", f"temperature must be in [0, 2], got {req.temperature}.")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise _bad("top_p", f"top_p must be in (0, 1], got {req.top_p}.")
+    if req.top_k is not None and req.top_k < -1:
+        raise _bad("top_k", f"top_k must be -1, 0 (off) or positive, got {req.top_k}.")
+    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
+        raise _bad("seed", "seed must fit in a signed 64-bit integer.")
+    if req.model == "":
+        raise _bad("model", "model must not be empty.")
+    _only_neutral(req, n=(None, 1), frequency_penalty=(None, 0.0), presence_penalty=(None, 0.0))
+    if req.logit_bias:
+        raise _bad("logit_bias", "logit_bias is not supported.", "unsupported_value")
+    stop_strings(req)
+    if isinstance(req, CompletionRequest):
+        _only_neutral(req, best_of=(None, 1), echo=(None, False), logprobs=(None,),
+                      suffix=(None, ""))
+    elif isinstance(req, ChatCompletionRequest):
+        if req.max_completion_tokens is not None and req.max_completion_tokens <= 0:
+            raise _bad("max_completion_tokens", "max_completion_tokens must be at least 1, "
+                       f"got {req.max_completion_tokens}.")
+        _only_neutral(req, logprobs=(None, False), top_logprobs=(None,), tools=(None, []),
+                      tool_choice=(None, "none"), parallel_tool_calls=(None, True, False))
+        if req.response_format not in (None, {"type": "text"}):
+            raise _bad("response_format", "Only response_format {\"type\": \"text\"} is "
+                       "supported.", "unsupported_value")
+
+
+def _only_neutral(req: Any, **allowed: tuple) -> None:
+    """400 unless each named field holds one of its allowed (neutral) values."""
+    for name, values in allowed.items():
+        value = getattr(req, name)
+        if value not in values:
+            raise _bad(name, f"{name}={value!r} is not supported by this server.",
+                       "unsupported_value")
+
+
+def stop_strings(req: SamplingFields) -> list[str]:
+    """`stop` as a list of 0..4 non-empty strings (400 otherwise)."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise _bad("stop", f"stop accepts at most {MAX_STOP} strings, got {len(stop)}.")
+    if any(s == "" for s in stop):
+        raise _bad("stop", "stop strings must not be empty.")
+    return stop
+
+
+def completion_prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
+    """The request's prompts, each a string or a list of token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise _bad("prompt", "prompt must not be an empty list.")
+    if all(_is_token(t) for t in p):
+        return [list(p)]
+    if len(p) > MAX_PROMPTS:
+        raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(p)}.")
+    if all(isinstance(x, str) for x in p):
+        return list(p)
+    if all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in p):
+        return [list(x) for x in p]
+    raise OpenAIError(400, "prompt must be a string, a list of strings, a non-empty list of "
+                      "token ids, or a list of non-empty lists of token ids.", param="prompt",
+                      code="invalid_type")
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as `{"role", "content"}` dicts for the chat template (`developer` is
+    rendered as `system`; only system/developer/user/assistant roles, text only)."""
+    if not req.messages:
+        raise _bad("messages", "messages must contain at least one message.")
+    out = []
+    for i, m in enumerate(req.messages):
+        if m.role not in ("system", "developer", "user", "assistant"):
+            raise _bad(f"messages[{i}].role", f"Unsupported role {m.role!r}; expected system, "
+                       "developer, user or assistant.")
+        out.append({"role": "system" if m.role == "developer" else m.role,
+                    "content": _message_text(m, i)})
+    return out
+
+
+def _message_text(m: ChatMessageIn, i: int) -> str:
+    if m.content is None:
+        if m.role != "assistant":
+            raise _bad(f"messages[{i}].content", f"messages[{i}].content is required.")
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise _bad(f"messages[{i}].content[{j}]", "Only text content parts are supported.",
+                       "unsupported_value")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
+    """SamplingParams of a decoded request; OpenAI defaults: temperature 1, top_p 1."""
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            max_tokens=max_tokens, seed=req.seed, ignore_eos=bool(req.ignore_eos))
+    except ValueError as e:
+        raise _bad(str(e).split(" ", 1)[0], str(e)) from None

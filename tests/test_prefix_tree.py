@@ -1,0 +1,166 @@
+"""PrefixTree: matching, eviction, refresh, group removal; invariants under random use."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from phalanx.router import PrefixTree, page_hashes
+
+PS = 4
+
+
+def toks(*pages: int, ps: int = PS) -> list[int]:
+    """Tokens of pages given by a small id each (page i = [i]*ps)."""
+    return [p for p in pages for _ in range(ps)]
+
+
+def test_page_hashes_equal_the_block_pools():
+    from phalanx.engine.block_pool import hash_pages
+    t = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 123456789]
+    for ps in (1, 3, 4, 16):
+        assert page_hashes(t, ps) == hash_pages(t, ps, None)
+        assert page_hashes(t, ps, parent=0xDEADBEEF) == hash_pages(t, ps, 0xDEADBEEF)
+    assert page_hashes(t[:3], 4) == []
+
+
+def test_match_counts_full_pages_per_group():
+    tree = PrefixTree(PS, 100)
+    tree.insert("a", toks(1, 2, 3))
+    tree.insert("b", toks(1, 2, 7) + [9])  # the partial page is not listed
+    tree.check_integrity()
+    assert tree.match(toks(1, 2, 3, 4)) == {"a": 12, "b": 8}
+    assert tree.match(toks(1, 2, 7) + [9, 9, 9, 9]) == {"a": 8, "b": 12}
+    assert tree.match(toks(1) + [0]) == {"a": 4, "b": 4}
+    assert tree.match(toks(2, 1)) == {}
+    assert tree.match([1, 1]) == {}
+    assert tree.pages("a") == 3 and tree.pages("b") == 3 and tree.num_nodes() == 4
+
+
+def test_lru_evicts_leaves_of_the_least_recent_branch():
+    tree = PrefixTree(PS, 4)
+    tree.insert("g", toks(1, 2, 3))
+    tree.insert("g", toks(1, 5))  # 1 is shared: 4 pages, at capacity
+    tree.insert("g", toks(1, 2, 3))  # touch the first branch again
+    tree.insert("g", toks(8))  # over capacity: the leaf of the least recent branch goes
+    tree.check_integrity()
+    assert tree.match(toks(1, 5)) == {"g": 4}
+    assert tree.match(toks(1, 2, 3)) == {"g": 12}
+    assert tree.pages("g") == 4
+
+
+def test_a_chain_longer_than_capacity_is_cut():
+    tree = PrefixTree(PS, 3)
+    assert tree.insert("g", toks(1, 2, 3, 4, 5)) == 3
+    tree.check_integrity()
+    assert tree.match(toks(1, 2, 3, 4, 5)) == {"g": 12}
+
+
+def test_refresh_drops_what_is_no_longer_held_with_its_subtree():
+    tree = PrefixTree(PS, 100)
+    tree.insert("g", toks(1, 2, 3))
+    tree.insert("g", toks(1, 4))
+    tree.insert("h", toks(1, 2, 3))
+    h1, h2, h3 = page_hashes(toks(1, 2, 3), PS)
+    h4 = page_hashes(toks(1, 4), PS)[1]
+    # g reports page 3 but not page 2: 2 goes, and 3 with it (no match can reach it)
+    assert tree.refresh("g", {h1, h3, h4}) == 2
+    tree.check_integrity()
+    assert tree.match(toks(1, 2, 3)) == {"g": 4, "h": 12}
+    assert tree.match(toks(1, 4)) == {"g": 8, "h": 4}
+    assert tree.refresh("g", []) == 2
+    assert tree.match(toks(1, 4)) == {"h": 4}
+    tree.check_integrity()
+
+
+def test_refresh_keeps_pages_routed_after_the_report_was_taken():
+    tree = PrefixTree(PS, 100)
+    tree.insert("g", toks(1, 2))
+    as_of = tree.clock
+    tree.insert("g", toks(1, 3))  # routed after the snapshot: the rank has not seen it yet
+    assert tree.refresh("g", set(), as_of=as_of) == 1  # only page 2 goes
+    tree.check_integrity()
+    assert tree.match(toks(1, 3)) == {"g": 8}
+    assert tree.match(toks(1, 2)) == {"g": 4}
+
+
+def test_remove_group_and_capacity_changes():
+    tree = PrefixTree(PS, 100)
+    tree.insert("g", toks(1, 2, 3))
+    tree.insert("h", toks(1, 2))
+    assert tree.remove_group("g") == 3 and tree.remove_group("g") == 0
+    tree.check_integrity()
+    assert tree.match(toks(1, 2, 3)) == {"h": 8} and tree.num_nodes() == 2
+    tree.set_capacity("h", 1)
+    tree.check_integrity()
+    assert tree.match(toks(1, 2)) == {"h": 4}
+    with pytest.raises(ValueError, match="capacity_pages"):
+        tree.set_capacity("h", 0)
+    with pytest.raises(ValueError, match="page_size"):
+        PrefixTree(0, 10)
+
+
+# ---- property test against a brute-force model ----------------------------------------
+
+GROUPS = ("a", "b", "c")
+token_lists = st.lists(st.integers(0, 2), min_size=0, max_size=14)
+ops = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.sampled_from(GROUPS), token_lists),
+    st.tuples(st.just("refresh"), st.sampled_from(GROUPS), st.lists(st.integers(0, 63))),
+    st.tuples(st.just("remove"), st.sampled_from(GROUPS), st.just(None)),
+    st.tuples(st.just("match"), st.just(None), token_lists),
+), max_size=40)
+
+
+def _model_match(model: dict[str, set[tuple[int, ...]]], tokens: list[int], ps: int) -> dict:
+    out = {}
+    for g, prefixes in model.items():
+        n = 0
+        while (n + 1) * ps <= len(tokens) and tuple(tokens[:(n + 1) * ps]) in prefixes:
+            n += 1
+        if n:
+            out[g] = n * ps
+    return out
+
+
+def _run(ops_list, ps: int, capacity: int):
+    """Applies `ops_list` to a tree and to a model (group -> set of full-page token
+    prefixes, eviction ignored); yields (tree match, model match) at every match."""
+    tree = PrefixTree(ps, capacity)
+    model: dict[str, set[tuple[int, ...]]] = {}
+    for op, g, arg in ops_list:
+        if op == "insert":
+            tree.insert(g, arg)
+            n = min(len(arg) // ps, capacity)
+            model.setdefault(g, set()).update(tuple(arg[:k * ps]) for k in range(1, n + 1))
+        elif op == "refresh":
+            listed = sorted(model.get(g, ()))
+            keep = {listed[i % len(listed)] for i in arg} if listed else set()
+            tree.refresh(g, {page_hashes(p, ps)[-1] for p in keep})
+            # the model keeps a prefix only if every page of it was reported held
+            model[g] = {p for p in model.get(g, ()) if all(p[:k * ps] in keep
+                                                          for k in range(1, len(p) // ps + 1))}
+        elif op == "remove":
+            tree.remove_group(g)
+            model.pop(g, None)
+        else:
+            yield tree.match(arg), _model_match(model, arg, ps)
+        tree.check_integrity()
+        for x in GROUPS:
+            assert tree.pages(x) <= capacity
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.sampled_from([1, 2, 3]))
+def test_tree_equals_the_model_without_eviction(ops_list, ps):
+    for got, want in _run(ops_list, ps, capacity=10_000):
+        assert got == want
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.sampled_from([1, 2, 3]), st.integers(1, 6))
+def test_tree_never_over_reports_under_eviction(ops_list, ps, capacity):
+    for got, want in _run(ops_list, ps, capacity):
+        for g, n in got.items():
+            assert n <= want.get(g, 0), (g, got, want)

@@ -1,0 +1,133 @@
+"""Policy registry, routing-policy configs and the three routing policies."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from phalanx.policies import (Candidate, GroupLoad, LeastLoadedConfig, PrefixAwareConfig,
+                              PrefixAwarePolicy, RoundRobinPolicy, make_routing_policy, registry,
+                              routing_policy_names)
+
+
+def cand(group, queued=0, matched=0, running=0, kv=0.0) -> Candidate:
+    return Candidate(group, GroupLoad(queued, running, kv), matched)
+
+
+def test_registry_lists_names_and_explains_unknown_ones():
+    assert routing_policy_names() == ["least_loaded", "prefix_aware", "round_robin"]
+    assert registry.get("routing", "round_robin") is RoundRobinPolicy
+    with pytest.raises(ValueError, match=r"unknown routing policy 'nope'; known: "
+                                         r"\['least_loaded', 'prefix_aware', 'round_robin'\]"):
+        make_routing_policy("nope")
+    with pytest.raises(ValueError, match=r"unknown policy kind 'nokind'; known kinds: .*routing"):
+        registry.get("nokind", "x")
+    assert registry.names("nokind") == []
+
+
+def test_registry_refuses_a_second_owner_of_a_name():
+    @registry.register("test-kind", "one")
+    class One:
+        pass
+
+    registry.register("test-kind", "one")(One)  # the same object again is harmless
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("test-kind", "one")(type("Other", (), {}))
+    with pytest.raises(ValueError, match="non-empty string"):
+        registry.register("test-kind", "")
+    assert registry.get("test-kind", "one") is One
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(balance_abs_tokens=-1), "balance_abs_tokens: must be a non-negative integer"),
+    (dict(balance_abs_tokens=1.5), "balance_abs_tokens"),
+    (dict(balance_ratio=0.9), "balance_ratio: must be a number >= 1.0"),
+    (dict(balance_ratio=float("nan")), "balance_ratio"),
+    (dict(load_weight=-0.1), "load_weight: must be a finite number >= 0"),
+    (dict(load_weight=float("inf")), "load_weight"),
+    (dict(running_cost_tokens=-5), "running_cost_tokens"),
+    (dict(kv_high_watermark=0.0), r"kv_high_watermark: must be a number in \(0, 1\]"),
+    (dict(kv_high_watermark=True), "kv_high_watermark"),
+])
+def test_prefix_aware_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=f"PrefixAwareConfig.{match}"):
+        PrefixAwareConfig(**kwargs)
+
+
+def test_configs_from_mappings_and_their_errors():
+    p = make_routing_policy("prefix_aware", {"balance_abs_tokens": 10, "balance_ratio": 1.0})
+    assert p.config == PrefixAwareConfig(balance_abs_tokens=10, balance_ratio=1.0)
+    with pytest.raises(ValueError, match=r"unknown keys \['balance'\]"):
+        make_routing_policy("prefix_aware", {"balance": 1})
+    with pytest.raises(TypeError, match="expected a LeastLoadedConfig"):
+        make_routing_policy("least_loaded", PrefixAwareConfig())
+    with pytest.raises(ValueError, match="LeastLoadedConfig.kv_high_watermark"):
+        LeastLoadedConfig(kv_high_watermark=2)
+    with pytest.raises(ValueError, match="unknown keys"):
+        make_routing_policy("round_robin", {"x": 1})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.config.balance_ratio = 2.0  # type: ignore[misc]
+
+
+def test_group_load_validation():
+    with pytest.raises(ValueError, match="GroupLoad.queued_tokens"):
+        GroupLoad(-1)
+    with pytest.raises(ValueError, match="GroupLoad.running"):
+        GroupLoad(0, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="GroupLoad.kv_usage"):
+        GroupLoad(0, 0, 1.5)
+
+
+def test_every_policy_refuses_an_empty_candidate_list():
+    for name in routing_policy_names():
+        with pytest.raises(ValueError, match="no candidate groups"):
+            make_routing_policy(name).choose([], 10)
+
+
+def test_round_robin_cycles_in_order():
+    p = make_routing_policy("round_robin")
+    cs = [cand(g) for g in "abc"]
+    assert [p.choose(cs, 1) for _ in range(7)] == list("abcabca")
+
+
+def test_least_loaded_counts_running_requests_and_skips_full_caches():
+    p = make_routing_policy("least_loaded", {"running_cost_tokens": 100})
+    assert p.choose([cand("a", queued=250), cand("b", running=3), cand("c", queued=200)], 1) == "c"
+    assert p.choose([cand("a", queued=10, kv=0.99), cand("b", queued=500)], 1) == "b"
+    assert p.choose([cand("a", kv=0.99), cand("b", kv=0.97)], 1) == "b"  # all full: usage
+    assert p.choose([cand("a"), cand("b")], 1) == "a"  # ties: first in order
+
+
+def test_prefix_aware_prefers_the_longest_prefix_while_balanced():
+    p = make_routing_policy("prefix_aware", PrefixAwareConfig(
+        balance_abs_tokens=1000, balance_ratio=1.0, load_weight=0.5, running_cost_tokens=0))
+    cs = [cand("a", queued=400, matched=512), cand("b", queued=0, matched=64),
+          cand("c", queued=100, matched=0)]
+    assert p.choose(cs, 600) == "a"  # 512 - 200 beats 64 - 0
+    cs = [cand("a", queued=1000, matched=512), cand("b", queued=0, matched=64)]
+    assert p.choose(cs, 600) == "b"  # 512 - 500 < 64: the load outweighs the prefix
+    assert p.choose([cand("a"), cand("b")], 10) == "a"  # nothing matched, equal loads
+    assert (p.load_overrides, p.prefix_choices) == (0, 3)
+
+
+def test_prefix_aware_lets_load_win_beyond_the_threshold():
+    cfg = PrefixAwareConfig(balance_abs_tokens=1000, balance_ratio=2.0, load_weight=0.0,
+                            running_cost_tokens=0)
+    p = PrefixAwarePolicy(cfg)
+    # difference 1001 > 1000 and 1501 > 2 * 500: imbalanced, so the least loaded wins
+    cs = [cand("a", queued=1501, matched=4096), cand("b", queued=500), cand("c", queued=900)]
+    assert p.choose(cs, 5000) == "b" and p.load_overrides == 1
+    # difference 1500 but ratio 1.75 < 2: still balanced, the prefix wins
+    cs = [cand("a", queued=3500, matched=4096), cand("b", queued=2000)]
+    assert p.choose(cs, 5000) == "a" and p.prefix_choices == 1
+    # among equally least loaded, the longer prefix
+    cs = [cand("a", queued=5000), cand("b", queued=0, matched=16), cand("c", queued=0, matched=32)]
+    assert p.choose(cs, 100) == "c"
+
+
+def test_policies_are_deterministic():
+    cs = [cand(g, queued=q, matched=m) for g, q, m in [("a", 5, 32), ("b", 5, 32), ("c", 0, 0)]]
+    for name in routing_policy_names():
+        runs = [[make_routing_policy(name).choose(cs, 64) for _ in range(3)] for _ in range(2)]
+        assert runs[0] == runs[1]
