@@ -20,6 +20,13 @@ from .prefill_rank import TRANSFER_EPOCH, kv_layout_of
 from .rank_actor import RankActor
 
 
+# Largest KV message a receiver takes. On GPU each message costs a gather, a scatter and
+# two stream syncs (~0.3 ms of fixed cost): 128 MiB messages reached 88 GB/s GPU→GPU
+# against 32 MiB's 38 GB/s (bench/NOTES.md); three are kept posted per connection.
+CPU_MESSAGE_BYTES = 32 << 20
+GPU_MESSAGE_BYTES = 128 << 20
+
+
 class DecodeRank(RankActor):
     """`RankActor` with a KV receiver; the DP leader reserves pages and admits."""
 
@@ -36,7 +43,8 @@ class DecodeRank(RankActor):
         self._transport = TransportThread(name=f"rank{s.rank}-kv")
         self._receiver = BlockingKVReceiver(
             self._transport, self.engine.runner.caches, rank=s.tp_rank, epoch=TRANSFER_EPOCH,
-            host=ray.util.get_node_ip_address(), timeout_s=s.deadline_s, gated=True)
+            host=ray.util.get_node_ip_address(), timeout_s=s.deadline_s, gated=True,
+            max_payload_bytes=GPU_MESSAGE_BYTES if self.engine.device.type == "cuda" else CPU_MESSAGE_BYTES)
         info["kv_address"] = tuple(self._receiver.start())
         info["kv_layout"] = self.layout
         return info

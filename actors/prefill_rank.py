@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import ray
 
 from ..kv_transfer.layout import KVLayout
-from ..kv_transfer.planner import plan_tokens
+from ..kv_transfer.copy_table import layer_slices, plan_tables
 from ..kv_transfer.transport import Address, BlockingKVSender, TransportThread
 from ..log import get_logger
 from .rank_actor import RankActor
@@ -172,14 +172,12 @@ class PrefillRank(RankActor):
             if end <= stream.sent_upto:
                 continue
             src_pages = h["block_tables"][row, :-(-end // self.layout.page_size)].tolist()
-            plan = plan_tokens(self.layout, dest.layout, range(stream.sent_upto, end), src_pages,
-                               dest.pages, replica_hint=dest.replica_hint)
-            by_target: dict[tuple[int, int], list] = defaultdict(list)
-            for c in plan.copies:
-                if c.src_rank == self.spec.tp_rank:
-                    by_target[(c.layer, c.dst_rank)].append(c)
-            for (layer, dst_rank), copies in by_target.items():
-                sends[layer].append((key, dst_rank, copies))
+            tables = plan_tables(self.layout, dest.layout, range(stream.sent_upto, end),
+                                 src_pages, dest.pages, replica_hint=dest.replica_hint)
+            for (src_rank, dst_rank), table in tables.items():
+                if src_rank == self.spec.tp_rank:
+                    for layer, rows in layer_slices(table).items():
+                        sends[layer].append((key, dst_rank, rows))
             self._step_keys.append((key, end))
         return sends
 

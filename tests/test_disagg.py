@@ -41,9 +41,9 @@ def _generate(llm, prompts):
 @pytest.mark.parametrize("layout", [
     dict(prefill_tp=2, decode_dp=2, page_size=4),
     dict(prefill_tp=4, decode_dp=2, page_size=4),  # 4 > 2 KV heads: replicated on prefill
-    dict(prefill_tp=1, decode_dp=2, decode_tp=2, page_size=4),
+    dict(prefill_tp=1, prefill_instances=2, decode_dp=2, decode_tp=2, page_size=4),
     dict(prefill_tp=2, decode_dp=2, page_size=8, prefill_page_size=4),
-], ids=["p2-d2", "p4-d2", "p1-d2x2", "p2-d2-pages4to8"])
+], ids=["p2-d2", "p4-d2", "2xp1-d2x2", "p2-d2-pages4to8"])
 def test_disaggregated_matches_transformers(tiny_model, oracle, layout):
     prompts, expected = oracle
     llm = LLM(tiny_model, **layout, **KW)

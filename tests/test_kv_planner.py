@@ -232,3 +232,25 @@ def test_simulated_copy_writes_every_needed_slot_once(case):
         assert len(keys) == len(set(keys))
         assert sum(plan.bytes_by_pair().values()) == (
             dst.tp * len(dst.heads_of(0)) * num_tokens * 2 * len(layers) * 4 * 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_cases(), st.integers(0, 3))
+def test_copy_tables_equal_the_copies(case, chunk_start):
+    """`plan_tables` (numpy, what the engine sends) encodes exactly `plan_tokens`' copies,
+    pair by pair and in the same layer-major order."""
+    import numpy as np
+
+    from phalanx.kv_transfer.copy_table import layer_slices, plan_tables
+    from phalanx.kv_transfer.messages import encode_copies
+
+    src, dst, num_tokens, src_pages, dst_pages_per_dp = case
+    tokens = range(min(chunk_start * 37, num_tokens - 1), num_tokens)
+    plan = plan_tokens(src, dst, tokens, src_pages, dst_pages_per_dp[0], replica_hint=1)
+    tables = plan_tables(src, dst, tokens, src_pages, dst_pages_per_dp[0], replica_hint=1)
+    pairs = {(c.src_rank, c.dst_rank) for c in plan}
+    assert set(tables) == pairs
+    for pair, table in tables.items():
+        expected = encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == pair])
+        assert table.dtype == expected.dtype and np.array_equal(table, expected)
+        assert sorted(layer_slices(table)) == list(range(src.num_layers))

@@ -1,0 +1,72 @@
+"""The resharding plan as wire-format copy tables, built with numpy (no `Copy` objects).
+
+`plan_tables` returns the same copies as `planner.plan_tokens`, in the same order
+(layer-major, then kind, head run, token run), already encoded as the transport's int32
+table (`messages.COPY_FIELDS`) and grouped by (src_rank, dst_rank). A long request has
+hundreds of thousands of copies (48 layers × 2 kinds × one per page); building them as
+Python objects costs more than moving the bytes over NVLink, a table costs microseconds
+per layer. Pure logic: numpy, no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+from . import messages as m
+from .layout import KVLayout
+from .planner import _check_compatible, _check_pages, _head_runs, _token_runs
+
+__all__ = ["plan_tables", "layer_slices", "table_nbytes"]
+
+
+def plan_tables(src: KVLayout, dst: KVLayout, token_range: range,
+                src_pages: Sequence[int], dst_pages: Sequence[int],
+                layers: Optional[range] = None, *, replica_hint: int = 0
+                ) -> dict[tuple[int, int], np.ndarray]:
+    """{(src_rank, dst_rank): int32 table `[n, len(COPY_FIELDS)]`} of the copies of the
+    tokens in `token_range`; arguments and errors as `planner.plan_tokens`."""
+    _check_compatible(src, dst)
+    if token_range.step != 1 or token_range.start < 0:
+        raise ValueError(f"token_range must be a non-negative range of step 1: {token_range}")
+    layers = range(src.num_layers) if layers is None else layers
+    if len(layers) and (min(layers) < 0 or max(layers) >= src.num_layers):
+        raise ValueError(f"layers {layers} outside [0, {src.num_layers})")
+    if len(token_range) == 0 or len(layers) == 0:
+        return {}
+    _check_pages("src", src_pages, src, token_range.stop)
+    _check_pages("dst", dst_pages, dst, token_range.stop)
+    tokens = np.asarray(_token_runs(src, dst, token_range, src_pages, dst_pages), dtype=np.int64)
+    by_pair: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
+    for s_rank, d_rank, s_head, d_head, n_heads in _head_runs(src, dst, replica_hint):
+        base = np.zeros((len(tokens), len(m.COPY_FIELDS)), dtype=np.int64)
+        base[:, m.F_SRC_HEAD], base[:, m.F_DST_HEAD], base[:, m.F_NUM_HEADS] = s_head, d_head, n_heads
+        base[:, [m.F_SRC_PAGE, m.F_SRC_OFFSET, m.F_DST_PAGE, m.F_DST_OFFSET, m.F_NUM_TOKENS]] = tokens
+        by_pair[(s_rank, d_rank)].append(base)
+    return {pair: _repeat_over(np.concatenate(parts), layers) for pair, parts in by_pair.items()}
+
+
+def _repeat_over(template: np.ndarray, layers: range) -> np.ndarray:
+    """The per-(layer, kind) template repeated layer-major, then kind."""
+    n, reps = len(template), 2 * len(layers)
+    table = np.tile(template, (reps, 1))
+    table[:, m.F_LAYER] = np.repeat(np.asarray(layers, dtype=np.int64), 2 * n)
+    table[:, m.F_KIND] = np.tile(np.repeat(np.arange(2), n), len(layers))
+    return np.ascontiguousarray(table, dtype=np.dtype("<i4"))
+
+
+def layer_slices(table: np.ndarray) -> dict[int, np.ndarray]:
+    """{layer: its rows} of a layer-major table (views, no copies)."""
+    layer = table[:, m.F_LAYER]
+    cuts = np.flatnonzero(np.diff(layer)) + 1
+    starts = np.concatenate(([0], cuts))
+    stops = np.concatenate((cuts, [len(table)]))
+    return {int(layer[a]): table[a:b] for a, b in zip(starts, stops)}
+
+
+def table_nbytes(table: np.ndarray, head_dim: int, dtype_bytes: int) -> int:
+    """Payload bytes of a table."""
+    return m.payload_nbytes(table, head_dim, dtype_bytes)
