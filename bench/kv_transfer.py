@@ -125,6 +125,24 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _profiled(args, role: str, fn) -> None:
+    """Run `fn`; with --profile, under cProfile, top functions to $OUT/profile_<role>.txt."""
+    if not args.get("profile"):
+        return fn()
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn)
+    finally:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        path = os.path.join(os.environ.get("OUT", "."), f"profile_{role}.txt")
+        with open(path, "w") as f:
+            f.write(out.getvalue())
+
+
 async def _sleep_until(t: float) -> None:
     await asyncio.sleep(max(t - time.monotonic(), 0))
 
@@ -134,7 +152,7 @@ async def _sleep_until(t: float) -> None:
 def receiver_main(pipe, args) -> None:
     dev = _set_env(args, args["p"])
     try:
-        asyncio.run(_receiver(pipe, args, dev))
+        _profiled(args, "receiver", lambda: asyncio.run(_receiver(pipe, args, dev)))
     finally:
         if args["nccl"]:
             gpu.nccl_close()
@@ -200,7 +218,7 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
 def sender_main(pipe, rank: int, args) -> None:
     dev = _set_env(args, rank)
     try:
-        asyncio.run(_sender(pipe, rank, args, dev))
+        _profiled(args, f"sender{rank}", lambda: asyncio.run(_sender(pipe, rank, args, dev)))
     finally:
         if args["nccl"]:
             gpu.nccl_close()
@@ -315,7 +333,8 @@ def bench_layout(p: int, tokens_list: list[int], args) -> list[dict]:
     nccl = args.device == "cuda" and not args.no_nccl
     cfg = {"p": p, "max_tokens": max(tokens_list), "staging": args.staging, "tls": args.tls,
            "ucx_env": _ucx_env(args.ucx_env), "device": args.device, "nccl": nccl,
-           "nccl_port": gpu.free_port() if nccl else 0, "payload_mib": args.payload_mib}
+           "nccl_port": gpu.free_port() if nccl else 0, "payload_mib": args.payload_mib,
+           "profile": args.profile}
     modes = MODES + (("nccl",) if nccl else ())
     rx_pipe, child = ctx.Pipe()
     procs = [ctx.Process(target=receiver_main, args=(child, cfg), daemon=True)]
@@ -380,6 +399,8 @@ def main() -> None:
                     help="extra UCX_*=value,... for the spawned processes ('' for none; "
                     f"default cpu: {TCP_TUNING}; cuda: none)")
     ap.add_argument("--no-nccl", action="store_true", help="cuda: leave out the nccl row")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile every process; top functions to $OUT/profile_<role>.txt")
     args = ap.parse_args()
     args.tls = DEFAULT_TLS[args.device] if args.tls is None else args.tls
     args.ucx_env = DEFAULT_UCX_ENV[args.device] if args.ucx_env is None else args.ucx_env

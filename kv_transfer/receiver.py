@@ -17,7 +17,7 @@ from . import messages as m
 from .errors import TransferError
 from .staging import _Pools
 from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address,
-                          TransportThread, _abort, _on_loop, _post_recv, _reason,
+                          TransportThread, _abort, _on_loop, _post_recv, _post_send, _reason,
                           _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
 
 __all__ = ["BlockingKVReceiver", "KVReceiver"]
@@ -185,10 +185,17 @@ class KVReceiver:
             await asyncio.wait_for(payload_task, self.timeout_s)
             error = self._apply(msg, slots[k][1])
             posted[k] = self._post(conn, slots[k])
-            await _send_msg(conn.ep, TAG_REPLY, m.TransferAck(
+            # The ack is posted, not awaited: waiting for its completion would add a
+            # notifier round trip to every message (the sender's deadline covers it).
+            ack = _post_send(conn.ep, TAG_REPLY, m.frame(m.TransferAck(
                 msg.request_id, msg.epoch, msg.seq, msg.layer_start, msg.layer_stop,
-                not error, error[:1000]), self.timeout_s)
+                not error, error[:1000])))
+            ack.add_done_callback(lambda t, conn=conn: self._ack_done(conn, t))
             n += 1
+
+    def _ack_done(self, conn: _RecvConn, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._break(conn, f"ack send failed: {_reason(task.exception())}")
 
     def _post(self, conn: _RecvConn, slot: tuple) -> tuple[asyncio.Task, asyncio.Task]:
         return (_post_recv(conn.ep, TAG_CTRL, slot[0]),
