@@ -156,7 +156,10 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.pool.release(seq.pages)
+        if seq.hold_kv:  # pages may still be read by an in-flight KV transfer: keep them
+            self.held.setdefault(seq.request_id, []).extend(seq.pages)
+        else:
+            self.pool.release(seq.pages)
         seq.pages = []
         seq.num_computed_tokens = 0
         seq.num_registered_pages = 0
@@ -226,7 +229,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.hold_kv and reason != "abort":
-            self.held[seq.request_id] = seq.pages
+            self.held.setdefault(seq.request_id, []).extend(seq.pages)
         else:
             self.pool.release(seq.pages)
         seq.pages = []
