@@ -135,7 +135,10 @@ class EPDispatcher:
     def _plan(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pairs p = t*k + j sorted (stably) by destination rank, and rows per rank."""
         flat = topk_ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
+        # The range check reads the ids on the host: on GPU that is a sync per layer
+        # for a check of our own router's output, so it runs on CPU tensors only.
+        if flat.numel() and not flat.is_cuda and (
+                int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
         dest = self._owner.to(flat.device)[flat]
         order = torch.argsort(dest, stable=True)
@@ -150,21 +153,20 @@ class EPDispatcher:
     def _dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   order: torch.Tensor, k: int, send_split: list[int], recv_split: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Send one x row per pair plus (local expert id, weight bits) as int64 [P, 2]."""
+        """Send one row per pair: x's row with (local expert id, weight bits) as int64 [2]
+        appended in x's dtype, so rows and metadata travel in one all-to-all."""
         H, wdtype = x.shape[1], topk_weights.dtype
         int_dtype = _INT_OF_SIZE[topk_weights.element_size()]
-        send_x = x[order // k].contiguous()
         ids = self._local_index.to(x.device)[topk_ids.reshape(-1)[order]]
         # Sign-extending the same-size int view to int64 and narrowing back is exact.
         bits = topk_weights.reshape(-1)[order].contiguous().view(int_dtype).to(torch.int64)
-        send_meta = torch.stack([ids, bits], dim=1)
-        R = sum(recv_split)
-        recv_x = torch.empty((R, H), dtype=x.dtype, device=x.device)
-        recv_meta = torch.empty((R, 2), dtype=torch.int64, device=x.device)
-        self.comm.all_to_all_single(recv_x, send_x, recv_split, send_split)
-        self.comm.all_to_all_single(recv_meta, send_meta, recv_split, send_split)
+        meta = torch.stack([ids, bits], dim=1).view(x.dtype)  # [P, 16 / itemsize]
+        send = torch.cat([x[order // k], meta], dim=1)
+        recv = torch.empty((sum(recv_split), send.shape[1]), dtype=x.dtype, device=x.device)
+        self.comm.all_to_all_single(recv, send, recv_split, send_split)
+        recv_meta = recv[:, H:].contiguous().view(torch.int64)
         recv_w = recv_meta[:, 1].to(int_dtype).view(wdtype)
-        return recv_x, recv_meta[:, 0].contiguous(), recv_w
+        return recv[:, :H].contiguous(), recv_meta[:, 0].contiguous(), recv_w
 
     @staticmethod
     def _combine(back: torch.Tensor, order: torch.Tensor, T: int, k: int,
