@@ -71,3 +71,18 @@ def test_prefill_rank_killed_mid_transfer(tiny_model, oracle):
         assert stats["recoveries"] == 1 and stats["prefill_epochs"] == [2], stats
     finally:
         llm.close()
+
+
+def test_cli_disaggregated_layout(tiny_model, capsys):
+    """`phalanx generate --prefill-tp 1 --decode-dp 2` gives the single-rank tokens."""
+    import json
+
+    from phalanx.cli import main
+
+    base = ["generate", "Hello there", "--max-tokens", "6", "--json", "--model", tiny_model,
+            "--collective-timeout", "20", "--page-size", "8"]
+    assert main(base) == 0
+    single = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(base + ["--prefill-tp", "1", "--decode-dp", "2", "--prefill-page-size", "4"]) == 0
+    disagg = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert disagg["token_ids"] == single["token_ids"] and len(single["token_ids"]) == 6
