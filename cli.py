@@ -3,6 +3,10 @@
     phalanx generate "some text" --max-tokens 32 [--model DIR] [--temperature T] [--json]
                      [--tp N] [--dp N]
                      [--prefill-tp N --decode-dp N --decode-tp N --prefill-instances N]
+    phalanx serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                  [--address RAY_ADDRESS] [--device cpu|cuda]
+                  [--tp N --dp N | --prefill-tp N --decode-dp N --decode-tp N
+                   --prefill-instances N] [--max-num-seqs N] ...
 """
 
 from __future__ import annotations
@@ -44,6 +48,41 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tp", type=int, default=None, help="TP ranks inside each decode DP rank")
     g.add_argument("--prefill-page-size", type=int, default=None,
                    help="prefill-side page size (default: --page-size)")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve an OpenAI-compatible HTTP API (completions, chat, SSE streaming)",
+        description="Serve a model over HTTP. With no layout flag: the disaggregated layout "
+                    "(prefill TP=1 -> decode DP=2) on a local Ray cluster; --tp 1 --dp 1: one "
+                    "in-process engine without Ray. Ctrl-C or SIGTERM shuts down cleanly.")
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the tiny model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: the model folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every route but /health")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="larger request bodies are answered 413")
+    p.add_argument("--address", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of "
+                        "starting a local one")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--tp", type=int, default=None, help="colocated: tensor-parallel ranks")
+    p.add_argument("--dp", type=int, default=None, help="colocated: data-parallel ranks")
+    add_disagg_arguments(p)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="running requests per DP rank")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step per DP rank")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size (decode side)")
+    p.add_argument("--num-pages", type=int, default=0, help="KV pages per rank (0: sized automatically)")
+    p.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--collective-timeout", type=float, default=30.0,
+                   help="seconds any collective or KV transfer may take before a group fails")
+    p.add_argument("--routing-policy", default=None,
+                   help="routing policy over DP groups (default: prefix_aware)")
 
 
 def disagg_kwargs(args: argparse.Namespace) -> dict:
@@ -97,11 +136,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
-    except ValueError as e:
+        if args.command == "serve":
+            from .server.serve_main import run_serve
+            return run_serve(args)
+    except (ValueError, OSError) as e:  # OSError: e.g. the port is taken
         print(f"phalanx: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # e.g. GroupFailure: a rank died; named with its epoch

@@ -29,6 +29,7 @@ from ..engine.rank_engine import RankFailure
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from .decode_rank import RemoteDecodeRank
+from .group_client import VIEW_TIMEOUT_S, actor_nodes
 from .prefill_rank import KVDestination, RemotePrefillRank
 from .supervisor import GroupFailure, GroupSupervisor, ensure_ray
 
@@ -221,7 +222,7 @@ class DisaggClient:
                  or len(req.tokens) + 1 >= self.config.max_model_len)
         reason = ("stop" if o.finish_reason == "stop" else "length") if final else None
         req.first = StepOutput(req.request_id, list(o.new_token_ids), final, reason,
-                               o.num_cached_tokens, self.decode.epoch)
+                               o.num_cached_tokens, self.decode.epoch, index=0)
         if not req.emitted_first:  # a re-prefill samples the same token: emit it once
             req.emitted_first = True
             self._out.append(req.first)
@@ -293,6 +294,56 @@ class DisaggClient:
                 "prefill": [ray.get([a.stats.remote() for a in g.actors]) for g in self.prefill],
                 "prefill_epochs": [g.epoch for g in self.prefill],
                 "recoveries": self.recoveries}
+
+    # -- read-only views for a router (serving) --------------------------------------
+    def topology(self) -> dict:
+        """What a router places over: `dp` decode DP groups, `prefill_instances`, the
+        page size of each side and the fewest KV pages of a leader on each side."""
+        dec = self.decode
+        pre = [g.start_info[0].get("num_pages", 0) for g in self.prefill if g.start_info]
+        return {"dp": self.layout.decode_dp, "prefill_instances": len(self.prefill),
+                "page_size": self.config.cache.page_size,
+                "prefill_page_size": self.prefill[0].config.cache.page_size,
+                "num_pages": min((i.get("num_pages", 0) for i in dec.start_info[::dec.tp]),
+                                 default=0),
+                "prefill_num_pages": min(pre, default=0)}
+
+    def leader_stats(self) -> dict:
+        """`{"decode": [stats of each decode DP leader], "prefill": [stats of each prefill
+        instance's leader, {} while it is being replaced], "queued": requests waiting
+        for decode pages}`. A decode failure raises `GroupFailure`; a leader that does
+        not answer within `VIEW_TIMEOUT_S` raises TimeoutError."""
+        leaders = self.decode.leaders
+        decode = self._decode_call(lambda: ray.get([a.stats.remote() for a in leaders],
+                                                   timeout=VIEW_TIMEOUT_S))
+        return {"decode": decode, "prefill": self._prefill_view("stats", {}),
+                "queued": len(self._queue)}
+
+    def held_prefixes(self) -> dict:
+        """`{"decode": [page hashes each decode DP leader holds], "prefill": [... each
+        prefill instance's leader holds; [] while it is being replaced]}`."""
+        leaders = self.decode.leaders
+        decode = self._decode_call(lambda: ray.get(
+            [a.held_prefix_hashes.remote() for a in leaders], timeout=VIEW_TIMEOUT_S))
+        return {"decode": decode, "prefill": self._prefill_view("held_prefix_hashes", [])}
+
+    def _prefill_view(self, method: str, missing):
+        """`method()` of each prefill instance's leader; `missing` for a failed one (its
+        recovery is `poll`'s business)."""
+        refs = [getattr(g.leaders[0], method).remote() if g.actors else None for g in self.prefill]
+        out = []
+        for ref in refs:
+            try:
+                out.append(missing if ref is None else ray.get(ref, timeout=VIEW_TIMEOUT_S))
+            except _ACTOR_ERRORS:
+                out.append(missing)
+        return out
+
+    def rank_nodes(self) -> dict:
+        """`{"decode": [Ray node id of each decode rank], "prefill": [[... of each rank
+        of each prefill instance]]}`."""
+        return {"decode": actor_nodes(self.decode.actors),
+                "prefill": [actor_nodes(g.actors) for g in self.prefill]}
 
     def close(self) -> None:
         for group in [self.decode, *self.prefill]:

@@ -21,6 +21,16 @@ from ..engine.rank_engine import RankFailure
 from ..engine.sampling_params import SamplingParams
 
 POLL_S = 0.05
+VIEW_TIMEOUT_S = 10.0  # stats / held prefixes / node ids: answered off the step loop
+
+
+def _node_id(actor_self) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def actor_nodes(actors: Sequence) -> list[str]:
+    """The Ray node id (hex) each actor runs on, in the order given."""
+    return ray.get([a.__ray_call__.remote(_node_id) for a in actors], timeout=VIEW_TIMEOUT_S)
 
 
 class GroupClient:
@@ -91,6 +101,38 @@ class GroupClient:
 
     def stats(self) -> list[dict]:
         return ray.get([a.stats.remote() for a in self.supervisor.actors])
+
+    # -- read-only views for a router (serving) --------------------------------------
+    def topology(self) -> dict:
+        """What a router places over: `dp` groups (index = DP rank), no prefill
+        instances, the KV page size and the fewest KV pages of a DP leader."""
+        sup = self.supervisor
+        page_size = sup.config.cache.page_size
+        pages = [info.get("num_pages", 0) for info in sup.start_info[::sup.tp]]
+        return {"dp": sup.dp, "prefill_instances": 0, "page_size": page_size,
+                "prefill_page_size": page_size, "num_pages": min(pages, default=0),
+                "prefill_num_pages": 0}
+
+    def leader_stats(self) -> dict:
+        """`{"decode": [engine stats of each DP leader, by DP rank], "prefill": []}`.
+        A dead rank raises `GroupFailure`; a leader that does not answer within
+        `VIEW_TIMEOUT_S` raises TimeoutError (the caller may simply try again later)."""
+        leaders = self.supervisor.leaders
+        stats = self._call(lambda: ray.get([a.stats.remote() for a in leaders],
+                                           timeout=VIEW_TIMEOUT_S))
+        return {"decode": stats, "prefill": []}
+
+    def held_prefixes(self) -> dict:
+        """`{"decode": [page hashes each DP leader's KV pool holds], "prefill": []}`
+        (errors as `leader_stats`)."""
+        leaders = self.supervisor.leaders
+        held = self._call(lambda: ray.get([a.held_prefix_hashes.remote() for a in leaders],
+                                          timeout=VIEW_TIMEOUT_S))
+        return {"decode": held, "prefill": []}
+
+    def rank_nodes(self) -> dict:
+        """`{"decode": [Ray node id of each rank, by rank], "prefill": []}`."""
+        return {"decode": actor_nodes(self.supervisor.actors), "prefill": []}
 
     def close(self) -> None:
         self.supervisor.shutdown()

@@ -159,11 +159,13 @@ class LLMEngine:
         for rid, token in sampled.items():
             done = finished.get(rid)
             if done is None:
-                outputs.append(StepOutput(rid, [token]))
+                index = len(self.sequences[rid].output_token_ids) - 1
+                outputs.append(StepOutput(rid, [token], index=index))
                 continue
             seq = done.sequence
             self.sequences.pop(rid, None)
-            outputs.append(StepOutput(rid, [token], True, done.reason, seq.num_cached_tokens))
+            outputs.append(StepOutput(rid, [token], True, done.reason, seq.num_cached_tokens,
+                                      index=len(seq.output_token_ids) - 1))
             log.debug("request_finished", request_id=rid, reason=done.reason,
                       output_tokens=len(seq.output_token_ids), cached_tokens=seq.num_cached_tokens)
         return outputs

@@ -16,6 +16,7 @@ class StepOutput:
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0  # prefix-cache hits, reported with the last token
     epoch: int = 0  # the group epoch of the step that produced it (0: single rank)
+    index: int = -1  # output position of new_token_ids[0] (-1: not known)
 
 
 @dataclass(slots=True)

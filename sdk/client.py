@@ -12,8 +12,8 @@ Keyword parameters are sent as JSON fields of the request (`max_tokens`, `temper
 model the server lists. Connection failures (refused, reset before an answer) and
 429/502/503/504 answers are retried up to `max_retries` times with exponential backoff
 and jitter; other 4xx/5xx raise `APIError` at once. A stream is retried only until its
-response starts. (An in-process client that drives a cluster started from Python,
-without HTTP, will sit beside this one with the same methods.)
+response starts. `phalanx.sdk.LocalClient` offers the same methods over a backend in
+this process, without HTTP.
 """
 
 from __future__ import annotations

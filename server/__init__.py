@@ -5,15 +5,20 @@
     await serve(create_app(backend, api_key="secret"), port=8000)
 
 The server only talks to a `ServingBackend` (backend.py): `EngineBackend` runs one
-engine in-process; the router over a Ray cluster implements the same contract.
+engine in-process; `ClusterBackend` routes over a multi-rank group (colocated or
+disaggregated) through the prefix-aware router. `build_backend` picks one from layout
+keywords (what `phalanx serve` does).
 """
 
 from .app import DEFAULT_MAX_BODY_BYTES, create_app
 from .backend import ServingBackend, TokenDelta
+from .cluster_backend import ClusterBackend
 from .engine_backend import EngineBackend
 from .errors import OpenAIError
+from .launch import build_backend
 from .runner import BackgroundServer, RunningServer, serve, start_server
 
-__all__ = ["ServingBackend", "TokenDelta", "EngineBackend", "create_app", "serve",
+__all__ = ["ServingBackend", "TokenDelta", "EngineBackend", "ClusterBackend", "build_backend",
+           "create_app", "serve",
            "start_server", "RunningServer", "BackgroundServer", "OpenAIError",
            "DEFAULT_MAX_BODY_BYTES"]

@@ -1,9 +1,10 @@
 """The contract between the HTTP server and whatever generates tokens.
 
-The server speaks OpenAI on one side and only `ServingBackend` on the other. Today's
-implementation is `EngineBackend` (one in-process engine on a thread); the router over
-a Ray cluster implements the same interface. Everything here is plain asyncio: the
-server calls these methods from its event loop and they must never block it.
+The server speaks OpenAI on one side and only `ServingBackend` on the other:
+`EngineBackend` (one in-process engine on a thread) and `ClusterBackend` (a multi-rank
+group behind the prefix-aware router, driven from one thread) implement it. Everything
+here is plain asyncio: the server calls these methods from its event loop and they must
+never block it.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from collections import deque
 from typing import AsyncIterator, Callable, Optional
 
 from ..config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
@@ -22,19 +21,13 @@ from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from .backend import ServingBackend, TokenDelta
 from .engine_loop import EngineLoop
+from .pending import ABORTED as _ABORTED
+from .pending import Pending as _Pending
+from .pending import deliver_batches, post as _post
 
 log = get_logger(__name__)
 
 __all__ = ["EngineBackend"]
-
-_ABORTED = object()  # queue item: the request was aborted from outside its consumer
-
-
-@dataclass(slots=True)
-class _Pending:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-
 
 class EngineBackend(ServingBackend):
     """One engine on one thread, served to any number of asyncio consumers."""
@@ -182,17 +175,10 @@ class EngineBackend(ServingBackend):
 
     # -- EngineSink (called on the engine thread) ----------------------------------
     def on_outputs(self, outputs: list[StepOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         with self._lock:
-            for out in outputs:
-                pending = self._pending.get(out.request_id)
-                if pending is not None:
-                    by_loop[pending.loop].append((pending.queue, out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that event loop is closed; nobody is listening
-                pass
+            items = [(self._pending[o.request_id], o) for o in outputs
+                     if o.request_id in self._pending]
+        deliver_batches(items)
 
     def on_rejected(self, request_id: str, error: Exception) -> None:
         with self._lock:
@@ -210,15 +196,3 @@ class EngineBackend(ServingBackend):
             self._pending.clear()
         for pending in pendings:
             _post(pending, make_item())
-
-
-def _deliver(items: list) -> None:
-    for q, out in items:
-        q.put_nowait(out)
-
-
-def _post(pending: _Pending, item: object) -> None:
-    try:
-        pending.loop.call_soon_threadsafe(pending.queue.put_nowait, item)
-    except RuntimeError:  # the consumer's loop is closed
-        pass

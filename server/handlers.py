@@ -1,9 +1,11 @@
 """`POST /v1/completions` and `POST /v1/chat/completions`.
 
 Both routes share one flow: decode + validate the body (protocol.py), check the model,
-tokenize (chat: the model folder's chat template), fit `max_tokens` to the context,
-admit every choice with the backend (a backend ValueError becomes a 400 before any byte
-is sent), then answer in one JSON body or as SSE. Whatever way a request ends — done,
+tokenize (chat: the model folder's chat template), fit `max_tokens` to the context
+(`completion_plan` / `chat_plan`), admit every choice with the backend (`running`: a
+backend ValueError becomes a 400 before any byte is sent), then answer in one JSON body
+(`collect`) or as SSE (`chunks`). The plan / running / collect / chunks steps know
+nothing of HTTP: `phalanx.sdk.LocalClient` drives them in-process. Whatever way a request ends — done,
 client gone, handler cancelled, error — its unfinished backend requests are aborted.
 """
 
@@ -11,9 +13,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 import msgspec
 from aiohttp import web
@@ -60,22 +62,29 @@ class GenerationHandlers:
     # -- routes ----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = proto.decode_request(await request.read(), proto.CompletionRequest)
+        return await self._execute(request, self.completion_plan(req))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = proto.decode_request(await request.read(), proto.ChatCompletionRequest)
+        return await self._execute(request, self.chat_plan(req))
+
+    # -- plans (HTTP-free: the in-process SDK client uses them too) --------------------
+    def completion_plan(self, req: proto.CompletionRequest) -> _Plan:
+        """A validated completion request, ready to run (OpenAIError if it is not)."""
         self._check_model(req.model)
         prompts = [self._tokenize(p) for p in proto.completion_prompts(req)]
         max_tokens = self._fit(prompts, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
                                "max_tokens", "prompt")
-        plan = self._plan(req, "cmpl", prompts, max_tokens, CompletionFormat(), "prompt")
-        return await self._execute(request, plan)
+        return self._plan(req, "cmpl", prompts, max_tokens, CompletionFormat(), "prompt")
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = proto.decode_request(await request.read(), proto.ChatCompletionRequest)
+    def chat_plan(self, req: proto.ChatCompletionRequest) -> _Plan:
+        """A validated chat request, ready to run (OpenAIError if it is not)."""
         self._check_model(req.model)
         prompt = self._render_chat(proto.chat_messages(req))
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         max_tokens = self._fit([prompt], requested, None, param, "messages")
-        plan = self._plan(req, "chatcmpl", [prompt], max_tokens, ChatFormat(), "messages")
-        return await self._execute(request, plan)
+        return self._plan(req, "chatcmpl", [prompt], max_tokens, ChatFormat(), "messages")
 
     # -- validation --------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -130,9 +139,10 @@ class GenerationHandlers:
                      prompt_param)
 
     # -- running -----------------------------------------------------------------------
-    async def _execute(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
-        request[REQUEST_ID] = plan.env.id
-        arrival = request.get(ARRIVAL, time.monotonic())
+    @asynccontextmanager
+    async def running(self, plan: _Plan, arrival: float) -> AsyncIterator[list[ChoiceRun]]:
+        """Admit every choice of `plan` (a backend ValueError becomes a 400 before any
+        output); yields the admitted runs; on exit every unfinished one is aborted."""
         multi = len(plan.prompts) > 1
         runs = [ChoiceRun(self.backend, f"{plan.env.id}-{i}" if multi else plan.env.id, i,
                           p, plan.params, plan.stop, self.metrics, arrival)
@@ -145,16 +155,15 @@ class GenerationHandlers:
                 param = plan.prompt_param if str(e).startswith("prompt") else None
                 raise OpenAIError(400, str(e), param=param, code="invalid_value") from None
             self.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompts))
-            if plan.stream:
-                return await self._stream(request, plan, runs)
-            return await self._respond(plan, runs)
+            yield runs
         finally:
             for r in runs:
                 await r.close()
             self.metrics.in_flight.dec()
             self.metrics.e2e.observe(time.monotonic() - arrival)
 
-    async def _respond(self, plan: _Plan, runs: list[ChoiceRun]) -> web.Response:
+    async def collect(self, plan: _Plan, runs: list[ChoiceRun]) -> Any:
+        """The whole response object (`Completion` / `ChatCompletion`) of admitted runs."""
         texts: list[list[str]] = [[] for _ in runs]
         reasons: list[Optional[str]] = [None] * len(runs)
         async with aclosing(merge_runs(runs)) as events:
@@ -162,23 +171,37 @@ class GenerationHandlers:
                 texts[event.index].append(event.text)
                 if event.finish_reason is not None:
                     reasons[event.index] = event.finish_reason
-        body = plan.fmt.response(plan.env, ["".join(t) for t in texts], reasons,
+        return plan.fmt.response(plan.env, ["".join(t) for t in texts], reasons,
                                  _usage(plan, runs))
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json",
-                            headers={"X-Request-Id": plan.env.id})
+
+    async def chunks(self, plan: _Plan, runs: list[ChoiceRun]) -> AsyncIterator[Any]:
+        """The stream's chunk objects of admitted runs (opening chunks, one per event,
+        the usage chunk when asked for); `[DONE]` is the transport's business."""
+        for chunk in plan.fmt.opening_chunks(plan.env, len(runs)):
+            yield chunk
+        async with aclosing(merge_runs(runs)) as events:
+            async for event in events:
+                yield plan.fmt.chunk(plan.env, event)
+        if plan.include_usage:
+            yield plan.fmt.usage_chunk(plan.env, _usage(plan, runs))
+
+    async def _execute(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
+        request[REQUEST_ID] = plan.env.id
+        async with self.running(plan, request.get(ARRIVAL, time.monotonic())) as runs:
+            if plan.stream:
+                return await self._stream(request, plan, runs)
+            body = await self.collect(plan, runs)
+            return web.Response(body=msgspec.json.encode(body), content_type="application/json",
+                                headers={"X-Request-Id": plan.env.id})
 
     async def _stream(self, request: web.Request, plan: _Plan,
                       runs: list[ChoiceRun]) -> web.StreamResponse:
         sse = SSEStream(request, headers={"X-Request-Id": plan.env.id})
         await sse.start()
         try:
-            for chunk in plan.fmt.opening_chunks(plan.env, len(runs)):
-                await sse.send(chunk)
-            async with aclosing(merge_runs(runs)) as events:
-                async for event in events:
-                    await sse.send(plan.fmt.chunk(plan.env, event))
-            if plan.include_usage:
-                await sse.send(plan.fmt.usage_chunk(plan.env, _usage(plan, runs)))
+            async with aclosing(self.chunks(plan, runs)) as chunks:
+                async for chunk in chunks:
+                    await sse.send(chunk)
             await sse.done()
         except ConnectionResetError:
             log.info("client_disconnected", request_id=plan.env.id)

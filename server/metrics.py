@@ -2,7 +2,8 @@
 
 Counters and histograms are updated as requests run; the backend gauges (queue depth,
 KV usage, prefix hit rate, running requests) are refreshed from `backend.stats()` at
-each scrape, so they cost nothing between scrapes.
+each scrape, so they cost nothing between scrapes. A gauge whose key the backend does
+not report (e.g. the router's estimate, single-rank) stays at 0.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ _GAUGES = {
     "kv_usage": ("phalanx_kv_cache_usage_ratio", "Fraction of KV cache pages in use"),
     "prefix_hit_rate": ("phalanx_prefix_cache_hit_rate",
                         "Fraction of prompt tokens served from the prefix cache"),
+    "healthy": ("phalanx_backend_healthy", "1 while the backend can serve, 0 once it failed"),
+    "router_prefix_hit_estimate": ("phalanx_router_prefix_hit_estimate",
+                                   "Fraction of routed prompt tokens the chosen target held, "
+                                   "by the router's prefix tree"),
 }
 
 

@@ -1,0 +1,62 @@
+"""One snapshot of a cluster's serving stats, from its leaders' engine stats and the router.
+
+Keys (all numbers; see `ServingBackend.stats`):
+  num_waiting: requests queued on any leader (decode and prefill) plus those the client
+    holds back for lack of decode pages (the queue depth);
+  num_running: requests the decode DP leaders are running;
+  kv_usage: KV pages in use over KV pages, summed over the decode DP leaders;
+  prefix_hit_rate: prompt tokens served from the prefix cache over prompt tokens looked
+    up, on the side that runs prompts (prefill instances when disaggregated);
+  num_live: requests the driver tracks; num_dp_groups, num_prefill_instances;
+  router_decisions, router_prefix_hit_estimate: the router's own count and hit estimate
+    for the side that runs prompts;
+  healthy: 1.0.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..router import Router
+
+__all__ = ["summarize"]
+
+
+def _total(stats: Iterable[dict], key: str) -> float:
+    return float(sum(s.get(key, 0) for s in stats))
+
+
+def _hit_rate(stats: list[dict]) -> float:
+    query = _total(stats, "prefix_query_tokens")
+    if query:
+        return _total(stats, "prefix_hit_tokens") / query
+    rates = [float(s.get("prefix_hit_rate", 0.0)) for s in stats]
+    return sum(rates) / len(rates) if rates else 0.0
+
+
+def _kv_usage(stats: list[dict]) -> float:
+    pages = _total(stats, "num_pages")
+    if pages:
+        return sum(float(s.get("kv_usage", 0.0)) * s.get("num_pages", 0) for s in stats) / pages
+    return max((float(s.get("kv_usage", 0.0)) for s in stats), default=0.0)
+
+
+def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
+    """`view`: a client's `leader_stats()` (`{"decode": [...], "prefill": [...],
+    "queued": n}`; empty dicts stand for leaders that did not answer)."""
+    decode = [s for s in view.get("decode", ()) if s]
+    prefill = [s for s in view.get("prefill", ()) if s]
+    disaggregated = bool(router.prefill_instances)
+    pool = router.prefill if disaggregated else router.decode
+    return {
+        "num_waiting": _total(decode + prefill, "num_waiting") + float(view.get("queued", 0)),
+        "num_running": _total(decode, "num_running"),
+        "kv_usage": _kv_usage(decode),
+        "prefix_hit_rate": _hit_rate(prefill if disaggregated else decode),
+        "num_live": float(live),
+        "num_dp_groups": float(len(router.groups)),
+        "num_prefill_instances": float(len(router.prefill_instances)),
+        "router_decisions": float(pool.stats.decisions),
+        "router_prefix_hit_estimate": pool.stats.estimated_hit_rate,
+        "healthy": 1.0,
+    }

@@ -1,0 +1,112 @@
+"""Building a serving backend from a model folder and layout arguments (`phalanx serve`
+and `phalanx.sdk.start_local` share this).
+
+Layout rule: with no layout argument at all, the disaggregated default — one prefill
+instance of TP=1 streaming KV to a decode group of DP=2 (`DEFAULT_LAYOUT`); `tp=1,
+dp=1` given explicitly (and nothing disaggregated), one in-process engine
+(`EngineBackend`, no Ray); anything else, the `LLM` layout of the same keywords served
+by a `ClusterBackend` (Ray started locally, or joined with `ray_address`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping, Optional
+
+from .backend import ServingBackend
+
+__all__ = ["DEFAULT_LAYOUT", "LAYOUT_KEYS", "resolve_layout", "is_single_rank",
+           "build_backend", "placement_lines"]
+
+DEFAULT_LAYOUT: Mapping[str, int] = {"prefill_tp": 1, "decode_dp": 2}
+LAYOUT_KEYS = ("tp", "dp", "prefill_tp", "decode_dp", "decode_tp", "prefill_instances",
+               "prefill_page_size")
+_DISAGG_KEYS = LAYOUT_KEYS[2:]
+_CLUSTER_ONLY = ("collective_timeout_s", "ray_address")
+Progress = Callable[[str], None]
+
+
+def resolve_layout(**given: Optional[int]) -> dict[str, int]:
+    """The layout keywords to build from those given (None = not given); see the module
+    docstring. ValueError for colocated and disaggregated keywords mixed."""
+    unknown = set(given) - set(LAYOUT_KEYS)
+    if unknown:
+        raise ValueError(f"unknown layout keyword(s): {sorted(unknown)}")
+    chosen = {k: int(v) for k, v in given.items() if v is not None}
+    if not chosen:
+        return dict(DEFAULT_LAYOUT)
+    if any(k in chosen for k in _DISAGG_KEYS) and chosen.get("tp", 1) * chosen.get("dp", 1) != 1:
+        raise ValueError("layout: give either --tp/--dp (colocated) or the --prefill-*/--decode-* "
+                         "flags (disaggregated), not both")
+    return chosen
+
+
+def is_single_rank(layout: Mapping[str, int]) -> bool:
+    return (layout.get("tp", 1) * layout.get("dp", 1) == 1
+            and not any(k in layout for k in _DISAGG_KEYS))
+
+
+def describe(layout: Mapping[str, int]) -> str:
+    if is_single_rank(layout):
+        return "one in-process engine (TP=1, DP=1)"
+    if any(k in layout for k in _DISAGG_KEYS):
+        return (f"disaggregated: {layout.get('prefill_instances', 1)} prefill instance(s) of "
+                f"TP={layout.get('prefill_tp', 1)} -> decode DP={layout.get('decode_dp', 1)} x "
+                f"TP={layout.get('decode_tp', 1)}")
+    return f"colocated: TP={layout.get('tp', 1)} x DP={layout.get('dp', 1)}"
+
+
+def placement_lines(nodes: Mapping[str, Any]) -> list[str]:
+    """Human lines of a client's `rank_nodes()`: where each rank runs."""
+    lines = [f"{'decode' if nodes.get('prefill') else 'group'} rank {r} on node {n}"
+             for r, n in enumerate(nodes.get("decode", ()))]
+    for i, ranks in enumerate(nodes.get("prefill", ())):
+        lines += [f"prefill instance {i} rank {r} on node {n}" for r, n in enumerate(ranks)]
+    return lines
+
+
+def build_backend(model: Optional[str | os.PathLike] = None, *, model_name: Optional[str] = None,
+                  routing_policy: Optional[str] = None, progress: Optional[Progress] = None,
+                  **kwargs: Any) -> ServingBackend:
+    """A backend for `model` (None: the tiny default model). `kwargs`: `LLM`'s keywords
+    (layout ones resolved by `resolve_layout`; None values count as not given).
+    `routing_policy`: a registered routing policy name (cluster layouts). `progress`
+    receives one line per loading stage."""
+    say = progress or (lambda line: None)
+    layout = resolve_layout(**{k: kwargs.pop(k, None) for k in LAYOUT_KEYS})
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if model is None:
+        from ..models.tiny import default_model_dir
+        say("preparing the tiny default model")
+        model = default_model_dir()
+    say(f"loading {model} as {describe(layout)}")
+    if is_single_rank(layout):
+        from .engine_backend import EngineBackend
+        single = {k: v for k, v in kwargs.items() if k not in _CLUSTER_ONLY}
+        return EngineBackend.from_model_dir(model, model_name=model_name, **single)
+    return _cluster_backend(model, layout, kwargs, model_name, routing_policy, say)
+
+
+def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str],
+                     routing_policy: Optional[str], say: Progress) -> ServingBackend:
+    from ..llm import LLM
+    from .cluster_backend import ClusterBackend
+    from .cluster_driver import DriverConfig
+
+    import ray
+
+    address = kwargs.get("ray_address")
+    if ray.is_initialized():
+        say("using the Ray cluster this process is connected to")
+    else:
+        say(f"joining the Ray cluster at {address}" if address else "starting a local Ray cluster")
+    llm = LLM(model, **layout, **kwargs)
+    say("rank groups formed, shards loaded")
+    try:
+        for line in placement_lines(llm.group.rank_nodes()):
+            say(line)
+        config = DriverConfig(policy=routing_policy) if routing_policy else DriverConfig()
+        return ClusterBackend.from_llm(llm, model_name=model_name, config=config)
+    except BaseException:
+        llm.close()
+        raise

@@ -1,0 +1,116 @@
+"""`phalanx serve`: build the backend, serve HTTP until Ctrl-C / SIGTERM, shut down.
+
+Progress lines go to stderr (`phalanx: ...`); once the server listens, one ready line
+goes to stdout: `phalanx: serving MODEL at http://HOST:PORT (OpenAI base URL
+http://HOST:PORT/v1)` — with the port actually bound, so `--port 0` is usable.
+
+Shutdown on SIGINT or SIGTERM: the HTTP server stops accepting and cancels its handlers
+(aborting their requests), the backend stops (rank actors killed), and Ray is shut
+down if this process started or joined it; exit code 0. A second signal during the
+shutdown interrupts it. Interrupted while loading: everything built so far is torn
+down, exit code 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from typing import Callable
+
+from .app import create_app
+from .backend import ServingBackend
+from .launch import build_backend
+from .runner import start_server
+
+__all__ = ["run_serve", "EXIT_INTERRUPTED"]
+
+EXIT_INTERRUPTED = 130
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _say(line: str) -> None:
+    print(f"phalanx: {line}", file=sys.stderr, flush=True)
+
+
+def _ray_connected() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """The `serve` subcommand (arguments: cli.py's `serve` parser)."""
+    was_connected = _ray_connected()
+    # While loading, both signals interrupt (even if the shell started us with SIGINT
+    # ignored, as it does for background jobs): serving handles both the same way.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in _SIGNALS}
+    backend = None
+    try:
+        backend = build_backend(
+            args.model, model_name=args.served_model_name, routing_policy=args.routing_policy,
+            progress=_say, tp=args.tp, dp=args.dp, prefill_tp=args.prefill_tp,
+            prefill_instances=args.prefill_instances, decode_dp=args.decode_dp,
+            decode_tp=args.decode_tp, prefill_page_size=args.prefill_page_size,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            page_size=args.page_size, num_pages=args.num_pages, max_model_len=args.max_model_len,
+            device=args.device, seed=args.seed, collective_timeout_s=args.collective_timeout,
+            ray_address=args.address)
+        _restore(previous)
+        asyncio.run(_serve(backend, args))
+        return 0
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+    finally:
+        _restore(previous)
+        if backend is not None:  # idempotent: closed already unless interrupted early
+            asyncio.run(backend.close())
+        if not was_connected and _ray_connected():
+            import ray
+            ray.shutdown()
+        _say("stopped")
+
+
+async def _serve(backend: ServingBackend, args: argparse.Namespace) -> None:
+    """Serve until a signal; the backend is closed whatever happens."""
+    try:
+        stop = _stop_event(asyncio.get_running_loop())
+        app = create_app(backend, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                         served_model_name=args.served_model_name)
+        server = await start_server(app, args.host, args.port)
+        try:
+            name = args.served_model_name or backend.model_name
+            print(f"phalanx: serving {name} at {server.url} (OpenAI base URL {server.url}/v1)",
+                  flush=True)
+            await stop.wait()
+            _say("shutting down")
+        finally:
+            await server.close()
+    finally:
+        await backend.close()
+
+
+def _stop_event(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """Set by the first SIGINT/SIGTERM; the handlers are then removed, so a second
+    signal interrupts the shutdown the ordinary way."""
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in _SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    handler: Callable[[], None] = on_signal
+    for sig in _SIGNALS:
+        loop.add_signal_handler(sig, handler)
+    return stop
