@@ -160,10 +160,10 @@ def receiver_main(pipe, args) -> None:
 
 async def _receiver(pipe, args, dev: torch.device) -> None:
     from phalanx.kv_transfer.transport import KVReceiver, ensure_ucx, shutdown_ucx
-    ucxx = ensure_ucx()
+    ucxx = ensure_ucx(args["progress"])
     num_pages = -(-args["max_tokens"] // PAGE) + 8
     rx = KVReceiver(_pools(num_pages, KV_HEADS, False, dev), rank=0, epoch=1,
-                    timeout_s=60.0, staging_buffers=args["staging"],
+                    timeout_s=60.0, staging_buffers=args["staging"], progress_mode=args["progress"],
                     max_payload_bytes=args["payload_mib"] << 20)
     addr = await rx.start()
     raw_eps, nccl_bufs = [], {}
@@ -254,12 +254,12 @@ def _my_batches(rank: int, p: int, tokens: int, num_pages: int):
 
 async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
     from phalanx.kv_transfer.transport import KVSender, ensure_ucx, shutdown_ucx
-    ucxx = ensure_ucx()
+    ucxx = ensure_ucx(args["progress"])
     src, _ = _layouts(args["p"], 1)
     heads = len(src.heads_of(rank))
     num_pages = -(-args["max_tokens"] // PAGE) + 8
     tx = KVSender(_pools(num_pages, heads, True, dev), rank=rank, epoch=1, timeout_s=60.0,
-                  staging_buffers=args["staging"])
+                  staging_buffers=args["staging"], progress_mode=args["progress"])
     addr, raw_addr = pipe.recv()
     await tx.connect(tuple(addr))
     raw_ep = await ucxx.create_endpoint(*raw_addr)
@@ -334,7 +334,7 @@ def bench_layout(p: int, tokens_list: list[int], args) -> list[dict]:
     cfg = {"p": p, "max_tokens": max(tokens_list), "staging": args.staging, "tls": args.tls,
            "ucx_env": _ucx_env(args.ucx_env), "device": args.device, "nccl": nccl,
            "nccl_port": gpu.free_port() if nccl else 0, "payload_mib": args.payload_mib,
-           "profile": args.profile}
+           "profile": args.profile, "progress": args.progress_mode}
     modes = MODES + (("nccl",) if nccl else ())
     rx_pipe, child = ctx.Pipe()
     procs = [ctx.Process(target=receiver_main, args=(child, cfg), daemon=True)]
@@ -399,6 +399,8 @@ def main() -> None:
                     help="extra UCX_*=value,... for the spawned processes ('' for none; "
                     f"default cpu: {TCP_TUNING}; cuda: none)")
     ap.add_argument("--no-nccl", action="store_true", help="cuda: leave out the nccl row")
+    ap.add_argument("--progress-mode", default="thread",
+                    help="ucxx progress mode of every process (thread, polling, blocking, ...)")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile every process; top functions to $OUT/profile_<role>.txt")
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""Wire format of the KV transport: msgspec control messages and the copy-descriptor table.
+"""Wire format of the KV transport: msgspec control messages, copy tables and templates.
 
 Every control message is a tagged msgspec Struct encoded with msgpack (never pickle) and
 framed as one transport message: a little-endian u64 length, then the body (`frame`), so
@@ -10,14 +10,17 @@ bytes, answered by one `TransferAck` with the same `seq`. Every message carries 
 epoch of the group that produced it; a receiver drops (never applies) messages of
 another epoch.
 
-Copy descriptors travel as one little-endian int32 table `[n, 10]` (`COPY_FIELDS`), a
-compact form of `planner.Copy` without the two ranks (implicit in the connection). The
-payload is the concatenation, in table order, of each copy's slab `[num_heads,
-num_tokens, head_dim]` (row-major) of the source pool. `copy_rows` maps a table to pool
-rows: a pool `[num_pages, heads, page_size, head_dim]` viewed as `[-1, g * head_dim]`
-(runs of g tokens of one head; g divides the page size, the offsets and the run lengths),
-so gather and scatter are one index_select / index_copy per (layer, kind, g) run, each
-side choosing its own g (`segments`).
+Copy descriptors are little-endian int32 tables `[n, 10]` (`COPY_FIELDS`), a compact
+form of `planner.Copy` without the two ranks (implicit in the connection). A request's
+copies repeat one pattern per (layer, kind), so they travel as a *template* (a copy
+table whose layer and kind columns are unused, sent once per connection) and *blocks*
+`[n, 4]` (`BLOCK_FIELDS`: rows [row_start, row_stop) of the template applied to pool
+(layer, kind)): a message costs O(blocks) host work, not O(copies) (`templates_of`).
+The payload is the concatenation, block by block and row by row, of each copy's slab
+`[num_heads, num_tokens, head_dim]` (row-major) of the source pool. `copy_rows` maps a
+table to pool rows: a pool `[num_pages, heads, page_size, head_dim]` viewed as
+`[-1, g * head_dim]` (runs of g tokens of one head; g divides the page size, the offsets
+and the run lengths), each side choosing its own g per run of rows (`segments`).
 
 Pure logic: numpy and msgspec only; no torch, no I/O.
 """
@@ -33,7 +36,7 @@ import numpy as np
 
 from .planner import Copy
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_CTRL_BYTES = 1 << 20   # a framed TransferRequest (header + copy table) fits in this
 MAX_REPLY_BYTES = 1 << 16  # a framed Hello, HelloAck or TransferAck fits in this
 KIND_CODES = {"k": 0, "v": 1}
@@ -45,6 +48,9 @@ COPY_FIELDS = ("layer", "kind", "src_head", "dst_head", "num_heads", "src_page",
 SIDE_COLUMNS = {"src": (F_SRC_HEAD, F_SRC_PAGE, F_SRC_OFFSET),
                 "dst": (F_DST_HEAD, F_DST_PAGE, F_DST_OFFSET)}
 _COPY_DTYPE = np.dtype("<i4")
+BLOCK_FIELDS = ("layer", "kind", "row_start", "row_stop")
+MAX_TEMPLATE_ROWS = 16384  # a template table (640 KiB) fits a control message
+MAX_BLOCKS = 4096          # blocks per message (64 KiB)
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
@@ -69,17 +75,21 @@ class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
 
 
 class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
-    """A batch of copies for one destination, followed by `payload_bytes` raw bytes.
+    """A batch of blocks for one destination, followed by `payload_bytes` raw bytes.
 
-    `seq` numbers the requests of one connection (from 1); `layers` is [layer_start,
-    layer_stop) of the copies; `copies` is the int32 table (see `encode_copies`)."""
+    `seq` numbers the requests of one connection (from 1); [layer_start, layer_stop)
+    spans the blocks' layers. `template` names a template of this connection; its table
+    travels in `template_table` with the first message that uses it (b"" afterwards).
+    `blocks` is the int32 block table (`encode_blocks`)."""
 
     request_id: str
     epoch: int
     seq: int
     layer_start: int
     layer_stop: int
-    copies: bytes
+    template: int
+    template_table: bytes
+    blocks: bytes
     payload_bytes: int
 
 
@@ -159,24 +169,48 @@ def payload_nbytes(table: np.ndarray, head_dim: int, itemsize: int) -> int:
     return int(copy_nbytes(table, head_dim, itemsize).sum())
 
 
-MAX_COPIES = (MAX_CTRL_BYTES - 4096) // (len(COPY_FIELDS) * _COPY_DTYPE.itemsize)
+def encode_blocks(blocks: np.ndarray) -> bytes:
+    return np.ascontiguousarray(blocks, dtype=_COPY_DTYPE).tobytes()
 
 
-def split_table(table: np.ndarray, copy_bytes: np.ndarray,
-                max_payload: int) -> list[tuple[np.ndarray, int]]:
-    """Cut `table` at copy boundaries into parts of at most `max_payload` payload bytes
-    and `MAX_COPIES` copies: [(part, payload bytes)]. ValueError if one copy is larger."""
-    if len(table) and int(copy_bytes.max()) > max_payload:
-        raise ValueError(f"a copy of {int(copy_bytes.max())} bytes exceeds the receiver's "
-                         f"{max_payload}-byte messages")
-    parts, start, ends = [], 0, np.cumsum(copy_bytes)
-    while start < len(table):
-        base = int(ends[start - 1]) if start else 0
-        stop = int(np.searchsorted(ends, base + max_payload, side="right"))
-        stop = min(max(stop, start + 1), start + MAX_COPIES)
-        parts.append((table[start:stop], int(ends[stop - 1]) - base))
-        start = stop
-    return parts
+def decode_blocks(raw: bytes) -> np.ndarray:
+    """The int32 block table `[n, 4]` of a `TransferRequest.blocks`; ValueError if malformed."""
+    width = len(BLOCK_FIELDS) * _COPY_DTYPE.itemsize
+    if not raw or len(raw) % width:
+        raise ValueError(f"block table of {len(raw)} bytes is not a positive multiple of {width}")
+    return np.frombuffer(raw, dtype=_COPY_DTYPE).reshape(-1, len(BLOCK_FIELDS))
+
+
+def templates_of(table: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut a copy table into [(template, blocks)]: each maximal run of one (layer, kind)
+    becomes a block of a template equal to the run with layer = kind = 0; runs with equal
+    templates share one (a plan's layers all do). Templates longer than
+    `MAX_TEMPLATE_ROWS` are cut. Replaying the blocks in order gives back `table`."""
+    if len(table) == 0:
+        return []
+    key = table[:, F_LAYER].astype(np.int64) * 2 + table[:, F_KIND]
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    found: dict[bytes, tuple[np.ndarray, list]] = {}
+    for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(table)]))):
+        layer, kind = int(table[a, F_LAYER]), int(table[a, F_KIND])
+        for c in range(int(a), int(b), MAX_TEMPLATE_ROWS):
+            run = np.array(table[c:min(c + MAX_TEMPLATE_ROWS, int(b))], dtype=_COPY_DTYPE)
+            run[:, (F_LAYER, F_KIND)] = 0
+            entry = found.setdefault(run.tobytes(), (run, []))
+            entry[1].append((layer, kind, 0, len(run)))
+    return [(run, np.array(blocks, dtype=_COPY_DTYPE)) for run, blocks in found.values()]
+
+
+def check_blocks(blocks: np.ndarray, num_layers: int, rows: int) -> str:
+    """'' if every block names a layer, a kind and a non-empty row range of a template of
+    `rows` rows, else what is wrong."""
+    layer, kind, r0, r1 = (blocks[:, i] for i in range(4))
+    bad = (layer < 0) | (layer >= num_layers) | (kind < 0) | (kind > 1) | (r0 < 0) \
+        | (r1 <= r0) | (r1 > rows)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        return f"block {i} {dict(zip(BLOCK_FIELDS, blocks[i].tolist()))}: out of range"
+    return ""
 
 
 def check_copies(table: np.ndarray, side: str, num_layers: int, num_pages: int,

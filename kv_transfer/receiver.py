@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -15,7 +15,7 @@ import torch
 from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
-from .staging import _Pools
+from .staging import _Pools, _Template
 from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address,
                           TransportThread, _abort, _on_loop, _post_recv, _post_send, _reason,
                           _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
@@ -25,9 +25,14 @@ __all__ = ["BlockingKVReceiver", "KVReceiver"]
 log = get_logger(__name__)
 
 
+RECEIVER_TEMPLATES = 4096  # per connection, LRU: more than a sender ever assumes known
+
+
 class _RecvConn:
     def __init__(self, ep: Any) -> None:
         self.ep, self.peer = ep, "unknown sender"
+        # template id -> (request id, template); LRU, dropped with their request
+        self.templates: OrderedDict[int, tuple[str, _Template]] = OrderedDict()
         self.requests: set[str] = set()
         self.broken = ""
         self.tasks: list[asyncio.Task] = []
@@ -94,6 +99,9 @@ class KVReceiver:
         if self._expected is not None:
             self._expected.discard(request_id)
         self._rows.pop(request_id, None)
+        for conn in self._conns:
+            for tid in [t for t, (rid, _) in conn.templates.items() if rid == request_id]:
+                del conn.templates[tid]
         self._failed.pop(request_id, None)
 
     def landed(self, request_id: str) -> dict[int, int]:
@@ -183,7 +191,7 @@ class KVReceiver:
             if msg.epoch == self.epoch:
                 conn.requests.add(msg.request_id)
             await asyncio.wait_for(payload_task, self.timeout_s)
-            error = self._apply(msg, slots[k][1])
+            error = self._apply(msg, slots[k][1], conn.templates)
             posted[k] = self._post(conn, slots[k])
             # The ack is posted, not awaited: waiting for its completion would add a
             # notifier round trip to every message (the sender's deadline covers it).
@@ -201,26 +209,30 @@ class KVReceiver:
         return (_post_recv(conn.ep, TAG_CTRL, slot[0]),
                 _post_recv(conn.ep, TAG_PAYLOAD, _ucx_buf(slot[1])))
 
-    def _apply(self, msg: m.TransferRequest, buf: torch.Tensor) -> str:
+    def _apply(self, msg: m.TransferRequest, buf: torch.Tensor,
+               templates: "OrderedDict[int, tuple[str, _Template]]") -> str:
         """Write one message's payload (at the start of `buf`) into the pools; '' or why
-        it was dropped."""
+        it was dropped. A template defined by the message is kept (if valid) even when
+        the message itself is dropped, since later messages may name it."""
+        try:
+            tmpl = self._template(msg, templates)
+            blocks = m.decode_blocks(msg.blocks)
+        except ValueError as e:
+            self.stats["rejected"] += 1
+            return str(e)
         if msg.epoch != self.epoch:
             self.stats["dropped_epoch"] += 1
             return f"stale epoch {msg.epoch}: receiver is at epoch {self.epoch}"
         if self._expected is not None and msg.request_id not in self._expected:
             self.stats["rejected"] += 1
             return f"request {msg.request_id!r} is not expected here"
-        try:
-            table = m.decode_copies(msg.copies)
-            error = self._pools.check(table, "dst")
-            if not error and self._pools.nbytes(table) != msg.payload_bytes:
-                error = f"payload of {msg.payload_bytes} bytes does not match the copies"
-        except ValueError as e:
-            error = str(e)
+        error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
+        if not error and tmpl.nbytes(blocks) != msg.payload_bytes:
+            error = f"payload of {msg.payload_bytes} bytes does not match the blocks"
         if error:
             self.stats["rejected"] += 1
             return error
-        for layer, slots in self._pools.scatter(table, buf[:msg.payload_bytes]).items():
+        for layer, slots in self._pools.scatter(tmpl, blocks, buf[:msg.payload_bytes]).items():
             self._rows[msg.request_id][layer] += slots
         self.stats["messages"] += 1
         self.stats["bytes"] += msg.payload_bytes
@@ -228,6 +240,20 @@ class KVReceiver:
             self.on_landed(msg.request_id, range(msg.layer_start, msg.layer_stop), msg.epoch)
         self._notify()
         return ""
+
+    def _template(self, msg: m.TransferRequest, templates) -> _Template:
+        """The message's template: defined by it (validated for the dst side) or known."""
+        if msg.template_table:
+            tmpl = self._pools.template(m.decode_copies(msg.template_table), "dst")
+            templates[msg.template] = (msg.request_id, tmpl)
+            if len(templates) > RECEIVER_TEMPLATES:
+                templates.popitem(last=False)
+            return tmpl
+        found = templates.get(msg.template)
+        if found is None or found[0] != msg.request_id:
+            raise ValueError(f"unknown template {msg.template} for request {msg.request_id!r}")
+        templates.move_to_end(msg.template)
+        return found[1]
 
     def _break(self, conn: _RecvConn, reason: str, *, fault: bool = True) -> None:
         if conn.broken:

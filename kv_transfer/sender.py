@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
@@ -18,7 +18,7 @@ from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
 from .planner import Copy
-from .staging import _Pools
+from .staging import _Pools, _Template
 from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address,
                           TransportThread, _abort, _on_loop, _post_send, _reason,
                           _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
@@ -27,6 +27,7 @@ __all__ = ["BlockingKVSender", "Copies", "KVSender"]
 
 log = get_logger(__name__)
 Copies = Union[Sequence[Copy], np.ndarray]
+SENDER_TEMPLATES = 1024  # per connection; receivers keep RECEIVER_TEMPLATES >= this
 
 
 class _Batch:
@@ -47,7 +48,11 @@ class _SenderConn:
         for _ in range(max(1, staging)):
             self.free.put_nowait(torch.empty(0, dtype=torch.uint8))
         self.seq = 0
-        self.queue: deque[tuple[_Batch, np.ndarray, int]] = deque()  # (batch, part, bytes)
+        # (batch, template id, template, block (layer, kind, r0, r1), payload bytes)
+        self.queue: deque[tuple[_Batch, int, _Template, tuple, int]] = deque()
+        self.templates: OrderedDict[tuple[str, bytes], tuple[int, _Template]] = OrderedDict()
+        self.defined: set[int] = set()  # template ids whose table the receiver was sent
+        self.next_template = 0
         self.wake = asyncio.Event()
         self.pending: dict[int, list[_Batch]] = {}  # seq -> batches with a part in it
         self.broken = ""
@@ -135,9 +140,13 @@ class KVSender:
         pools; TransferError on timeout, rejection (e.g. stale epoch) or a lost peer."""
         conn = self._conn(peer, request_id)
         table = self._table(copies, conn)
-        parts = m.split_table(table, self._pools.copy_nbytes(table), conn.capacity)
+        parts = []
+        for template_table, blocks in m.templates_of(table):
+            tid, tmpl = self._template(conn, request_id, template_table)
+            for block in blocks.tolist():
+                parts.extend((tid, tmpl, piece, n) for piece, n in tmpl.cut(block, conn.capacity))
         batch = _Batch(request_id, self.epoch, len(parts))
-        conn.queue.extend((batch, part, nbytes) for part, nbytes in parts)
+        conn.queue.extend((batch, *part) for part in parts)
         conn.wake.set()
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
@@ -149,22 +158,39 @@ class KVSender:
             raise TransferError(request_id, batch.epoch, conn.peer, f"rejected: {ack.error}")
         return ack
 
-    def _next_message(self, conn: _SenderConn) -> tuple[list[_Batch], np.ndarray, int]:
-        """The queue's head part and the following ones of the same request and epoch,
-        within the receiver's capacity: (their batches, copy table, payload bytes)."""
-        batch, part, total = conn.queue.popleft()
-        batches, tables = [batch], [part]
-        while conn.queue:
-            nxt, part, nbytes = conn.queue[0]
-            if ((nxt.request_id, nxt.epoch) != (batch.request_id, batch.epoch)
-                    or total + nbytes > conn.capacity
-                    or sum(len(t) for t in tables) + len(part) > m.MAX_COPIES):
+    def _template(self, conn: _SenderConn, request_id: str, table: np.ndarray
+                  ) -> tuple[int, _Template]:
+        """The connection's id for this request's template (new ones located once)."""
+        key = (request_id, table.tobytes())
+        found = conn.templates.get(key)
+        if found is not None:
+            conn.templates.move_to_end(key)
+            return found
+        found = (conn.next_template, self._pools.template(table, "src"))
+        conn.next_template += 1
+        conn.templates[key] = found
+        if len(conn.templates) > SENDER_TEMPLATES:  # the receiver keeps more: never stale
+            _, (old, _) = conn.templates.popitem(last=False)
+            conn.defined.discard(old)
+        return found
+
+    def _next_message(self, conn: _SenderConn) -> tuple[list[_Batch], int, _Template,
+                                                        np.ndarray, int]:
+        """The queue's head block and the following ones of the same request, epoch and
+        template, within the receiver's capacity: (batches, template id, template,
+        blocks, payload bytes)."""
+        batch, tid, tmpl, block, total = conn.queue.popleft()
+        batches, blocks = [batch], [block]
+        while conn.queue and len(blocks) < m.MAX_BLOCKS:
+            nxt, ntid, _, nblock, nbytes = conn.queue[0]
+            if ((nxt.request_id, nxt.epoch, ntid) != (batch.request_id, batch.epoch, tid)
+                    or total + nbytes > conn.capacity):
                 break
             conn.queue.popleft()
-            batches.append(nxt)
-            tables.append(part)
+            batches.append(nxt)  # once per block: acks count a batch's parts down
+            blocks.append(nblock)
             total += nbytes
-        return batches, tables[0] if len(tables) == 1 else np.concatenate(tables), total
+        return batches, tid, tmpl, np.array(blocks, dtype=np.int32), total
 
     async def _pump(self, conn: _SenderConn) -> None:
         """Gather and post queued parts in order. Its waits are bounded by the batches'
@@ -174,17 +200,19 @@ class KVSender:
                 while not conn.queue:
                     conn.wake.clear()
                     await conn.wake.wait()
-                batches, table, nbytes = self._next_message(conn)
+                batches, tid, tmpl, blocks, nbytes = self._next_message(conn)
                 conn.seq += 1
                 conn.pending[conn.seq] = batches  # from here on `_break` fails them
                 buf = await conn.free.get()
                 if buf.numel() < nbytes:
                     buf = torch.empty(nbytes, dtype=torch.uint8, device=self._pools.device)
-                self._pools.gather(table, buf[:nbytes])
-                layers = table[:, m.F_LAYER]
+                self._pools.gather(tmpl, blocks, buf[:nbytes])
+                layers = blocks[:, 0]
+                definition = b"" if tid in conn.defined else tmpl.table.tobytes()
+                conn.defined.add(tid)
                 msg = m.TransferRequest(batches[0].request_id, batches[0].epoch, conn.seq,
-                                        int(layers.min()), int(layers.max()) + 1,
-                                        m.table_bytes(table), nbytes)
+                                        int(layers.min()), int(layers.max()) + 1, tid,
+                                        definition, m.encode_blocks(blocks), nbytes)
                 sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg)),
                          _post_send(conn.ep, TAG_PAYLOAD, _ucx_buf(buf[:nbytes]))]
                 asyncio.create_task(self._sent(conn, sends, buf))
@@ -231,7 +259,7 @@ class KVSender:
         conn.broken = reason
         if fault:
             log.warning("kv_send_conn_broken", peer=conn.peer, reason=reason)
-        batches = [b for b, _, _ in conn.queue] + [b for bs in conn.pending.values() for b in bs]
+        batches = [e[0] for e in conn.queue] + [b for bs in conn.pending.values() for b in bs]
         conn.queue.clear()
         conn.pending.clear()
         for batch in batches:

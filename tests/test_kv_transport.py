@@ -438,10 +438,10 @@ def test_other_epochs_are_dropped(pair):
 # ----------------------------------------------------------------------- in-process
 
 def test_wire_format_round_trips_and_validates():
-    """Framed msgspec messages round-trip; copy tables encode compactly, split at copy
-    boundaries within a byte budget, and out-of-range copies are named."""
+    """Framed msgspec messages round-trip; copy tables encode compactly and cut into
+    templates + blocks that replay to the same table; out-of-range copies are named."""
     from phalanx.kv_transfer import messages as m
-    req = m.TransferRequest("r", 3, 7, 0, 2, b"\x01\x02", 10)
+    req = m.TransferRequest("r", 3, 7, 0, 2, 5, b"\x01\x02", b"", 10)
     buf = bytearray(m.frame(req)) + bytearray(100)  # a fixed receive buffer, partly used
     assert m.unframe(buf, m.TO_RECEIVER) == req
     with pytest.raises(ValueError):
@@ -450,10 +450,20 @@ def test_wire_format_round_trips_and_validates():
     table = m.encode_copies(plan.copies)
     assert table.shape == (len(plan), 10) and table.dtype == np.int32
     assert np.array_equal(m.decode_copies(m.table_bytes(table)), table)
-    sizes = m.copy_nbytes(table, 8, 4)
-    parts = m.split_table(table, sizes, 1000)
-    assert np.array_equal(np.concatenate([p for p, _ in parts]), table)
-    assert all(n <= 1000 for _, n in parts) and sum(n for _, n in parts) == sizes.sum()
+    pair = m.encode_copies([c for c in plan if c.src_rank == 0])
+    parts = m.templates_of(pair)
+    assert len(parts) == 1, "every (layer, kind) of a plan repeats one template"
+    replay = []
+    for template, blocks in m.templates_of(table):
+        for layer, kind, r0, r1 in blocks.tolist():
+            rows = template[r0:r1].copy()
+            rows[:, m.F_LAYER], rows[:, m.F_KIND] = layer, kind
+            replay.append((layer, kind, rows))
+    assert np.array_equal(np.concatenate([r for _, _, r in replay]), table)
+    blocks = parts[0][1]
+    assert np.array_equal(m.decode_blocks(m.encode_blocks(blocks)), blocks)
+    assert m.check_blocks(blocks, LAYERS, len(parts[0][0])) == ""
+    assert "out of range" in m.check_blocks(blocks + [[0, 0, 0, 1]], LAYERS, len(parts[0][0]))
     bad = table.copy()
     bad[3, m.F_DST_PAGE] = 10**6
     assert "dst page" in m.check_copies(bad, "dst", LAYERS, 20, 4, 8)
@@ -463,7 +473,8 @@ def test_wire_format_round_trips_and_validates():
 @pytest.mark.parametrize("case", ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1"])
 def test_gather_scatter_match_the_plan_in_process(case):
     """The transport's gather (every src rank) + scatter equal the plan applied slab by
-    slab, whatever granule each side picks (partial pages, different page sizes)."""
+    slab, whatever granule each side picks (partial pages, different page sizes), also
+    when blocks are cut at row boundaries to fit small messages."""
     from phalanx.kv_transfer import messages as m
     from phalanx.kv_transfer.transport import _Pools
     plan = _plan(case)
@@ -471,38 +482,47 @@ def test_gather_scatter_match_the_plan_in_process(case):
         dst = _Pools(_zero_pools(case, d))
         for s in range(_layouts(case)[0].tp):
             table = m.encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == (s, d)])
-            if len(table):
-                src = _Pools(_side_pools(case, "src", s, "noise"))
-                buf = torch.empty(src.nbytes(table), dtype=torch.uint8)
-                src.gather(table, buf)
-                dst.scatter(table, buf)
+            src = _Pools(_side_pools(case, "src", s, "noise"))
+            for template, blocks in m.templates_of(table):
+                tx, rx = src.template(template, "src"), dst.template(template, "dst")
+                pieces = [p for b in blocks.tolist() for p, _ in tx.cut(b, 700)]
+                cut = np.array(pieces, dtype=np.int32)
+                buf = torch.empty(tx.nbytes(cut), dtype=torch.uint8)
+                src.gather(tx, cut, buf)
+                dst.scatter(rx, cut, buf)
         want = _side_pools(case, "dst", d, "zero")
         assert all(torch.equal(want[l][k], dst.pools[l][k]) for l in range(LAYERS)
                    for k in range(2))
 
 
 def test_receiver_rejects_bad_batches_without_writing():
-    """Out-of-range copies, a payload size that disagrees with the copies, or another
-    epoch: the batch is dropped with a reason and the pools stay untouched."""
+    """An out-of-range template, a payload size that disagrees with the blocks, an
+    unknown template, or another epoch: the batch is dropped with a reason and the pools
+    stay untouched."""
     import asyncio
+    from collections import OrderedDict
     from phalanx.kv_transfer import messages as m
     from phalanx.kv_transfer.transport import KVReceiver
 
     async def run():
         pools = _zero_pools("tp1_to_tp1", 0)
         rx = KVReceiver(pools, rank=0, epoch=2)
-        table = m.encode_copies(_plan("tp1_to_tp1").for_layer(0).copies)
-        n = m.payload_nbytes(table, 8, 4)
+        ((template, blocks),) = m.templates_of(
+            m.encode_copies(_plan("tp1_to_tp1").for_layer(0).copies))
+        n = m.payload_nbytes(template, 8, 4) * len(blocks)
         payload = torch.ones(n, dtype=torch.uint8)
-        bad = table.copy()
+        bad = template.copy()
         bad[0, m.F_DST_HEAD] = 3
-        errors = [rx._apply(m.TransferRequest("r", 2, 1, 0, 1, m.table_bytes(bad), n), payload),
-                  rx._apply(m.TransferRequest("r", 2, 2, 0, 1, m.table_bytes(table), n - 4),
-                            payload),
-                  rx._apply(m.TransferRequest("r", 1, 3, 0, 1, m.table_bytes(table), n), payload)]
+        raw, tb = m.encode_blocks(blocks), template.tobytes()
+        known: OrderedDict = OrderedDict()
+        errors = [rx._apply(m.TransferRequest("r", 2, 1, 0, 1, 0, bad.tobytes(), raw, n),
+                            payload, OrderedDict()),
+                  rx._apply(m.TransferRequest("r", 2, 2, 0, 1, 1, tb, raw, n - 4), payload, known),
+                  rx._apply(m.TransferRequest("r", 2, 3, 0, 1, 7, b"", raw, n), payload, known),
+                  rx._apply(m.TransferRequest("r", 1, 4, 0, 1, 1, b"", raw, n), payload, known)]
         return errors, rx.stats, all(not t.any() for pair in pools for t in pair)
 
     errors, stats, untouched = asyncio.run(run())
     assert "dst head range" in errors[0] and "does not match" in errors[1]
-    assert "stale epoch 1" in errors[2]
-    assert stats["rejected"] == 2 and stats["dropped_epoch"] == 1 and untouched
+    assert "unknown template 7" in errors[2] and "stale epoch 1" in errors[3]
+    assert stats["rejected"] == 3 and stats["dropped_epoch"] == 1 and untouched
