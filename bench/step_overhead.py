@@ -86,7 +86,7 @@ def install_stub(engine) -> None:
     assert STUB_TOKEN not in engine.config.model.eos_token_ids
     logits[:, STUB_TOKEN] = 1.0
 
-    def forward(inputs):
+    def forward(inputs, layer_done=None):
         return logits[:inputs.num_logits]
 
     engine.runner.forward = forward
@@ -199,6 +199,52 @@ def delta(a: dict, b: dict) -> dict:
     return {k: b[k] - a.get(k, 0) for k in b}
 
 
+def _quiet_ms(probe, lead0: dict, lead1: dict, quiet_steps: int):
+    """Leader ms/step while the caller does not poll, within the tokens left (the loop has
+    run ahead of the caller by at most a poll's worth); None for the single rank."""
+    if not isinstance(probe, GroupProbe) or quiet_steps < 20:
+        return None
+    est = (lead1["time"] - lead0["time"]) / max(1, lead1["steps"] - lead0["steps"])
+    q0 = probe.read()
+    time.sleep(min(2.0, max(0.02, quiet_steps * est)))
+    q1 = probe.read()
+    n = q1["steps"] - q0["steps"]
+    return (q1["time"] - q0["time"]) / n * 1e3 if n > 0 else None
+
+
+def _window(batch: int, lead0: dict, lead1: dict, n0: int, n1: int, t0: float, t1: float,
+            window_polls: list[float], quiet) -> dict:
+    """One point's figures from the leader snapshots and the caller's window."""
+    caller_steps = (n1 - n0) / batch
+    lead_steps = lead1["steps"] - lead0["steps"]
+    lead_dt = lead1["time"] - lead0["time"]
+    secs, calls = delta(lead0["seconds"], lead1["seconds"]), delta(lead0["calls"], lead1["calls"])
+    out = dict(
+        batch=batch, caller_steps=caller_steps, caller_s=t1 - t0,
+        caller_ms=(t1 - t0) / caller_steps * 1e3,
+        leader_steps=lead_steps, leader_s=lead_dt,
+        leader_ms=lead_dt / lead_steps * 1e3 if lead_steps else float("nan"),
+        leader_ms_no_polling=quiet,
+        polls=len(window_polls),
+        poll_ms_mean=statistics.fmean(window_polls) * 1e3 if window_polls else 0.0,
+        tokens_per_poll=(n1 - n0) / max(1, len(window_polls)),
+        # leader loop phases, ms per leader step (forward step) over its window
+        leader_phase_ms={k: v / lead_steps * 1e3 for k, v in secs.items()} if lead_steps else {},
+        leader_calls=calls,
+    )
+    if "statuses" in lead1:
+        out["leader_statuses"] = delta(lead0["statuses"], lead1["statuses"])
+        # every other rank over the same window, ms per leader step: a follower's
+        # share_plan and everyone's world_all_reduce are mostly waiting for the slowest
+        out["other_ranks"] = [dict(
+            rank=r, forward_steps=b["steps"] - a["steps"],
+            statuses=delta(a["statuses"], b["statuses"]),
+            phase_ms={k: v / lead_steps * 1e3 for k, v in delta(a["seconds"], b["seconds"]).items()
+                      if v > 0} if lead_steps else {})
+            for r, (a, b) in enumerate(zip(lead0["others"], lead1["others"]), start=1)]
+    return out
+
+
 def measure(llm: LLM, probe, batch: int, steps: int, warmup: int, prompt_len: int,
             max_tokens: int, vocab: int, seed: int) -> dict:
     rng = random.Random(seed)
@@ -226,50 +272,11 @@ def measure(llm: LLM, probe, batch: int, steps: int, warmup: int, prompt_len: in
             pump()
         t1, n1 = time.perf_counter(), sum(got.values())
         lead1 = probe.read()
-        quiet = None
-        # the same loop while the caller does not poll, within the tokens left (the loop
-        # has run ahead of the caller by at most a poll's worth)
-        quiet_steps = min(steps, max_tokens - warmup - steps - 100)
-        if isinstance(probe, GroupProbe) and quiet_steps >= 20:
-            est = (lead1["time"] - lead0["time"]) / max(1, lead1["steps"] - lead0["steps"])
-            q0 = probe.read()
-            time.sleep(min(2.0, max(0.02, quiet_steps * est)))
-            q1 = probe.read()
-            if q1["steps"] > q0["steps"]:
-                quiet = (q1["time"] - q0["time"]) / (q1["steps"] - q0["steps"]) * 1e3
+        quiet = _quiet_ms(probe, lead0, lead1, min(steps, max_tokens - warmup - steps - 100))
     finally:
         for rid in rids:
             llm._abort(rid)
-    caller_steps = (n1 - n0) / batch
-    lead_steps = lead1["steps"] - lead0["steps"]
-    lead_dt = lead1["time"] - lead0["time"]
-    secs = delta(lead0["seconds"], lead1["seconds"])
-    calls = delta(lead0["calls"], lead1["calls"])
-    window_polls = poll_s[p0:]
-    out = dict(
-        batch=batch, caller_steps=caller_steps, caller_s=t1 - t0,
-        caller_ms=(t1 - t0) / caller_steps * 1e3,
-        leader_steps=lead_steps, leader_s=lead_dt,
-        leader_ms=lead_dt / lead_steps * 1e3 if lead_steps else float("nan"),
-        leader_ms_no_polling=quiet,
-        polls=len(window_polls),
-        poll_ms_mean=statistics.fmean(window_polls) * 1e3 if window_polls else 0.0,
-        tokens_per_poll=(n1 - n0) / max(1, len(window_polls)),
-        # leader loop phases, ms per leader step (forward step) over its window
-        leader_phase_ms={k: v / lead_steps * 1e3 for k, v in secs.items()} if lead_steps else {},
-        leader_calls=calls,
-    )
-    if "statuses" in lead1:
-        out["leader_statuses"] = delta(lead0["statuses"], lead1["statuses"])
-        # every other rank over the same window, ms per leader step: a follower's
-        # share_plan and everyone's world_all_reduce are mostly waiting for the slowest
-        out["other_ranks"] = [dict(
-            rank=r, forward_steps=b["steps"] - a["steps"],
-            statuses=delta(a["statuses"], b["statuses"]),
-            phase_ms={k: v / lead_steps * 1e3 for k, v in delta(a["seconds"], b["seconds"]).items()
-                      if v > 0} if lead_steps else {})
-            for r, (a, b) in enumerate(zip(lead0["others"], lead1["others"]), start=1)]
-    return out
+    return _window(batch, lead0, lead1, n0, n1, t0, t1, poll_s[p0:], quiet)
 
 
 def _parse_args() -> argparse.Namespace:

@@ -1,0 +1,143 @@
+"""Correctness checks of `bench/kernels_gpu.py`, one per group (linear: in
+kernels_gpu_linear.py): each kernel against its torch reference on fresh random inputs
+at odd sizes (tiny ones under the interpreter, `c.small`).
+
+Imports nothing GPU-specific (nor phalanx) at module import time.
+"""
+
+from __future__ import annotations
+
+from kernels_gpu_inputs import HD, HID, NKV, NQ, Ctx, meta_for, moe_inputs, paged
+
+# ---------------------------------------------------------------- correctness
+# check_<group>(c, rec): rec(kernel, case, out, ref) records one relative error
+# (rec(kernel, case, passed) an exact check).
+
+
+def _dims(c: Ctx):
+    """(hidden, head_dim, q heads, kv heads, token counts) of the checks."""
+    return (64, 16, 8, 2, [1, 7, 33]) if c.small else (HID, HD, NQ, NKV, [1, 7, 128, 4097])
+
+
+def check_norm(c: Ctx, rec):
+    from phalanx.kernels import activation as act, norm
+
+    hid, _, _, _, tokens = _dims(c)
+    for T in tokens:
+        x, r, w = c.randn(T, hid), c.randn(T, hid), c.randn(hid, scale=0.1) + 1
+        c.poison(); rec("rms_norm", f"T={T}", norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+        c.poison(); out = norm.add_rms_norm(x, r, w, 1e-6)
+        rec("add_rms_norm", f"T={T}", c.torch.cat(out, 1), c.torch.cat(norm.add_rms_norm_ref(x, r, w, 1e-6), 1))
+        y = c.randn(T, 3 * hid)
+        c.poison(); rec("silu_and_mul", f"T={T}", act.silu_and_mul(y), act.silu_and_mul_ref(y))
+
+
+def check_rope(c: Ctx, rec):
+    from phalanx.kernels.rope import RotaryEmbedding, apply_rope_ref
+
+    _, hd, nq, nkv, tokens = _dims(c)
+    rope = RotaryEmbedding(hd, 40960, 1e6, device=c.dev)
+    for T in tokens:
+        q, k = c.randn(T, nq, hd), c.randn(T, nkv, hd)
+        pos = c.torch.randint(0, 40960, (T,), generator=c.g, device=c.dev)
+        c.poison(); out = rope.apply(q, k, pos)
+        ref = apply_rope_ref(q, k, pos, rope.cos_cache, rope.sin_cache)
+        rec("rope", f"T={T}", c.torch.cat([o.flatten() for o in out]), c.torch.cat([o.flatten() for o in ref]))
+
+
+def check_attn(c: Ctx, rec):
+    """write_kv: exact equality, padding slots (-1) skipped."""
+    from phalanx.kernels import attention as at
+
+    torch, (_, hd, _, nkv, _) = c.torch, _dims(c)
+    for ps in [1, 16] if c.small else [1, 16, 64]:
+        kc, vc, _ = paged(c, [ps * 3 + 1] * 5, ps, nkv, hd)
+        k, v = c.randn(9, nkv, hd), c.randn(9, nkv, hd)
+        slots = torch.randperm(kc.shape[0] * ps, generator=c.g, device=c.dev)[:9]
+        slots[[0, 4]] = -1
+        k2, v2 = kc.clone(), vc.clone()
+        at.write_kv(k, v, kc, vc, slots)
+        at.write_kv_ref(k, v, k2, v2, slots)
+        rec("write_kv", f"page={ps}", torch.equal(kc, k2) and torch.equal(vc, v2))
+
+
+def check_decode(c: Ctx, rec):
+    from phalanx.kernels import attention as at
+    from phalanx.kernels.gpu.attention import decode_attention_triton
+
+    torch, (_, hd, nq, nkv, _) = c.torch, _dims(c)
+    long = 1000 if c.small else 8192
+    for B in [1, 5, 16] if c.small else [1, 5, 16, 64, 128]:
+        for ps in [1, 16] if c.small else [16, 1, 64]:
+            # 1 token, page boundaries, a long context, then random lengths up to `long`.
+            base = [1, max(2, ps - 1), ps, ps + 1, long]
+            rand = torch.randint(1, long + 1, (max(0, B - 5),), generator=c.g, device=c.dev).tolist()
+            lens = [long] if B == 1 else base + rand
+            kc, vc, tables = paged(c, lens, ps, nkv, hd, slack=64)
+            q, sl = c.randn(B, nq, hd), torch.tensor(lens, dtype=torch.int32, device=c.dev)
+            ref = at.decode_attention_ref(q, kc, vc, sl, tables, hd**-0.5)
+            case = f"B={B} page={ps} max={max(lens)}"
+            c.poison(); rec("decode", case, at.decode_attention(q, kc, vc, sl, tables, hd**-0.5), ref)
+            c.poison(); rec("decode", case + " part=64",
+                            decode_attention_triton(q, kc, vc, sl, tables, hd**-0.5, partition=64), ref)
+
+
+def check_prefill(c: Ctx, rec):
+    from phalanx.kernels import attention as at
+
+    _, hd, nq, nkv, _ = _dims(c)
+    big = [(300, 0), (64, 40), (70, 90)] if c.small else [(300, 0), (64, 4000), (1000, 7000)]
+    for specs in [[(1, 0)], [(17, 0), (15, 16), (1, 33), (0, 5)], big]:  # (new tokens, prefix)
+        for ps in [16] if c.small else [16, 1]:
+            kc, vc, tables = paged(c, [n + p for n, p in specs], ps, nkv, hd)
+            meta = meta_for(c, specs, tables)
+            q = c.randn(int(meta.query_start_loc[-1]), nq, hd)
+            ref = at.prefill_attention_ref(q, kc, vc, meta, hd**-0.5)
+            c.poison(); rec("prefill", f"{specs} page={ps}", at.prefill_attention(q, kc, vc, meta, hd**-0.5), ref)
+
+
+def check_moe(c: Ctx, rec):
+    """fused_experts, all experts local and half of them (expert_map), T = 0 included."""
+    from phalanx.kernels import moe
+
+    for T in [0, 1, 5, 40] if c.small else [0, 1, 3, 16, 64, 128, 1000]:
+        x, w, ids, w13, w2 = moe_inputs(c, T, **(dict(ne=8, hid=64, inter=32, topk=2) if c.small else {}))
+        ne = w13.shape[0]
+        for emap in (None, moe.make_expert_map(ne, list(range(0, ne, 2)), device=c.dev)):
+            w13l, w2l = (w13, w2) if emap is None else (w13[::2].contiguous(), w2[::2].contiguous())
+            c.poison(); out = moe.fused_experts(x, w, ids, w13l, w2l, emap)
+            ref = moe.fused_experts_ref(x, w, ids, w13l, w2l, emap)
+            case = f"T={T} map={emap is not None}"
+            rec("moe", case, out.shape == ref.shape) if T == 0 else rec("moe", case, out, ref)
+    check_moe_paths(c, rec)
+
+
+def check_moe_paths(c: Ctx, rec):
+    """Both fused_experts paths forced at decode sizes (general; small in each mode), and
+    the small "dot" mode bit-identical to the general path (batch invariance across the
+    dispatch threshold). Under the interpreter (dry run) that holds only with the general
+    path's tiles (numpy's per-element order depends on the tile), so it uses them there."""
+    from phalanx.kernels import moe
+    from phalanx.kernels.gpu.moe import fused_experts_triton
+    from phalanx.kernels.gpu.moe_decode import SMALL_MODES, fused_experts_small_triton
+
+    same_tiles = dict(N1=64, K1=128, N2=64, K2=128) if c.small else None
+    for T in [1, 2, 3] if c.small else [1, 2, 4, 8, 16]:
+        x, w, ids, w13, w2 = moe_inputs(c, T, **(dict(ne=8, hid=64, inter=32, topk=4) if c.small else {}))
+        ne = w13.shape[0]
+        for emap in (None, moe.make_expert_map(ne, list(range(1, ne, 2)), device=c.dev)):
+            w13l, w2l = (w13, w2) if emap is None else (w13[1::2].contiguous(), w2[1::2].contiguous())
+            ref = moe.fused_experts_ref(x, w, ids, w13l, w2l, emap)
+            case = f"T={T} map={emap is not None}"
+            c.poison(); gen = fused_experts_triton(x, w, ids, w13l, w2l, emap, path="general")
+            rec("moe", case + " general", gen, ref)
+            for mode in SMALL_MODES:
+                c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode=mode)
+                rec("moe", case + f" small-{mode}", out, ref)
+            c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot",
+                                                         cfg={"split": False})
+            rec("moe", case + " small-dot-loop", out, ref)
+            for split in (True, False):
+                c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot",
+                                                             cfg={**(same_tiles or {}), "split": split})
+                rec("moe", case + f" small-dot split={split} bits == general", c.torch.equal(out, gen))

@@ -1,0 +1,78 @@
+"""The receiver process of `bench/kv_transfer.py`: one decode rank's `KVReceiver` over
+empty pools, a raw ucxx listener (the raw baselines), and on cuda the NCCL baseline's
+receiving side; it answers the parent's commands until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+import kv_transfer_gpu as gpu
+from kv_transfer_proc import cpu_seconds, make_buf, make_pools, profiled, recv_cmd, set_env
+from kv_transfer_request import KV_HEADS, PAGE, sender_shares
+
+
+def receiver_main(pipe, args) -> None:
+    dev = set_env(args, args["p"])
+    try:
+        profiled(args, "receiver", lambda: asyncio.run(_receiver(pipe, args, dev)))
+    finally:
+        if args["nccl"]:
+            gpu.nccl_close()
+
+
+async def _receiver(pipe, args, dev: torch.device) -> None:
+    from phalanx.kv_transfer.transport import KVReceiver, ensure_ucx, shutdown_ucx
+    ucxx = ensure_ucx(args["progress"])
+    num_pages = -(-args["max_tokens"] // PAGE) + 8
+    rx = KVReceiver(make_pools(num_pages, KV_HEADS, False, dev), rank=0, epoch=1,
+                    timeout_s=60.0, staging_buffers=args["staging"], progress_mode=args["progress"],
+                    max_payload_bytes=args["payload_mib"] << 20)
+    addr = await rx.start()
+    raw_eps, nccl_bufs = [], {}
+
+    async def raw_serve(ep):  # [count, size] then count messages; reply 1 byte
+        raw_eps.append(ep)
+        bufs = [make_buf(0, dev)] * args["staging"]
+        head = np.empty(2, dtype="<u8")
+        while True:
+            try:
+                await ep.recv(head)
+                count, size = int(head[0]), int(head[1])
+                bufs = [b if len(b) >= size else make_buf(size, dev) for b in bufs]
+                window = asyncio.Semaphore(len(bufs))
+
+                async def one(i: int) -> None:
+                    async with window:
+                        await ep.recv(bufs[i % len(bufs)][:size])
+
+                await asyncio.gather(*(one(i) for i in range(count)))
+                await ep.send(np.ones(1, dtype=np.uint8))
+            except Exception:
+                return
+
+    listener = ucxx.create_listener(raw_serve, 0)
+    pipe.send((addr, ("127.0.0.1", listener.port)))
+    while (cmd := await recv_cmd(pipe)) is not None:
+        if cmd == "cpu":
+            pipe.send(cpu_seconds())
+            continue
+        rid, tokens = cmd
+        if rid == "nccl":  # blocks this loop: nothing else is in flight meanwhile
+            if tokens not in nccl_bufs:
+                shares = sender_shares(args["p"], tokens, num_pages)
+                nccl_bufs[tokens] = [make_buf(n, dev) for n in shares]
+            gpu.nccl_recv(nccl_bufs[tokens])
+            pipe.send("nccl")
+            continue
+        await rx.wait_request(rid, tokens, timeout_s=30.0)
+        rx.release(rid)
+        pipe.send(rx.stats["bytes"])
+    await rx.close()
+    for ep in raw_eps:
+        ep.abort()
+    await asyncio.sleep(0.2)  # let the raw handlers see the close and return
+    listener.close()
+    shutdown_ucx()

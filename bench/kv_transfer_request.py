@@ -1,0 +1,51 @@
+"""The request of `bench/kv_transfer.py`: its KV shape (Qwen3-30B-A3B-like), the prefill
+and decode layouts, its shuffled pages in both pools, and its copy tables by rank pair
+(planned once per process and cached) with each sender rank's share of them."""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import numpy as np
+
+LAYERS, KV_HEADS, HEAD_DIM, PAGE = 48, 4, 128, 16
+
+
+def kv_layouts(p: int, d: int):
+    from phalanx.kv_transfer.layout import KVLayout
+    return (KVLayout(p, KV_HEADS, PAGE, HEAD_DIM, LAYERS, 2),
+            KVLayout(d, KV_HEADS, PAGE, HEAD_DIM, LAYERS, 2))
+
+
+def request_pages(num_pages: int, tokens: int, seed: int) -> list[int]:
+    need = -(-tokens // PAGE)
+    return [int(x) for x in np.random.default_rng(seed).permutation(num_pages)[:need]]
+
+
+@lru_cache(maxsize=None)
+def request_plan(p: int, tokens: int, num_pages: int):
+    """The request's copy tables by (src, dst) rank pair (the same pages in every
+    process; built as the prefill ranks build them) and the time it took."""
+    from phalanx.kv_transfer.copy_table import plan_tables
+    src, dst = kv_layouts(p, 1)
+    t = time.perf_counter()
+    tables = plan_tables(src, dst, range(tokens), request_pages(num_pages, tokens, 1),
+                         request_pages(num_pages, tokens, 2))
+    return tables, time.perf_counter() - t
+
+
+def sender_shares(p: int, tokens: int, num_pages: int) -> list[int]:
+    """Bytes each sender rank moves to the receiver."""
+    from phalanx.kv_transfer.copy_table import table_nbytes
+    tables = request_plan(p, tokens, num_pages)[0]
+    return [table_nbytes(tables[(r, 0)], HEAD_DIM, 2) for r in range(p)]
+
+
+def rank_batches(rank: int, p: int, tokens: int, num_pages: int):
+    """This rank's copies of the request, one table per layer; the planning time; bytes."""
+    from phalanx.kv_transfer.copy_table import layer_slices
+    tables, plan_s = request_plan(p, tokens, num_pages)
+    by_layer = layer_slices(tables[(rank, 0)])
+    batches = [by_layer[layer] for layer in range(LAYERS)]
+    return batches, plan_s, sender_shares(p, tokens, num_pages)[rank]

@@ -1,0 +1,68 @@
+"""A sender process of `bench/kv_transfer.py`: one prefill rank's `KVSender` over filled
+pools, a raw ucxx endpoint to the receiver, and on cuda the NCCL baseline's sending side;
+per command it waits for the start instant, moves its share one way and reports."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import torch
+
+import kv_transfer_gpu as gpu
+from kv_transfer_proc import cpu_seconds, make_buf, make_pools, profiled, recv_cmd, set_env, sleep_until
+from kv_transfer_request import LAYERS, PAGE, kv_layouts, rank_batches
+
+
+def sender_main(pipe, rank: int, args) -> None:
+    dev = set_env(args, rank)
+    try:
+        profiled(args, f"sender{rank}", lambda: asyncio.run(_sender(pipe, rank, args, dev)))
+    finally:
+        if args["nccl"]:
+            gpu.nccl_close()
+
+
+async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
+    from phalanx.kv_transfer.transport import KVSender, ensure_ucx, shutdown_ucx
+    ucxx = ensure_ucx(args["progress"])
+    src, _ = kv_layouts(args["p"], 1)
+    heads = len(src.heads_of(rank))
+    num_pages = -(-args["max_tokens"] // PAGE) + 8
+    tx = KVSender(make_pools(num_pages, heads, True, dev), rank=rank, epoch=1, timeout_s=60.0,
+                  staging_buffers=args["staging"], progress_mode=args["progress"])
+    addr, raw_addr = pipe.recv()
+    await tx.connect(tuple(addr))
+    raw_ep = await ucxx.create_endpoint(*raw_addr)
+    raw_buf, reply = make_buf(0, dev), np.empty(1, dtype=np.uint8)
+    plans = {}
+    pipe.send("ready")
+    while (cmd := await recv_cmd(pipe)) is not None:
+        what, rid, tokens, start = cmd
+        if tokens not in plans:
+            plans[tokens] = rank_batches(rank, args["p"], tokens, num_pages)
+        batches, plan_s, nbytes = plans[tokens]
+        if what.startswith("raw") or what == "nccl":
+            if len(raw_buf) < nbytes:
+                raw_buf = make_buf(nbytes, dev)
+        await sleep_until(start)
+        cpu0 = cpu_seconds()
+        if what == "nccl":
+            gpu.nccl_send(raw_buf[:nbytes], args["p"])
+        elif what.startswith("raw"):
+            count = 1 if what == "raw" else LAYERS
+            size = nbytes // count
+            await raw_ep.send(np.array([count, size], dtype="<u8"))
+            await asyncio.gather(*(raw_ep.send(raw_buf[i * size:(i + 1) * size])
+                                   for i in range(count)))
+            await raw_ep.recv(reply)
+        elif what == "pipelined":
+            await asyncio.gather(*(tx.send_layer(tuple(addr), rid, b) for b in batches))
+        else:
+            for b in batches:
+                await tx.send_layer(tuple(addr), rid, b)
+        pipe.send((time.monotonic(), nbytes, plan_s, cpu_seconds() - cpu0))
+    await tx.close()
+    raw_ep.abort()
+    shutdown_ucx()
