@@ -33,6 +33,33 @@ def _resolve_model(model: Optional[str | os.PathLike]) -> str:
     return str(model)
 
 
+def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp: int = 1,
+                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                  page_size: int = 16, num_pages: int = 0, enable_prefix_caching: bool = True,
+                  max_model_len: int = 0, device: str = "cpu", dtype: str = "auto",
+                  seed: int = 0, enforce_eager: bool = False,
+                  gpu_memory_utilization: float = 0.9,
+                  collective_timeout_s: float = 30.0) -> EngineConfig:
+    """The engine configuration for a Hugging Face model folder (None: the tiny default
+    model). ValueError naming the argument for a folder that is not a model or a bad
+    value."""
+    path = _resolve_model(model)
+    try:
+        model_cfg = read_model_config(path)
+    except FileNotFoundError as e:
+        raise ValueError(f"model: {e}") from None
+    return EngineConfig(
+        model_path=path, model=model_cfg,
+        cache=CacheConfig(page_size=page_size, num_pages=num_pages,
+                          enable_prefix_caching=enable_prefix_caching,
+                          gpu_memory_utilization=gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len),
+        parallel=ParallelConfig(tp=tp, dp=dp, collective_timeout_s=collective_timeout_s),
+        device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
+
+
 class LLM:
     """A single-rank engine plus the model's tokenizer, driven to completion per call."""
 
@@ -50,21 +77,13 @@ class LLM:
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
         prefill side's)."""
-        path = _resolve_model(model)
-        try:
-            model_cfg = read_model_config(path)
-        except FileNotFoundError as e:
-            raise ValueError(f"model: {e}") from None
-        self.config = EngineConfig(
-            model_path=path, model=model_cfg,
-            cache=CacheConfig(page_size=page_size, num_pages=num_pages,
-                              enable_prefix_caching=enable_prefix_caching,
-                              gpu_memory_utilization=gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
-            parallel=ParallelConfig(tp=tp, dp=dp, collective_timeout_s=collective_timeout_s),
-            device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
+        self.config = engine_config(
+            model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
+            num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len, device=device, dtype=dtype, seed=seed,
+            enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+            collective_timeout_s=collective_timeout_s)
         self.engine: Optional[LLMEngine] = None
         self.group = None
         disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)

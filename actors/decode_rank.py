@@ -15,9 +15,8 @@ from typing import Optional
 
 import ray
 
-from ..kv_transfer.transport import BlockingKVReceiver, TransportThread
-from .prefill_rank import TRANSFER_EPOCH, kv_layout_of
-from .rank_actor import RankActor
+from ..kv_transfer.transport import BlockingKVReceiver
+from .kv_rank import TRANSFER_EPOCH, KVRank
 
 
 # Largest KV message a receiver takes. On GPU each message costs a gather, a scatter and
@@ -27,20 +26,16 @@ CPU_MESSAGE_BYTES = 32 << 20
 GPU_MESSAGE_BYTES = 128 << 20
 
 
-class DecodeRank(RankActor):
+class DecodeRank(KVRank):
     """`RankActor` with a KV receiver; the DP leader reserves pages and admits."""
 
     def __init__(self, spec=None) -> None:
         super().__init__(spec)
-        self._transport = None
         self._receiver = None
-        self.layout = None
 
     def start(self) -> dict:
         info = super().start()
         s = self.spec
-        self.layout = kv_layout_of(self.engine, s.tp)
-        self._transport = TransportThread(name=f"rank{s.rank}-kv")
         self._receiver = BlockingKVReceiver(
             self._transport, self.engine.runner.caches, rank=s.tp_rank, epoch=TRANSFER_EPOCH,
             host=ray.util.get_node_ip_address(), timeout_s=s.deadline_s, gated=True,

@@ -18,15 +18,13 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ..kv_transfer.layout import KVLayout
 from ..kv_transfer.copy_table import layer_slices, plan_tables
-from ..kv_transfer.transport import Address, BlockingKVSender, TransportThread
+from ..kv_transfer.layout import KVLayout
+from ..kv_transfer.transport import Address, BlockingKVSender
 from ..log import get_logger
-from .rank_actor import RankActor
+from .kv_rank import TRANSFER_EPOCH, KVRank
 
 log = get_logger(__name__)
-
-TRANSFER_EPOCH = 1  # transport fencing is per transfer id (gated receivers), not per group
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,16 +59,7 @@ class _Stream:
     failed: str = ""
 
 
-def kv_layout_of(engine, tp: int) -> KVLayout:
-    """The KV layout of an engine's cache on a side of `tp` ranks."""
-    k = engine.runner.caches[0][0]
-    cfg = engine.config.model
-    return KVLayout(tp=tp, num_kv_heads=cfg.num_key_value_heads, page_size=k.shape[2],
-                    head_dim=k.shape[3], num_layers=len(engine.runner.caches),
-                    dtype_bytes=k.element_size())
-
-
-class PrefillRank(RankActor):
+class PrefillRank(KVRank):
     """`RankActor` with a KV sender; the leader prefills and holds, every rank streams."""
 
     def __init__(self, spec=None) -> None:
@@ -78,15 +67,11 @@ class PrefillRank(RankActor):
         self._streams: dict[int, _Stream] = {}  # plan row key -> stream
         self._events: list[TransferEvent] = []
         self._step_keys: list[tuple[int, int]] = []  # (key, end) streamed by this step
-        self._transport = None
         self._sender = None
-        self.layout = None
 
     def start(self) -> dict:
         info = super().start()
         s = self.spec
-        self.layout = kv_layout_of(self.engine, s.tp)
-        self._transport = TransportThread(name=f"rank{s.rank}-kv")
         self._sender = BlockingKVSender(self._transport, self.engine.runner.caches,
                                         rank=s.tp_rank, epoch=TRANSFER_EPOCH,
                                         timeout_s=s.deadline_s)
@@ -102,15 +87,8 @@ class PrefillRank(RankActor):
             self._streams[key] = _Stream(dest)
 
     def submit_prefill(self, request_id: str, prompt_token_ids: list[int], params, key: int) -> None:
-        if not self.is_leader:
-            raise ValueError(f"rank {self.spec.rank} is not the prefill leader")
-        self.engine._validate_prompt(prompt_token_ids, params)
-        with self._lock:
-            self._raise_if_failed()
-            if request_id in self._live:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._live.add(request_id)
-            self._inbox.append(("prefill", (request_id, list(prompt_token_ids), params, key)))
+        """Prefill only (the leader): sample the first token, hold the pages for `release`."""
+        self._enqueue_request("prefill", request_id, prompt_token_ids, params, key)
 
     def forget(self, key: int) -> None:
         """Stop streaming `key` (its request was aborted or moved elsewhere)."""

@@ -140,13 +140,14 @@ class GroupSupervisor:
 
 
 def ensure_ray(num_cpus: Optional[int] = None, address: Optional[str] = None) -> None:
-    """Join `address`, or start a local Ray with enough logical CPUs for the ranks."""
+    """Join `address`, or start a new local Ray with enough logical CPUs for the ranks
+    (never silently attach to another cluster already running on this machine)."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 __all__ = ["GroupSupervisor", "GroupFailure", "RankDeath", "ensure_ray", "GetTimeoutError"]

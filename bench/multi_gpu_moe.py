@@ -91,13 +91,27 @@ def _four_a2a(op, buf: dict, dev: torch.device, sync_each: bool):
     return run
 
 
+def _wire_bytes(ss: list[int], rs: list[int], row_bytes: int, rank: int) -> dict:
+    """Bytes of the four all-to-alls per peer: to rank r go its count (8 B), `ss[r]` rows
+    with their (expert, weight) metadata (16 B) and the `rs[r]` rows it sent us, returned;
+    from r the mirror image. Lists by peer rank (0 for this rank, whose share stays local)."""
+    pairs = list(enumerate(zip(ss, rs)))
+    to = [0 if r == rank else 8 + s * (row_bytes + 16) + q * row_bytes for r, (s, q) in pairs]
+    frm = [0 if r == rank else 8 + q * (row_bytes + 16) + s * row_bytes for r, (s, q) in pairs]
+    P, R, world = sum(ss), sum(rs), len(ss)
+    return dict(pairs_sent=P, rows_received=R,
+                bytes_sent=P * (row_bytes + 16) + R * row_bytes + 8 * world,
+                bytes_to_peers=sum(to), bytes_to_peer=to, bytes_from_peer=frm,
+                pairs_to_peer=[0 if r == rank else s for r, s in enumerate(ss)])
+
+
 def _moe_case(comm, moe, cfg, owner, b: int, opts: dict, dev: torch.device, timer: _Timer) -> dict:
     """Every timing of one per-rank token count `b`."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from phalanx.kernels.moe import route
 
-    ep, world, rank = moe.ep, comm.world_size, comm.rank
+    ep, rank = moe.ep, comm.rank
     k, H, dtype = cfg.num_experts_per_tok, cfg.hidden_size, moe.w13.dtype
     g = torch.Generator(device=dev)
     g.manual_seed(opts["seed"] + 1000 * rank + b)
@@ -113,12 +127,7 @@ def _moe_case(comm, moe, cfg, owner, b: int, opts: dict, dev: torch.device, time
     buf = _a2a_buffers(comm, x, ids, owner, k, got["rx"].contiguous())
     nccl = lambda out, inp, o=None, i=None: dist.all_to_all_single(out, inp, o, i)  # noqa: E731
     ours = lambda out, inp, o=None, i=None: comm.all_to_all_single(out, inp, o, i)  # noqa: E731
-    ss, rs, P, R = buf["ss"], buf["rs"], buf["P"], buf["R"]
-    row_bytes = H * x.element_size()
-    to_peers, from_peers = P - ss[rank], R - rs[rank]  # rows to / from the other ranks
-    row = dict(batch=b, pairs_sent=P, rows_received=R,
-               bytes_sent=P * (row_bytes + 16) + R * row_bytes + 8 * world,
-               bytes_to_peers=to_peers * (row_bytes + 16) + from_peers * row_bytes + 8 * (world - 1))
+    row = dict(batch=b, **_wire_bytes(buf["ss"], buf["rs"], H * x.element_size(), rank))
     row["moe_us"] = timer.median_us(lambda: ep.moe(x, weights, ids, moe._experts))
     row["dispatch_combine_us"] = timer.median_us(lambda: ep.moe(x, weights, ids, lambda rx, ri, rw: rx))
     row["a2a_groupcomm_us"] = timer.median_us(_four_a2a(ours, buf, dev, False))

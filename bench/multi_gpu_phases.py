@@ -1,7 +1,8 @@
 """The process entry points of `bench/multi_gpu.py`'s phases: `rank_main` (one rank of
-the two-process group: decode and moe in DP2 x EP2, TP2 prefill, the token check) and
-`single_main` (the same weights in one process: baselines and reference tokens), and the
-check's attempts with their fallback to the torch reference kernels."""
+the N-process group: decode and moe in DPN x EPN, TP prefill on the first `prefill_tp`
+ranks, the token check in DPN x EPN) and `single_main` (the same weights in one process:
+baselines and reference tokens), and the check's attempts with their fallback to the
+torch reference kernels."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 import multi_gpu_model as mm
 from multi_gpu_moe import moe_bench
-from multi_gpu_procs import free_memory, log, setup_device, sync
+from multi_gpu_procs import file_barrier, free_memory, log, rendezvous, setup_device, sync
 from multi_gpu_workloads import check_prompts, decode_bench, generate, prefill_bench
 
 
@@ -53,15 +54,16 @@ def run_checks(opts: dict, dev: torch.device, attempt_fn) -> dict:
 
 # ----------------------------------------------------------------------- ranks
 
-def _rank_layout(rank: int, world: int, dev: torch.device, opts: dict, comm, tp: int, epoch: int,
+def _rank_layout(rank: int, dev: torch.device, opts: dict, comm, tp: int, epoch: int,
                  init: str, cfg, dtype: str, batch: int, pages: int) -> mm.Stepper:
-    """This rank's engine in a layout of TP=`tp` (DP = world / tp), driven in lockstep."""
+    """This rank's engine in `comm`'s group with TP=`tp` (DP = group size / tp), driven
+    in lockstep; DP > 1 places the experts over all the group's ranks (EP)."""
     from phalanx.engine.llm_engine import LLMEngine
     from phalanx.engine.rank_engine import RankSpec, shard_for
     from phalanx.kernels.dispatch import EPDispatcher
     from phalanx.models.parallel import ExpertParallel
 
-    spec = RankSpec(rank, tp, world // tp, epoch, init, comm.deadline_s,
+    spec = RankSpec(rank, tp, comm.world_size // tp, epoch, init, comm.deadline_s,
                     mm.engine_config(cfg, opts["device"], dtype, batch, pages, eager=True))
     shard, placement = shard_for(spec, cfg.num_experts)
     ep = None
@@ -73,11 +75,11 @@ def _rank_layout(rank: int, world: int, dev: torch.device, opts: dict, comm, tp:
 
 
 def _rank_dp_ep(rank: int, world: int, opts: dict, dev: torch.device, layout) -> dict:
-    """Phases decode and moe in DP2 x EP2 (one group for both)."""
+    """Phases decode and moe in DPN x EPN, N = world (one group for both)."""
     from phalanx.kernels.comm import GroupComm
 
     phases, out = opts["phases"], {}
-    init = f"tcp://127.0.0.1:{opts['ports'][0]}"
+    init = rendezvous(opts, "dp_ep")
     comm = GroupComm.init(rank, world, 1, init, 1, opts["deadline_s"], device=opts["device"])
     cfg = mm.model_config(opts["tiny"], opts["layers"], "bfloat16")
     b = max(opts["batches"])
@@ -86,7 +88,8 @@ def _rank_dp_ep(rank: int, world: int, opts: dict, dev: torch.device, layout) ->
     mm.randomize_kv(st.engine, opts["seed"])
     sync(dev)
     if rank == 0:
-        log(opts, f"DP2xEP2 model built ({cfg.num_hidden_layers} layers, "
+        log(opts, f"DP{world}xEP{world} model built ({cfg.num_hidden_layers} layers, "
+                  f"{len(st.engine.model.shard.local_experts(cfg))} experts/rank, "
                   f"{sum(p.numel() for p in st.engine.model.parameters()) / 1e9:.2f} B params/rank)")
     with torch.inference_mode():
         if "decode" in phases:
@@ -99,18 +102,19 @@ def _rank_dp_ep(rank: int, world: int, opts: dict, dev: torch.device, layout) ->
     return out
 
 
-def _rank_prefill(rank: int, world: int, opts: dict, dev: torch.device, layout) -> list[dict]:
-    """Phase prefill in TP2."""
+def _rank_prefill(rank: int, opts: dict, dev: torch.device, layout) -> list[dict]:
+    """Phase prefill in TP=`prefill_tp` on ranks 0 .. prefill_tp - 1."""
     from phalanx.kernels.comm import GroupComm
 
-    init = f"tcp://127.0.0.1:{opts['ports'][1]}"
-    comm = GroupComm.init(rank, world, world, init, 2, opts["deadline_s"], device=opts["device"])
+    tp = opts["prefill_tp"]
+    init = rendezvous(opts, "prefill")
+    comm = GroupComm.init(rank, tp, tp, init, 2, opts["deadline_s"], device=opts["device"])
     cfg = mm.model_config(opts["tiny"], opts["layers"], "bfloat16")
     longest = max(n * L for n, L in opts["prefill"])
-    st = layout(comm, world, 2, init, cfg, "bfloat16", 64,
+    st = layout(comm, tp, 2, init, cfg, "bfloat16", 64,
                 mm.pages_for(1, longest) + 2 * mm.pages_for(64, 1))
     if rank == 0:
-        log(opts, "TP2 model built")
+        log(opts, f"TP{tp} model built")
     with torch.inference_mode():
         rows = prefill_bench(st, opts, dev)
     del st
@@ -121,10 +125,10 @@ def _rank_prefill(rank: int, world: int, opts: dict, dev: torch.device, layout) 
 
 def _rank_check_attempt(rank: int, world: int, opts: dict, layout, dtype: str, index: int,
                         ref: bool) -> dict:
-    """One check attempt in DP2 x EP2: this rank's share of the prompts, greedy."""
+    """One check attempt in DPN x EPN: this rank's share of the prompts, greedy."""
     from phalanx.kernels.comm import CollectiveError, GroupComm
 
-    init = f"tcp://127.0.0.1:{opts['ports'][2 + index]}"
+    init = rendezvous(opts, f"check{index}")
     comm = GroupComm.init(rank, world, 1, init, 3 + index, opts["check_deadline_s"],
                           device=opts["device"])
     try:
@@ -143,16 +147,20 @@ def _rank_check_attempt(rank: int, world: int, opts: dict, layout, dtype: str, i
 
 
 def rank_main(rank: int, world: int, opts: dict) -> dict:
-    """One rank of the 2-process group: decode and moe in DP2 x EP2, TP2 prefill, then the
-    token check in DP2 x EP2 (last: a kernel failure there cannot cost the figures)."""
+    """One rank of the N-process group: decode and moe in DPN x EPN, TP prefill (ranks past
+    `prefill_tp` wait at a barrier), then the token check in DPN x EPN (last: a kernel
+    failure there cannot cost the figures)."""
     dev = setup_device(rank, opts)
     opts = dict(opts, who=f"rank{rank}")
     phases, out = opts["phases"], {"rank": rank}
-    layout = partial(_rank_layout, rank, world, dev, opts)
+    layout = partial(_rank_layout, rank, dev, opts)
     if {"decode", "moe"} & set(phases):
         out.update(_rank_dp_ep(rank, world, opts, dev, layout))
     if "prefill" in phases:
-        out["prefill"] = _rank_prefill(rank, world, opts, dev, layout)
+        if rank < opts["prefill_tp"]:
+            out["prefill"] = _rank_prefill(rank, opts, dev, layout)
+        if opts["prefill_tp"] < world and "check" in phases:
+            file_barrier(opts, "prefill_done", rank, world, opts["rank_timeout_s"])
     if "check" in phases:
         out["check"] = run_checks(opts, dev, partial(_rank_check_attempt, rank, world, opts, layout))
     return out

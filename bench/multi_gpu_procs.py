@@ -1,29 +1,37 @@
 """Process plumbing of `bench/multi_gpu.py`: spawned rank processes with a deadline,
-free ports, device setup and sync, logging, freeing memory between phases."""
+file rendezvous and a file barrier, device setup and sync, logging, freeing memory
+between phases."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
-import socket
 import time
 import traceback
 
 import torch
 
-WORLD = 2
+CPU_WORLD = 2  # ranks on CPU unless --world says otherwise
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+def rendezvous(opts: dict, name: str) -> str:
+    """A fresh `file://` init method for the group `name` of this run. Files, not TCP
+    ports: a port picked up front can be taken by then (gloo's own connections draw
+    from the same ephemeral range), which failed a check's rendezvous with EADDRINUSE."""
+    return "file://" + os.path.join(opts["rdv_dir"], name)
+
+
+def file_barrier(opts: dict, name: str, rank: int, world: int, timeout_s: float) -> None:
+    """Every rank of `world` touches `<rdv_dir>/<name>.<rank>`, then waits for all of
+    them (for ranks that sit out a phase while the others run it)."""
+    path = os.path.join(opts["rdv_dir"], name)
+    open(f"{path}.{rank}", "w").close()
+    end = time.monotonic() + timeout_s
+    while not all(os.path.exists(f"{path}.{r}") for r in range(world)):
+        if time.monotonic() > end:
+            raise TimeoutError(f"barrier {name}: not all {world} ranks came within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def _entry(fn, rank, world, opts, q) -> None:

@@ -154,6 +154,11 @@ class RankEngine:
     # -- requests (DP leaders) -------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Validate now (ValueError to the caller), admit on the loop thread."""
+        self._enqueue_request("add", request_id, prompt_token_ids, params)
+
+    def _enqueue_request(self, kind: str, request_id: str, prompt_token_ids: Seq[int],
+                         params: SamplingParams, *extra) -> None:
+        """Validate a new request in the caller's thread and queue it as inbox `kind`."""
         if not self.is_leader:
             raise ValueError(f"rank {self.spec.rank} is not a DP leader")
         self.engine._validate_prompt(prompt_token_ids, params)
@@ -162,7 +167,7 @@ class RankEngine:
             if request_id in self._live:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._live.add(request_id)
-            self._inbox.append(("add", (request_id, list(prompt_token_ids), params)))
+            self._inbox.append((kind, (request_id, list(prompt_token_ids), params, *extra)))
 
     def abort(self, request_id: str) -> None:
         with self._lock:

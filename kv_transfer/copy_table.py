@@ -18,7 +18,7 @@ import numpy as np
 
 from . import messages as m
 from .layout import KVLayout
-from .planner import _check_compatible, _check_pages, _head_runs, _token_runs
+from .planner import _check_request, _head_runs, _token_runs
 
 __all__ = ["plan_tables", "layer_slices", "table_nbytes"]
 
@@ -29,16 +29,9 @@ def plan_tables(src: KVLayout, dst: KVLayout, token_range: range,
                 ) -> dict[tuple[int, int], np.ndarray]:
     """{(src_rank, dst_rank): int32 table `[n, len(COPY_FIELDS)]`} of the copies of the
     tokens in `token_range`; arguments and errors as `planner.plan_tokens`."""
-    _check_compatible(src, dst)
-    if token_range.step != 1 or token_range.start < 0:
-        raise ValueError(f"token_range must be a non-negative range of step 1: {token_range}")
-    layers = range(src.num_layers) if layers is None else layers
-    if len(layers) and (min(layers) < 0 or max(layers) >= src.num_layers):
-        raise ValueError(f"layers {layers} outside [0, {src.num_layers})")
+    layers = _check_request(src, dst, token_range, src_pages, dst_pages, layers)
     if len(token_range) == 0 or len(layers) == 0:
         return {}
-    _check_pages("src", src_pages, src, token_range.stop)
-    _check_pages("dst", dst_pages, dst, token_range.stop)
     tokens = np.asarray(_token_runs(src, dst, token_range, src_pages, dst_pages), dtype=np.int64)
     by_pair: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     for s_rank, d_rank, s_head, d_head, n_heads in _head_runs(src, dst, replica_hint):

@@ -111,6 +111,21 @@ def _check_pages(side: str, pages: Sequence[int], layout: KVLayout, end: int) ->
         raise ValueError(f"{side}_pages must be distinct non-negative ids: {list(used)}")
 
 
+def _check_request(src: KVLayout, dst: KVLayout, token_range: range, src_pages: Sequence[int],
+                   dst_pages: Sequence[int], layers: Optional[range]) -> range:
+    """Validate a planning request (ValueError naming what is wrong); the layers to plan."""
+    _check_compatible(src, dst)
+    if token_range.step != 1 or token_range.start < 0:
+        raise ValueError(f"token_range must be a non-negative range of step 1: {token_range}")
+    layers = range(src.num_layers) if layers is None else layers
+    if len(layers) and (min(layers) < 0 or max(layers) >= src.num_layers):
+        raise ValueError(f"layers {layers} outside [0, {src.num_layers})")
+    if len(token_range):
+        _check_pages("src", src_pages, src, token_range.stop)
+        _check_pages("dst", dst_pages, dst, token_range.stop)
+    return layers
+
+
 def _choose_holder(src: KVLayout, head: int, dst_rank: int, replica_hint: int) -> int:
     """Deterministic prefill holder of `head` for `dst_rank`: spreads the reads of
     different decode ranks (and of different `replica_hint`s, e.g. DP ranks) over replicas."""
@@ -161,16 +176,9 @@ def plan_tokens(src: KVLayout, dst: KVLayout, token_range: range,
     replica is read when prefill heads are replicated; any value gives a valid plan.
     Raises ValueError on incompatible layouts, a bad range, or too few/duplicate pages.
     """
-    _check_compatible(src, dst)
-    if token_range.step != 1 or token_range.start < 0:
-        raise ValueError(f"token_range must be a non-negative range of step 1: {token_range}")
-    layers = range(src.num_layers) if layers is None else layers
-    if len(layers) and (min(layers) < 0 or max(layers) >= src.num_layers):
-        raise ValueError(f"layers {layers} outside [0, {src.num_layers})")
+    layers = _check_request(src, dst, token_range, src_pages, dst_pages, layers)
     if len(token_range) == 0:
         return ReshardPlan(src, dst, ())
-    _check_pages("src", src_pages, src, token_range.stop)
-    _check_pages("dst", dst_pages, dst, token_range.stop)
     head_runs = _head_runs(src, dst, replica_hint)
     token_runs = _token_runs(src, dst, token_range, src_pages, dst_pages)
     # The layer-independent template, repeated per (layer, kind).

@@ -4,7 +4,8 @@ A multi-rank client (`GroupClient`, `DisaggClient`: duck-typed `submit`, `poll`,
 `abort`, `close`, `place`, `place_prefill`, `topology`, `leader_stats`,
 `held_prefixes`) and a `Router` are not thread-safe: every call on either happens on
 this thread. Other threads only enqueue commands (`submit`, `abort`, `stop`) and read
-the `stats` snapshot the thread publishes (a fresh dict each time, never mutated).
+the `stats` snapshot the thread publishes (a fresh dict each time, never mutated); the
+inbox and the thread's lifecycle are `OwnerThread`'s (owner_thread.py).
 
 The loop: drain the inbox (blocking while no request is live, up to the next
 refresh); `poll()` the client while requests are live; pass each `StepOutput`
@@ -30,8 +31,6 @@ waits for `stop`. Recovering decode groups is not built yet.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Protocol
@@ -43,12 +42,11 @@ from ..policies import DEFAULT_POLICY, GroupLoad
 from ..router import RequestRecord, Router
 from .backend import TokenDelta
 from .cluster_stats import summarize
+from .owner_thread import STOP, OwnerThread
 
 log = get_logger(__name__)
 
 __all__ = ["ClusterLayout", "DriverConfig", "DriverSink", "ClusterDriver", "make_router"]
-
-_STOP = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,16 +131,19 @@ def _load_of(stats: dict) -> GroupLoad:
     return GroupLoad(int(stats.get("num_waiting_tokens", 0)), held, kv)
 
 
-class ClusterDriver:
+class ClusterDriver(OwnerThread):
     """One thread that owns a multi-rank client and a router (see the module docstring).
 
-    `close_client` (default `client.close`) runs on the thread when it ends."""
+    `submit` queues a request (a refusal arrives through `sink.on_error`); `stop` aborts
+    what is live, closes the client, ends the thread and waits for it. `close_client`
+    (default `client.close`) runs on the thread when it ends."""
 
     def __init__(self, client: Any, sink: DriverSink, *, layout: Optional[ClusterLayout] = None,
                  router: Optional[Router] = None, config: DriverConfig = DriverConfig(),
                  close_client: Optional[Callable[[], None]] = None,
                  name: str = "phalanx-cluster") -> None:
-        self._client, self._sink, self.config = client, sink, config
+        super().__init__(sink, name)
+        self._client, self.config = client, config
         self.layout = layout or ClusterLayout.of(client)
         self.router = router or make_router(self.layout, config)
         self._close_client = close_client or client.close
@@ -151,32 +152,7 @@ class ClusterDriver:
         if self.layout.prefill_instances:
             client.place_prefill = self._place_prefill
         self._live: dict[str, _Live] = {}
-        self._inbox: "queue.SimpleQueue[object]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._next_load = self._next_prefix = 0.0
-        self.failure: Optional[BaseException] = None  # set before the sink hears of it
-        self.stats: dict[str, float] = {}
-
-    # -- any thread ----------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.failure is None
-
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; a refusal arrives later through `sink.on_error`."""
-        self._inbox.put(("submit", request_id, prompt_token_ids, params))
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-
-    def stop(self, timeout: Optional[float] = None) -> None:
-        """Abort what is live, close the client, end the thread and wait for it."""
-        if self._thread.is_alive():
-            self._inbox.put(_STOP)
-            self._thread.join(timeout)
 
     # -- placement (called by the client, on this thread) ---------------------------
     def _place_group(self, request_id: str) -> int:
@@ -213,25 +189,7 @@ class ClusterDriver:
                 self._forward(self._client.poll())
             self._refresh()
 
-    def _drain(self, block: bool, timeout: float) -> bool:
-        """Apply queued commands (waiting up to `timeout` for one when `block`); False on stop."""
-        try:
-            cmd = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if cmd is _STOP:
-                return False
-            if cmd[0] == "submit":
-                self._submit(*cmd[1:])
-            else:
-                self._abort(cmd[1])
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _submit(self, rid: str, tokens: list[int], params: SamplingParams) -> None:
+    def _apply_submit(self, rid: str, tokens: list[int], params: SamplingParams) -> None:
         if rid in self._live:
             self._sink.on_error(rid, ValueError(f"request_id {rid!r} is already in use"))
             return
@@ -253,7 +211,7 @@ class ClusterDriver:
         self._live[rid] = _Live(record)
         log.debug("request_routed", request_id=rid, dp_group=group, prefill_instance=instance)
 
-    def _abort(self, rid: str) -> None:
+    def _apply_abort(self, rid: str) -> None:
         live = self._live.pop(rid, None)
         if live is None:
             return
@@ -309,7 +267,7 @@ class ClusterDriver:
     def _abort_all(self) -> None:
         for rid in list(self._live):
             try:
-                self._abort(rid)
+                self._apply_abort(rid)
             except Exception as e:  # noqa: BLE001 - stopping anyway; the client closes next
                 log.warning("abort_on_stop_failed", request_id=rid, error=repr(e))
 
@@ -368,7 +326,7 @@ class ClusterDriver:
         """After a failure: answer every queued submit with the error until `stop`."""
         while True:
             cmd = self._inbox.get()
-            if cmd is _STOP:
+            if cmd is STOP:
                 return
             if cmd[0] == "submit":
                 self._sink.on_error(cmd[1], RuntimeError(f"cluster failed: {error}"))

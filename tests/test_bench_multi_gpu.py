@@ -1,6 +1,7 @@
-"""bench/multi_gpu.py on CPU: shard weights are slices of the full model, and the
-script's CPU mode (two gloo ranks + one single-rank process, toy dimensions) runs every
-phase and finds the DP2 x EP2 greedy tokens equal to the single-rank engine's."""
+"""bench/multi_gpu.py on CPU: shard weights are slices of the full model, the per-peer
+all-to-all bytes and the file barrier, and the script's CPU mode (2 or 4 gloo ranks + one
+single-rank process, toy dimensions) runs every phase and finds the DPN x EPN greedy
+tokens equal to the single-rank engine's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
+import pytest
 import torch
 
 from phalanx.models.shard import ModelShard
@@ -18,6 +22,10 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("multi_gpu_model", os.path.join(BENCH, "multi_gpu_model.py"))
 mm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mm)
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)  # the bench modules import each other by plain name
+import multi_gpu_moe  # noqa: E402
+import multi_gpu_procs  # noqa: E402
 
 
 class _TPComm:
@@ -50,9 +58,41 @@ def test_shard_weights_are_slices_of_the_full_model():
     assert not torch.equal(other.layers[0].mlp.w13, full.layers[0].mlp.w13)
 
 
-def test_cpu_mode_runs_every_phase(tmp_path):
+def test_wire_bytes_per_peer():
+    # rank 1 of 3: sends 2 / 3 / 4 pairs to ranks 0 / 1 / 2 and gets 5 / 3 / 1 rows back
+    w = multi_gpu_moe._wire_bytes([2, 3, 4], [5, 3, 1], row_bytes=100, rank=1)
+    assert w["bytes_to_peer"] == [8 + 2 * 116 + 5 * 100, 0, 8 + 4 * 116 + 1 * 100]
+    assert w["bytes_from_peer"] == [8 + 5 * 116 + 2 * 100, 0, 8 + 1 * 116 + 4 * 100]
+    assert w["pairs_to_peer"] == [2, 0, 4] and (w["pairs_sent"], w["rows_received"]) == (9, 9)
+    # the same total as before the per-peer split: rows to / from the others, counts
+    assert w["bytes_to_peers"] == 6 * 116 + 6 * 100 + 8 * 2
+
+
+def test_file_barrier_waits_for_every_rank(tmp_path):
+    opts = {"rdv_dir": str(tmp_path)}
+    left = {}
+
+    def rank(r: int, delay: float) -> None:
+        time.sleep(delay)
+        multi_gpu_procs.file_barrier(opts, "b", r, 3, timeout_s=10)
+        left[r] = time.monotonic()
+
+    threads = [threading.Thread(target=rank, args=(r, 0.3 * (r == 2))) for r in range(3)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(left) == [0, 1, 2] and min(left.values()) - t0 >= 0.3
+    with pytest.raises(TimeoutError):
+        multi_gpu_procs.file_barrier(opts, "lonely", 0, 2, timeout_s=0.2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cpu_mode_runs_every_phase(tmp_path, world):
     env = dict(os.environ, OUT=str(tmp_path))
     cmd = [sys.executable, os.path.join(BENCH, "multi_gpu.py"), "--device", "cpu", "--tiny",
+           "--world", str(world),
            "--check-dtypes", "float32", "--batches", "2", "--steps", "2", "--prefill", "2x32",
            "--moe-iters", "2", "--timeout-s", "150"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
@@ -68,3 +108,11 @@ def test_cpu_mode_runs_every_phase(tmp_path):
     for key in ("moe_us", "dispatch_combine_us", "a2a_groupcomm_us", "a2a_nccl_us", "experts_us"):
         assert moe[key] > 0, key
     assert res["prefill"][0]["shape"] == "2x32" and res["prefill"][0]["single_tok_s"] > 0
+    lay = res["layout"]
+    assert (lay["decode"], lay["prefill"]) == (f"DP{world}xEP{world}", f"TP{min(world, 4)}")
+    assert lay["experts_per_rank"] == [8 // world] * world  # tiny: 8 experts
+    assert len(res["check"]["float32"]["prompts"]) == 4
+    for r in range(world):
+        per_peer = res["raw"]["ranks"][str(r)]["moe"][0]["bytes_to_peer"]
+        assert len(per_peer) == world and per_peer[r] == 0
+    assert f"decode DP{world}xEP{world} " in proc.stdout and f"prefill TP{min(world, 4)} " in proc.stdout

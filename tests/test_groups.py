@@ -26,7 +26,7 @@ MAX_NEW = 10
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
