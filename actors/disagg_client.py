@@ -7,36 +7,34 @@ batches acked) → finished. Each prefill attempt has its own transfer id. If a 
 instance fails (a rank dies mid-transfer), its requests are abandoned cleanly (gates
 closed before their decode pages are given back), the instance is re-formed under a new
 epoch, and the requests are prefilled again: greedy or seeded sampling gives the same
-first token, which the caller has at most once. A decode group failure is raised as
-`GroupFailure` (decode recovery is not built yet).
+first token, which the caller has at most once. If the decode group loses a rank, it is
+re-formed too and its requests resume from prompt + the tokens already delivered
+(`disagg_recovery`); every output carries its index, so the caller sees each token once.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import ray
-from ray.exceptions import RayActorError
 
 from ..config import DisaggConfig, EngineConfig
 from ..engine.outputs import StepOutput
-from ..engine.rank_engine import RankFailure
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from .decode_rank import RemoteDecodeRank
+from .disagg_recovery import ACTOR_ERRORS, DecodeLost, DisaggRecovery
 from .group_client import VIEW_TIMEOUT_S, actor_nodes
 from .prefill_rank import KVDestination, RemotePrefillRank
-from .supervisor import GroupFailure, GroupSupervisor, ensure_ray
+from .supervisor import GroupSupervisor, ensure_ray
 
 log = get_logger(__name__)
 
 POLL_S = 0.05
-_ACTOR_ERRORS = (RankFailure, RayActorError)
 
 
 @dataclass(slots=True)
@@ -52,10 +50,14 @@ class _Request:
     transfer_id: str = ""
     first: Optional[StepOutput] = None  # the prefill's first token, once sampled
     sent: set = field(default_factory=set)  # prefill ranks whose batches are all acked
-    emitted_first: bool = False
+    arrival: int = 0
+    prompt: list[int] = field(default_factory=list)  # as submitted
+    params_in: Optional[SamplingParams] = None  # as submitted (with its seed)
+    emitted: list[int] = field(default_factory=list)  # tokens the caller has, in order
+    base: int = 0  # output index of this run's first token (> 0 after a resume)
 
 
-class DisaggClient:
+class DisaggClient(DisaggRecovery):
     """Submit / poll / abort over a disaggregated deployment; `close()` stops it."""
 
     def __init__(self, prefill_config: EngineConfig, decode_config: EngineConfig,
@@ -74,9 +76,7 @@ class DisaggClient:
         except Exception:
             self.close()
             raise
-        info = sorted(self.decode.start_info, key=lambda i: i["rank"])
-        self._kv_addresses = [tuple(i["kv_address"]) for i in info]
-        self._dst_layout = info[0]["kv_layout"]
+        self._learn_decode_layout()
         rr, rr_prefill = itertools.count(), itertools.count()
         self.place: Callable[[str], int] = lambda rid: next(rr) % layout.decode_dp
         self.place_prefill: Callable[[str], int] = lambda rid: next(rr_prefill) % len(self.prefill)
@@ -86,7 +86,15 @@ class DisaggClient:
         self._pending: dict = {}  # outstanding poll call -> (side, index, rank, epoch)
         self._out: list[StepOutput] = []
         self._seeds = random.Random(decode_config.seed)
-        self.recoveries = 0
+        self._arrivals = itertools.count()
+        self.recoveries = 0  # prefill instances replaced
+        self.decode_recoveries = 0  # decode groups replaced
+
+    def _learn_decode_layout(self) -> None:
+        """The decode ranks' KV receivers and layout (after each formation)."""
+        info = sorted(self.decode.start_info, key=lambda i: i["rank"])
+        self._kv_addresses = [tuple(i["kv_address"]) for i in info]
+        self._dst_layout = info[0]["kv_layout"]
 
     @property
     def epoch(self) -> int:
@@ -97,13 +105,20 @@ class DisaggClient:
         if request_id in self._reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         tokens = list(tokens)
-        leader = self.decode.leaders[0]
-        self._decode_call(lambda: ray.get(leader.validate.remote(tokens, params)))
+        try:
+            self._validate(tokens, params)
+        except DecodeLost:  # the group was replaced meanwhile: ask the new one
+            self._validate(tokens, params)
         if not params.greedy and params.seed is None:  # both sides must draw the same stream
             params = params.with_seed(self._seeds.getrandbits(63))
-        self._reqs[request_id] = _Request(request_id, tokens, params)
+        self._reqs[request_id] = _Request(request_id, tokens, params, arrival=next(self._arrivals),
+                                          prompt=list(tokens), params_in=params)
         self._queue.append(request_id)
         self._pump()
+
+    def _validate(self, tokens: list[int], params: SamplingParams) -> None:
+        leader = self.decode.leaders[0]
+        self._decode_call(lambda: ray.get(leader.validate.remote(tokens, params)))
 
     def abort(self, request_id: str) -> None:
         req = self._reqs.pop(request_id, None)
@@ -120,8 +135,13 @@ class DisaggClient:
         """Start prefills in arrival order while decode pages can be reserved."""
         while self._queue:
             rid = self._queue.popleft()
-            if not self._start_prefill(self._reqs[rid]):
-                self._queue.appendleft(rid)
+            try:
+                started = self._start_prefill(self._reqs[rid])
+            except DecodeLost:  # the group was replaced; try again on the next poll
+                started = False
+            if not started:
+                if rid not in self._queue:
+                    self._queue.appendleft(rid)
                 return
 
     def _decode_ranks(self, dp_rank: int) -> list:
@@ -151,7 +171,7 @@ class DisaggClient:
             ray.get([a.expect.remote(req.key, dest) for a in group.actors])
             ray.get(group.leaders[0].submit_prefill.remote(req.request_id, req.tokens,
                                                            req.params, req.key))
-        except _ACTOR_ERRORS:
+        except ACTOR_ERRORS:
             self._recover_prefill(req.instance)
         return True
 
@@ -163,13 +183,16 @@ class DisaggClient:
         ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=2 * POLL_S)
         if ready:
             ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
-        for ref in ready:
-            tag = self._pending.pop(ref, None)
-            if tag is not None:
-                self._take(ref, tag)
-        for req in [r for r in self._reqs.values() if r.state == "prefill"]:
-            if req.first is not None and len(req.sent) == self.layout.prefill_tp:
-                self._hand_over(req)
+        try:
+            for ref in ready:
+                tag = self._pending.pop(ref, None)
+                if tag is not None:
+                    self._take(ref, tag)
+            for req in [r for r in self._reqs.values() if r.state == "prefill"]:
+                if req.first is not None and len(req.sent) == self.layout.prefill_tp:
+                    self._hand_over(req)
+        except DecodeLost as e:  # recovered: the requests are queued again
+            log.warning("decode_group_replaced", epoch=self.decode.epoch, error=str(e))
         out, self._out = self._out, []
         return out
 
@@ -188,18 +211,24 @@ class DisaggClient:
     def _take(self, ref, tag) -> None:
         side, index, _, epoch = tag
         if side == "decode":
-            outs = self._decode_call(lambda: ray.get(ref))
-            for o in outs:
-                if o.epoch == self.decode.epoch and o.request_id in self._reqs:
-                    self._out.append(o)
-                    if o.finished:
-                        self._reqs.pop(o.request_id, None)
+            if epoch != self.decode.epoch:
+                return  # fencing: a result of a replaced group never counts
+            for o in self._decode_call(lambda: ray.get(ref)):
+                req = self._reqs.get(o.request_id)
+                if o.epoch != self.decode.epoch or req is None or req.state != "decode":
+                    continue
+                if o.index >= 0:
+                    o.index += req.base
+                req.emitted.extend(o.new_token_ids)
+                self._out.append(o)
+                if o.finished:
+                    self._reqs.pop(o.request_id, None)
             return
         if epoch != self.prefill[index].epoch:
             return  # fencing: a result of a replaced instance never counts
         try:
             outs, events = ray.get(ref)
-        except _ACTOR_ERRORS as e:
+        except ACTOR_ERRORS as e:
             log.warning("prefill_instance_failed", instance=index, epoch=epoch, error=str(e)[:300])
             self._recover_prefill(index)
             return
@@ -222,9 +251,9 @@ class DisaggClient:
                  or len(req.tokens) + 1 >= self.config.max_model_len)
         reason = ("stop" if o.finish_reason == "stop" else "length") if final else None
         req.first = StepOutput(req.request_id, list(o.new_token_ids), final, reason,
-                               o.num_cached_tokens, self.decode.epoch, index=0)
-        if not req.emitted_first:  # a re-prefill samples the same token: emit it once
-            req.emitted_first = True
+                               o.num_cached_tokens, self.decode.epoch, index=req.base)
+        if len(req.emitted) == req.base:  # a re-prefill samples the same token: emit it once
+            req.emitted.extend(req.first.new_token_ids)
             self._out.append(req.first)
 
     def _hand_over(self, req: _Request) -> None:
@@ -243,57 +272,13 @@ class DisaggClient:
                                                               token, req.params)))
         req.state = "decode"
 
-    # -- failures --------------------------------------------------------------------
-    def _abandon(self, req: _Request, instance_alive: bool) -> None:
-        """Give up this prefill attempt: gates closed, then the decode pages returned;
-        the request goes back to the front of the queue (unless it was aborted)."""
-        ranks = self._decode_ranks(req.dp_rank)
-        self._decode_call(lambda: ray.get([r.close_gate.remote(req.transfer_id) for r in ranks]))
-        leader = self.decode.leaders[req.dp_rank]
-        self._decode_call(lambda: ray.get(leader.unreserve.remote(req.request_id)))
-        if instance_alive:
-            group = self.prefill[req.instance]
-            for a in group.actors:
-                a.forget.remote(req.key)
-            group.leaders[0].abort.remote(req.request_id)
-        req.state, req.transfer_id, req.sent, req.first = "queued", "", set(), None
-        if req.request_id in self._reqs and req.request_id not in self._queue:
-            self._queue.appendleft(req.request_id)
-
-    def _recover_prefill(self, index: int) -> None:
-        """Replace a failed prefill instance (new epoch) and prefill its requests again."""
-        group = self.prefill[index]
-        deaths = group.deaths()
-        log.warning("prefill_recovery", instance=index, epoch=group.epoch,
-                    deaths=[(d.rank, d.reason[:120]) for d in deaths])
-        group.shutdown()
-        self._pending = {ref: tag for ref, tag in self._pending.items()
-                         if not (tag[0] == "prefill" and tag[1] == index)}
-        lost = sorted((r for r in self._reqs.values()
-                       if r.state == "prefill" and r.instance == index),
-                      key=lambda r: r.request_id, reverse=True)
-        for req in lost:
-            self._abandon(req, instance_alive=False)
-        group.form()
-        self.recoveries += 1
-
-    def _decode_call(self, fn):
-        try:
-            return fn()
-        except _ACTOR_ERRORS as e:
-            deadline = time.monotonic() + self.decode.deadline_s + 5.0
-            deaths = self.decode.deaths()
-            while time.monotonic() < deadline and len(deaths) < self.decode.world_size:
-                time.sleep(0.05)
-                deaths = self.decode.deaths()
-            raise GroupFailure(self.decode.epoch, deaths) from e
-
     # -- operations ------------------------------------------------------------------
     def stats(self) -> dict:
         return {"decode": ray.get([a.stats.remote() for a in self.decode.actors]),
                 "prefill": [ray.get([a.stats.remote() for a in g.actors]) for g in self.prefill],
                 "prefill_epochs": [g.epoch for g in self.prefill],
-                "recoveries": self.recoveries}
+                "decode_epoch": self.decode.epoch, "recoveries": self.recoveries,
+                "decode_recoveries": self.decode_recoveries}
 
     # -- read-only views for a router (serving) --------------------------------------
     def topology(self) -> dict:
@@ -313,19 +298,27 @@ class DisaggClient:
         instance's leader, {} while it is being replaced], "queued": requests waiting
         for decode pages}`. A decode failure raises `GroupFailure`; a leader that does
         not answer within `VIEW_TIMEOUT_S` raises TimeoutError."""
-        leaders = self.decode.leaders
-        decode = self._decode_call(lambda: ray.get([a.stats.remote() for a in leaders],
-                                                   timeout=VIEW_TIMEOUT_S))
+        decode = self._decode_view("stats")
         return {"decode": decode, "prefill": self._prefill_view("stats", {}),
                 "queued": len(self._queue)}
 
     def held_prefixes(self) -> dict:
         """`{"decode": [page hashes each decode DP leader holds], "prefill": [... each
         prefill instance's leader holds; [] while it is being replaced]}`."""
-        leaders = self.decode.leaders
-        decode = self._decode_call(lambda: ray.get(
-            [a.held_prefix_hashes.remote() for a in leaders], timeout=VIEW_TIMEOUT_S))
+        decode = self._decode_view("held_prefix_hashes")
         return {"decode": decode, "prefill": self._prefill_view("held_prefix_hashes", [])}
+
+    def _decode_view(self, method: str) -> list:
+        """`method()` of each decode DP leader (asked again once if the group had to be
+        replaced meanwhile)."""
+        def ask():
+            leaders = self.decode.leaders
+            return self._decode_call(lambda: ray.get([getattr(a, method).remote() for a in leaders],
+                                                     timeout=VIEW_TIMEOUT_S))
+        try:
+            return ask()
+        except DecodeLost:
+            return ask()
 
     def _prefill_view(self, method: str, missing):
         """`method()` of each prefill instance's leader; `missing` for a failed one (its
@@ -335,7 +328,7 @@ class DisaggClient:
         for ref in refs:
             try:
                 out.append(missing if ref is None else ray.get(ref, timeout=VIEW_TIMEOUT_S))
-            except _ACTOR_ERRORS:
+            except ACTOR_ERRORS:
                 out.append(missing)
         return out
 

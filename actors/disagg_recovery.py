@@ -1,0 +1,117 @@
+"""Failure handling of the disaggregated layout (ARCHITECTURE §5), mixed into
+`DisaggClient`: a prefill instance or the decode group that loses a rank is replaced
+under a new epoch, and every request it held goes back to the queue.
+
+- Prefill instance lost: its requests' decode gates close and their decode pages are
+  returned, then they are prefilled again from the same prompt (their first token, if
+  the caller already has it, is not emitted twice: the same seed gives the same token).
+- Decode group lost: requests being prefilled for it are withdrawn from the prefill side
+  (their held pages freed); requests it was decoding resume from prompt + the tokens the
+  caller already has, on the re-formed group: sampling is seeded per (request, position),
+  so the continuation is the one the lost group would have produced, and the output
+  index of each new token continues where the caller stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ray
+from ray.exceptions import RayActorError
+
+from ..engine.rank_engine import RankFailure
+from ..log import get_logger
+from .supervisor import GroupFailure
+
+log = get_logger(__name__)
+
+ACTOR_ERRORS = (RankFailure, RayActorError)
+MAX_DECODE_RECOVERIES = 5  # per client: past this a failing decode group is given up
+
+
+class DecodeLost(RuntimeError):
+    """The decode group failed during a call and was replaced; the call's work is void
+    (its requests were put back in the queue by the recovery)."""
+
+
+class DisaggRecovery:
+    """Recovery methods of `DisaggClient` (state and helpers live there)."""
+
+    def _decode_call(self, fn):
+        """Run a call on the decode group; on a rank failure, replace the group and
+        raise `DecodeLost`."""
+        try:
+            return fn()
+        except ACTOR_ERRORS as e:
+            self._recover_decode(e)
+            raise DecodeLost(f"decode group epoch {self.decode.epoch - 1} failed") from e
+
+    def _abandon(self, req, instance_alive: bool) -> None:
+        """Give up this prefill attempt: gates closed, then the decode pages returned;
+        the request goes back to the front of the queue (unless it was aborted)."""
+        ranks = self._decode_ranks(req.dp_rank)
+        self._decode_call(lambda: ray.get([r.close_gate.remote(req.transfer_id) for r in ranks]))
+        leader = self.decode.leaders[req.dp_rank]
+        self._decode_call(lambda: ray.get(leader.unreserve.remote(req.request_id)))
+        if instance_alive:
+            self._withdraw_prefill(req)
+        self._requeue(req)
+
+    def _withdraw_prefill(self, req) -> None:
+        """Stop the prefill side of `req`'s attempt: no more streaming, pages freed."""
+        group = self.prefill[req.instance]
+        for a in group.actors:
+            a.forget.remote(req.key)
+        group.leaders[0].abort.remote(req.request_id)
+
+    def _requeue(self, req) -> None:
+        req.state, req.transfer_id, req.sent, req.first = "queued", "", set(), None
+        if req.request_id in self._reqs and req.request_id not in self._queue:
+            self._queue.appendleft(req.request_id)
+
+    def _recover_prefill(self, index: int) -> None:
+        """Replace a failed prefill instance (new epoch) and prefill its requests again."""
+        group = self.prefill[index]
+        deaths = group.deaths()
+        log.warning("prefill_recovery", instance=index, epoch=group.epoch,
+                    deaths=[(d.rank, d.reason[:120]) for d in deaths])
+        group.shutdown()
+        self._pending = {ref: tag for ref, tag in self._pending.items()
+                         if not (tag[0] == "prefill" and tag[1] == index)}
+        lost = sorted((r for r in self._reqs.values()
+                       if r.state == "prefill" and r.instance == index),
+                      key=lambda r: r.arrival, reverse=True)
+        for req in lost:
+            self._abandon(req, instance_alive=False)
+        group.form()
+        self.recoveries += 1
+
+    def _recover_decode(self, error: BaseException) -> None:
+        """Replace the decode group (new epoch); requeue what it held, in arrival order."""
+        group = self.decode
+        deaths = group.wait_for_failure(min(group.deadline_s + 5.0, 30.0))
+        log.warning("decode_recovery", epoch=group.epoch, error=str(error)[:200],
+                    deaths=[(d.rank, d.reason[:120]) for d in deaths])
+        if self.decode_recoveries >= MAX_DECODE_RECOVERIES:
+            raise GroupFailure(group.epoch, deaths) from error
+        group.shutdown()
+        self._pending = {ref: tag for ref, tag in self._pending.items() if tag[0] != "decode"}
+        held = sorted((r for r in self._reqs.values() if r.state in ("prefill", "decode")),
+                      key=lambda r: r.arrival, reverse=True)
+        for req in held:
+            if req.state == "prefill":
+                self._withdraw_prefill(req)
+            else:
+                self._resume(req)
+            req.dp_rank = -1  # placed again on the new group
+            self._requeue(req)
+        group.form()
+        self._learn_decode_layout()
+        self.decode_recoveries += 1
+
+    def _resume(self, req) -> None:
+        """Continue `req` from its prompt + the tokens the caller already has."""
+        req.base = len(req.emitted)
+        req.tokens = req.prompt + req.emitted
+        left = req.params_in.max_tokens - req.base
+        req.params = dataclasses.replace(req.params, max_tokens=max(left, 1))
