@@ -45,3 +45,13 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(model_dirs) -> str:
     return model_dirs("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A fresh local Ray for one test module (never another cluster on this machine)."""
+    import ray
+
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

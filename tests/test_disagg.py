@@ -20,10 +20,8 @@ KW = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=160, collective_t
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def _ray(local_ray):
+    """Every test of this module runs on the module's local Ray (conftest)."""
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,8 @@ MAX_NEW = 10
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def _ray(local_ray):
+    """Every test of this module runs on the module's local Ray (conftest)."""
 
 
 @pytest.fixture(scope="module")
