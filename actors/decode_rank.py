@@ -19,9 +19,10 @@ from ..kv_transfer.transport import BlockingKVReceiver
 from .kv_rank import TRANSFER_EPOCH, KVRank
 
 
-# Largest KV message a receiver takes. On GPU each message costs a gather, a scatter and
-# two stream syncs (~0.3 ms of fixed cost): 128 MiB messages reached 88 GB/s GPU→GPU
-# against 32 MiB's 38 GB/s (bench/NOTES.md); three are kept posted per connection.
+# Largest KV message a receiver takes; three are kept posted per connection (staging
+# memory 3 × this on each side). On GPU each message costs ~0.2-0.3 ms of host time per
+# side: 128 MiB messages move ~80-110 GB/s GPU→GPU, 256-512 MiB ~130-150 (bench/NOTES.md),
+# either way far faster than the prefill that produces the KV.
 CPU_MESSAGE_BYTES = 32 << 20
 GPU_MESSAGE_BYTES = 128 << 20
 

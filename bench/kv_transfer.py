@@ -4,6 +4,7 @@ the ucxx transport, against raw ucxx send/recv of the same bytes in the same run
     python bench/kv_transfer.py [--device cpu|cuda] [--tokens 2048,8192] [--reps 3]
                                 [--layouts 1-1,2-1] [--staging 3] [--payload-mib 32]
                                 [--tls ...] [--ucx-env K=V,...] [--no-nccl]
+                                [--payload-only] [--trace] [--progress-mode M] [--profile]
 
 Shape: Qwen3-30B-A3B-like KV, 48 layers, 4 KV heads, head_dim 128, 2-byte elements
 (int16 stands in for bf16 on CPU; bf16 on GPU), page 16 on both sides, pages of the
@@ -24,6 +25,10 @@ Per (layout, tokens), in the same processes and over the same UCX worker:
 - raw_layers: the same bytes as 48 messages (one per layer), all posted at once, the
   receiver keeping `--staging` receives posted (the transport's message pattern without
   planner, gather, scatter, control messages or acks);
+- whole: each sender sends its share of the request as one `KVSender.send_layer` batch
+  (every layer's copies in one table: a request whose KV is already computed); the
+  transport cuts it into messages of up to `--payload-mib` and keeps `--staging` of them
+  in flight;
 - pipelined: each sender streams every layer with `KVSender.send_layer` (the copies of
   one layer as `planner.Copy` lists, encoded inside), all layers submitted at once; the
   transport coalesces the backlog into messages of up to the receiver's
@@ -58,7 +63,7 @@ from kv_transfer_request import HEAD_DIM, KV_HEADS, LAYERS, PAGE
 from kv_transfer_sender import sender_main
 
 START_DELAY_S = 0.3
-MODES = ("raw", "raw_layers", "pipelined", "sequential")
+MODES = ("raw", "raw_layers", "whole", "pipelined", "sequential")
 # UCX's tcp transport moves 8 KiB segments by default: ~1.5 GB/s on loopback; 512 KiB
 # segments ~4-5 GB/s (raw and transport alike)
 TCP_TUNING = "UCX_TCP_TX_SEG_SIZE=512k,UCX_TCP_RX_SEG_SIZE=512k"
@@ -104,7 +109,9 @@ def bench_layout(p: int, tokens_list: list[int], args) -> list[dict]:
     cfg = {"p": p, "max_tokens": max(tokens_list), "staging": args.staging, "tls": args.tls,
            "ucx_env": _ucx_env(args.ucx_env), "device": args.device, "nccl": nccl,
            "nccl_port": gpu.free_port() if nccl else 0, "payload_mib": args.payload_mib,
-           "profile": args.profile, "progress": args.progress_mode}
+           "profile": args.profile, "progress": args.progress_mode,
+           "payload_only": args.payload_only, "trace": args.trace,
+           "switch_interval": args.switch_interval}
     modes = MODES + (("nccl",) if nccl else ())
     rx_pipe, child = ctx.Pipe()
     procs = [ctx.Process(target=receiver_main, args=(child, cfg), daemon=True)]
@@ -171,6 +178,14 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--no-nccl", action="store_true", help="cuda: leave out the nccl row")
     ap.add_argument("--progress-mode", default="thread",
                     help="ucxx progress mode of every process (thread, polling, blocking, ...)")
+    ap.add_argument("--payload-only", action="store_true",
+                    help="the transport moves its messages without gathering or scattering "
+                         "pages (splits wire + control from the copies)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="sys.setswitchinterval of every process (0: Python's 5 ms)")
+    ap.add_argument("--trace", action="store_true",
+                    help="timeline of every transport operation per process to "
+                         "$OUT/trace_<role>.json (kv_transfer_trace)")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile every process; top functions to $OUT/profile_<role>.txt")
     args = ap.parse_args()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import sys
 import time
 
 import numpy as np
@@ -17,17 +18,16 @@ from kv_transfer_request import HEAD_DIM, LAYERS, PAGE
 
 
 def make_pools(num_pages: int, heads: int, fill: bool, dev: torch.device):
-    shape = (num_pages, heads, PAGE, HEAD_DIM)
-
-    def make() -> torch.Tensor:
-        if dev.type == "cuda":  # bf16 as in the engine
-            return (torch.randn if fill else torch.zeros)(shape, dtype=torch.bfloat16,
-                                                          device=dev)
-        if fill:
-            return torch.randint(-30000, 30000, shape, dtype=torch.int16)
-        return torch.zeros(shape, dtype=torch.int16)
-
-    pools = [(make(), make()) for _ in range(LAYERS)]
+    """Per-layer (K, V) pools as the engine allocates them: views of one tensor
+    `[layers, 2, pages, heads, page, head_dim]`."""
+    shape = (LAYERS, 2, num_pages, heads, PAGE, HEAD_DIM)
+    if dev.type == "cuda":  # bf16 as in the engine
+        buf = (torch.randn if fill else torch.zeros)(shape, dtype=torch.bfloat16, device=dev)
+    elif fill:
+        buf = torch.randint(-30000, 30000, shape, dtype=torch.int16)
+    else:
+        buf = torch.zeros(shape, dtype=torch.int16)
+    pools = [(buf[i, 0], buf[i, 1]) for i in range(LAYERS)]
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return pools
@@ -48,12 +48,35 @@ def set_env(args: dict, gpu_index: int) -> torch.device:
     os.environ.update({"UCX_TLS": args["tls"], "UCX_SOCKADDR_TLS_PRIORITY": "tcp",
                        "UCX_WARN_UNUSED_ENV_VARS": "n", **args["ucx_env"]})
     torch.set_num_threads(1)
+    if args.get("switch_interval"):
+        sys.setswitchinterval(args["switch_interval"])
+    if args.get("payload_only"):
+        skip_staging_copies()
+    if args.get("trace"):
+        import kv_transfer_trace
+        kv_transfer_trace.install()
     if args["device"] != "cuda":
         return torch.device("cpu")
     dev = gpu.bind(gpu_index)
     if args["nccl"]:
         gpu.nccl_init(gpu_index, args["p"] + 1, args["nccl_port"], dev)
     return dev
+
+
+def skip_staging_copies() -> None:
+    """`--payload-only`: the transport's gather and scatter move no bytes (the scatter
+    still reports the slots it would land), so `pipelined` times the wire, the control
+    messages and the acks alone."""
+    from phalanx.kv_transfer import staging
+
+    def scatter(self, tmpl, blocks, payload):
+        landed: dict[int, int] = {}
+        for layer, _, r0, r1 in blocks.tolist():
+            landed[layer] = landed.get(layer, 0) + int(tmpl.slots_cum[r1] - tmpl.slots_cum[r0])
+        return landed, None
+
+    staging._Pools.gather = lambda self, tmpl, blocks, out, ready=(): None
+    staging._Pools.scatter = scatter
 
 
 async def recv_cmd(pipe):
@@ -66,7 +89,18 @@ def cpu_seconds() -> float:
 
 
 def profiled(args, role: str, fn) -> None:
-    """Run `fn`; with --profile, under cProfile, top functions to $OUT/profile_<role>.txt."""
+    """Run `fn`; with --profile, under cProfile, top functions to $OUT/profile_<role>.txt;
+    with --trace, the process's timeline to $OUT/trace_<role>.json."""
+    if args.get("trace"):
+        import kv_transfer_trace
+        try:
+            return _profiled(args, role, fn)
+        finally:
+            kv_transfer_trace.dump(role)
+    return _profiled(args, role, fn)
+
+
+def _profiled(args, role: str, fn) -> None:
     if not args.get("profile"):
         return fn()
     import cProfile

@@ -36,17 +36,21 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
     await tx.connect(tuple(addr))
     raw_ep = await ucxx.create_endpoint(*raw_addr)
     raw_buf, reply = make_buf(0, dev), np.empty(1, dtype=np.uint8)
-    plans = {}
+    plans, wholes = {}, {}
     pipe.send("ready")
     while (cmd := await recv_cmd(pipe)) is not None:
         what, rid, tokens, start = cmd
         if tokens not in plans:
             plans[tokens] = rank_batches(rank, args["p"], tokens, num_pages)
+            wholes[tokens] = np.concatenate(plans[tokens][0])
         batches, plan_s, nbytes = plans[tokens]
         if what.startswith("raw") or what == "nccl":
             if len(raw_buf) < nbytes:
                 raw_buf = make_buf(nbytes, dev)
         await sleep_until(start)
+        if args.get("trace"):
+            import kv_transfer_trace
+            kv_transfer_trace.mark("cmd", what)
         cpu0 = cpu_seconds()
         if what == "nccl":
             gpu.nccl_send(raw_buf[:nbytes], args["p"])
@@ -57,6 +61,8 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
             await asyncio.gather(*(raw_ep.send(raw_buf[i * size:(i + 1) * size])
                                    for i in range(count)))
             await raw_ep.recv(reply)
+        elif what == "whole":
+            await tx.send_layer(tuple(addr), rid, wholes[tokens])
         elif what == "pipelined":
             await asyncio.gather(*(tx.send_layer(tuple(addr), rid, b) for b in batches))
         else:

@@ -28,13 +28,16 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def allocate_kv_cache(model: CausalLM, num_pages: int, page_size: int,
                       dtype: torch.dtype, device: torch.device) -> list[KVCache]:
-    """Zeroed K and V pools for every layer of `model`'s shard."""
-    caches = []
-    for layer in model.layers:
-        shape = (num_pages, layer.attn.num_kv_heads, page_size, layer.attn.head_dim)
-        caches.append((torch.zeros(shape, dtype=dtype, device=device),
-                       torch.zeros(shape, dtype=dtype, device=device)))
-    return caches
+    """Zeroed K and V pools for every layer of `model`'s shard: views of one allocation
+    `[layers, 2 (K, V), pages, kv_heads, page_size, head_dim]`, so the KV transport
+    moves a message spanning several layers with one indexed copy."""
+    shapes = {(layer.attn.num_kv_heads, layer.attn.head_dim) for layer in model.layers}
+    if len(shapes) != 1:
+        raise ValueError(f"layers differ in (kv_heads, head_dim): {sorted(shapes)}")
+    heads, head_dim = shapes.pop()
+    buf = torch.zeros((len(model.layers), 2, num_pages, heads, page_size, head_dim),
+                      dtype=dtype, device=device)
+    return [(buf[i, 0], buf[i, 1]) for i in range(len(model.layers))]
 
 
 CPU_DEFAULT_PAGES = 1024

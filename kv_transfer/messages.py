@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Union
+from typing import Optional, Union
 
 import msgspec
 import numpy as np
@@ -190,8 +190,12 @@ def templates_of(table: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         return []
     key = table[:, F_LAYER].astype(np.int64) * 2 + table[:, F_KIND]
     cuts = np.flatnonzero(np.diff(key)) + 1
+    starts, stops = np.concatenate(([0], cuts)), np.concatenate((cuts, [len(table)]))
+    same = _one_template(table, starts, stops)
+    if same is not None:
+        return [same]
     found: dict[bytes, tuple[np.ndarray, list]] = {}
-    for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(table)]))):
+    for a, b in zip(starts, stops):
         layer, kind = int(table[a, F_LAYER]), int(table[a, F_KIND])
         for c in range(int(a), int(b), MAX_TEMPLATE_ROWS):
             run = np.array(table[c:min(c + MAX_TEMPLATE_ROWS, int(b))], dtype=_COPY_DTYPE)
@@ -199,6 +203,25 @@ def templates_of(table: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
             entry = found.setdefault(run.tobytes(), (run, []))
             entry[1].append((layer, kind, 0, len(run)))
     return [(run, np.array(blocks, dtype=_COPY_DTYPE)) for run, blocks in found.values()]
+
+
+def _one_template(table: np.ndarray, starts: np.ndarray, stops: np.ndarray
+                  ) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(template, blocks) when every (layer, kind) run is the same rows (a plan's usual
+    shape: one vectorised comparison instead of hashing run by run), else None."""
+    rows = int(stops[0] - starts[0])
+    if rows > MAX_TEMPLATE_ROWS or not (stops - starts == rows).all():
+        return None
+    runs = np.asarray(table, dtype=_COPY_DTYPE).reshape(len(starts), rows, -1)
+    template = runs[0].copy()
+    template[:, (F_LAYER, F_KIND)] = 0
+    other = np.ones(runs.shape[2], dtype=bool)
+    other[[F_LAYER, F_KIND]] = False
+    if not (runs[:, :, other] == template[None, :, other]).all():
+        return None
+    blocks = np.zeros((len(starts), 4), dtype=_COPY_DTYPE)
+    blocks[:, 0], blocks[:, 1], blocks[:, 3] = runs[:, 0, F_LAYER], runs[:, 0, F_KIND], rows
+    return template, blocks
 
 
 def check_blocks(blocks: np.ndarray, num_layers: int, rows: int) -> str:

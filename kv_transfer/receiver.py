@@ -95,7 +95,9 @@ class KVReceiver:
 
     def release(self, request_id: str) -> None:
         """Forget a request's landing state (after it is admitted or aborted) and close
-        its gate: later messages for it are refused."""
+        its gate: later messages for it are refused. Returns once no copy into the pools
+        is running (the caller may give the request's pages back)."""
+        self._pools.sync()
         if self._expected is not None:
             self._expected.discard(request_id)
         self._rows.pop(request_id, None)
@@ -180,9 +182,12 @@ class KVReceiver:
                   torch.empty(self.max_payload_bytes, dtype=torch.uint8, device=self._pools.device))
                  for _ in range(self._staging_buffers)]
         posted = [self._post(conn, slot) for slot in slots]
+        finishing: list[Optional[asyncio.Task]] = [None] * len(slots)
         n = 0
         while True:
             k = n % len(slots)
+            if finishing[k] is not None:  # slot k's scatter is done and its receives reposted
+                await finishing[k]
             ctrl_task, payload_task = posted[k]
             await ctrl_task  # idle: no deadline
             msg = m.unframe(slots[k][0], m.TO_RECEIVER)
@@ -191,15 +196,44 @@ class KVReceiver:
             if msg.epoch == self.epoch:
                 conn.requests.add(msg.request_id)
             await asyncio.wait_for(payload_task, self.timeout_s)
-            error = self._apply(msg, slots[k][1], conn.templates)
-            posted[k] = self._post(conn, slots[k])
-            # The ack is posted, not awaited: waiting for its completion would add a
-            # notifier round trip to every message (the sender's deadline covers it).
-            ack = _post_send(conn.ep, TAG_REPLY, m.frame(m.TransferAck(
-                msg.request_id, msg.epoch, msg.seq, msg.layer_start, msg.layer_stop,
-                not error, error[:1000])))
-            ack.add_done_callback(lambda t, conn=conn: self._ack_done(conn, t))
+            error, landed, scattered = self._apply(msg, slots[k][1], conn.templates)
+            finishing[k] = asyncio.create_task(self._finish(
+                conn, msg, error, landed, scattered, slots[k], posted, k,
+                finishing[(k - 1) % len(slots)]))
             n += 1
+
+    async def _finish(self, conn: _RecvConn, msg: m.TransferRequest, error: str,
+                      landed: Optional[tuple[dict, dict]], scattered: Any, slot: tuple,
+                      posted: list, k: int, previous: Optional[asyncio.Task]) -> None:
+        """After message `msg`'s scatter (and the message before it) completed: count its
+        slots landed, repost its ring slot, acknowledge it."""
+        try:
+            await self._pools.wait(scattered)
+            if previous is not None:
+                await previous
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._break(conn, f"copy failed: {e!r}")
+            return
+        if conn.broken:
+            return
+        if landed is not None:
+            rows, by_layer = landed
+            for layer, slots in by_layer.items():
+                rows[layer] += slots
+            self.stats["messages"] += 1
+            self.stats["bytes"] += msg.payload_bytes
+            if self.on_landed is not None:
+                self.on_landed(msg.request_id, range(msg.layer_start, msg.layer_stop), msg.epoch)
+            self._notify()
+        posted[k] = self._post(conn, slot)
+        # The ack is posted, not awaited: waiting for its completion would add a
+        # notifier round trip to every message (the sender's deadline covers it).
+        ack = _post_send(conn.ep, TAG_REPLY, m.frame(m.TransferAck(
+            msg.request_id, msg.epoch, msg.seq, msg.layer_start, msg.layer_stop,
+            not error, error[:1000])))
+        ack.add_done_callback(lambda t, conn=conn: self._ack_done(conn, t))
 
     def _ack_done(self, conn: _RecvConn, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -210,36 +244,34 @@ class KVReceiver:
                 _post_recv(conn.ep, TAG_PAYLOAD, _ucx_buf(slot[1])))
 
     def _apply(self, msg: m.TransferRequest, buf: torch.Tensor,
-               templates: "OrderedDict[int, tuple[str, _Template]]") -> str:
-        """Write one message's payload (at the start of `buf`) into the pools; '' or why
-        it was dropped. A template defined by the message is kept (if valid) even when
-        the message itself is dropped, since later messages may name it."""
+               templates: "OrderedDict[int, tuple[str, _Template]]"
+               ) -> tuple[str, Optional[tuple[dict, dict]], Any]:
+        """Queue one message's payload (at the start of `buf`) into the pools: ('', (the
+        request's landed rows, slots per layer), copy event), or (why it was dropped,
+        None, None). A template defined by the message is kept (if valid) even when the
+        message itself is dropped, since later messages may name it. The request's rows
+        are taken now: if it is released before the copy completes, the count goes to
+        the forgotten entry."""
         try:
             tmpl = self._template(msg, templates)
             blocks = m.decode_blocks(msg.blocks)
         except ValueError as e:
             self.stats["rejected"] += 1
-            return str(e)
+            return str(e), None, None
         if msg.epoch != self.epoch:
             self.stats["dropped_epoch"] += 1
-            return f"stale epoch {msg.epoch}: receiver is at epoch {self.epoch}"
+            return f"stale epoch {msg.epoch}: receiver is at epoch {self.epoch}", None, None
         if self._expected is not None and msg.request_id not in self._expected:
             self.stats["rejected"] += 1
-            return f"request {msg.request_id!r} is not expected here"
+            return f"request {msg.request_id!r} is not expected here", None, None
         error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
         if not error and tmpl.nbytes(blocks) != msg.payload_bytes:
             error = f"payload of {msg.payload_bytes} bytes does not match the blocks"
         if error:
             self.stats["rejected"] += 1
-            return error
-        for layer, slots in self._pools.scatter(tmpl, blocks, buf[:msg.payload_bytes]).items():
-            self._rows[msg.request_id][layer] += slots
-        self.stats["messages"] += 1
-        self.stats["bytes"] += msg.payload_bytes
-        if self.on_landed is not None:
-            self.on_landed(msg.request_id, range(msg.layer_start, msg.layer_stop), msg.epoch)
-        self._notify()
-        return ""
+            return error, None, None
+        by_layer, scattered = self._pools.scatter(tmpl, blocks, buf[:msg.payload_bytes])
+        return "", (self._rows[msg.request_id], by_layer), scattered
 
     def _template(self, msg: m.TransferRequest, templates) -> _Template:
         """The message's template: defined by it (validated for the dst side) or known."""

@@ -33,10 +33,11 @@ SENDER_TEMPLATES = 1024  # per connection; receivers keep RECEIVER_TEMPLATES >= 
 class _Batch:
     """One `send_layer` call: done when every part of it is acked."""
 
-    __slots__ = ("request_id", "epoch", "future", "parts_left")
+    __slots__ = ("request_id", "epoch", "future", "parts_left", "ready")
 
-    def __init__(self, request_id: str, epoch: int, parts: int) -> None:
+    def __init__(self, request_id: str, epoch: int, parts: int, ready: Any) -> None:
         self.request_id, self.epoch, self.parts_left = request_id, epoch, parts
+        self.ready = ready  # CUDA event the gather waits for (None on CPU)
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
@@ -76,6 +77,11 @@ class KVSender:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._staging_buffers, self._progress_mode = staging_buffers, progress_mode
         self._conns: dict[Address, _SenderConn] = {}
+
+    def ready_event(self) -> Any:
+        """`ready` for a later `send_layer`: what the calling thread's current stream has
+        queued so far (CUDA; None on CPU)."""
+        return self._pools.ready_event()
 
     def set_epoch(self, epoch: int) -> None:
         """Stamp later batches with `epoch` (batches already submitted keep theirs)."""
@@ -126,15 +132,15 @@ class KVSender:
                 raise ValueError(f"copy {bad[0]} is not from rank {self.rank} to the peer's "
                                  f"rank {conn.receiver_rank}")
             table = m.encode_copies(copies)
-        error = self._pools.check(table, "src")
-        if error:
-            raise ValueError(error)
-        return table
+        return table  # validated per template and block in `send_layer`
 
     async def send_layer(self, peer: Address, request_id: str, copies: Copies, *,
-                         timeout_s: Optional[float] = None) -> m.TransferAck:
+                         timeout_s: Optional[float] = None, ready: Any = None
+                         ) -> m.TransferAck:
         """Send one batch of copies (one destination; a layer or a chunk of layers) to
         `peer`; return the ack of its last message once the receiver has written it.
+        ready: on CUDA, the event after which the copies' pages hold their values
+        (default: recorded now on this thread's current stream).
 
         ValueError for copies that are not this rank's, not the peer's, or out of the
         pools; TransferError on timeout, rejection (e.g. stale epoch) or a lost peer."""
@@ -142,10 +148,15 @@ class KVSender:
         table = self._table(copies, conn)
         parts = []
         for template_table, blocks in m.templates_of(table):
-            tid, tmpl = self._template(conn, request_id, template_table)
+            tid, tmpl = self._template(conn, request_id, template_table)  # validated once
+            error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
+            if error:
+                raise ValueError(error)
             for block in blocks.tolist():
                 parts.extend((tid, tmpl, piece, n) for piece, n in tmpl.cut(block, conn.capacity))
-        batch = _Batch(request_id, self.epoch, len(parts))
+        if ready is None:
+            ready = self._pools.ready_event()
+        batch = _Batch(request_id, self.epoch, len(parts), ready)
         conn.queue.extend((batch, *part) for part in parts)
         conn.wake.set()
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -193,8 +204,11 @@ class KVSender:
         return batches, tid, tmpl, np.array(blocks, dtype=np.int32), total
 
     async def _pump(self, conn: _SenderConn) -> None:
-        """Gather and post queued parts in order. Its waits are bounded by the batches'
-        own deadlines: one that expires breaks the connection, which cancels the pump."""
+        """Gather and post queued parts in order. A message's gather is queued here and
+        its sends posted by `_post` once it is complete, so the next message is gathered
+        while this one waits. Its waits are bounded by the batches' own deadlines: one
+        that expires breaks the connection, which cancels the pump."""
+        posted: Optional[asyncio.Future] = None  # the previous message's sends are posted
         try:
             while True:
                 while not conn.queue:
@@ -204,27 +218,50 @@ class KVSender:
                 conn.seq += 1
                 conn.pending[conn.seq] = batches  # from here on `_break` fails them
                 buf = await conn.free.get()
-                if buf.numel() < nbytes:
-                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self._pools.device)
-                self._pools.gather(tmpl, blocks, buf[:nbytes])
+                if buf.numel() < conn.capacity:  # sized once: UCX maps each buffer once
+                    buf = torch.empty(conn.capacity, dtype=torch.uint8, device=self._pools.device)
+                gathered = self._pools.gather(tmpl, blocks, buf[:nbytes],
+                                              ready=list({id(b): b.ready for b in batches}.values()))
                 layers = blocks[:, 0]
                 definition = b"" if tid in conn.defined else tmpl.table.tobytes()
                 conn.defined.add(tid)
                 msg = m.TransferRequest(batches[0].request_id, batches[0].epoch, conn.seq,
                                         int(layers.min()), int(layers.max()) + 1, tid,
                                         definition, m.encode_blocks(blocks), nbytes)
-                sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg)),
-                         _post_send(conn.ep, TAG_PAYLOAD, _ucx_buf(buf[:nbytes]))]
-                asyncio.create_task(self._sent(conn, sends, buf))
+                mine = asyncio.get_running_loop().create_future()
+                conn.tasks.append(asyncio.create_task(
+                    self._post(conn, msg, buf, gathered, posted, mine)))
+                posted = mine
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._break(conn, f"send failed: {e!r}")
 
-    async def _sent(self, conn: _SenderConn, sends: list[asyncio.Task],
-                    buf: torch.Tensor) -> None:
-        """Recycle the staging buffer once UCX is done with it (never if a send failed)."""
-        results = await asyncio.gather(*sends, return_exceptions=True)
+    async def _post(self, conn: _SenderConn, msg: m.TransferRequest, buf: torch.Tensor,
+                    gathered: Any, previous: Optional[asyncio.Future],
+                    posted: asyncio.Future) -> None:
+        """Once `msg`'s payload is gathered and the message before it is posted: post its
+        control message and payload; recycle the staging buffer once UCX is done with it
+        (never if a send failed)."""
+        try:
+            await self._pools.wait(gathered)
+            if previous is not None:
+                await previous
+            sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg)),
+                     _post_send(conn.ep, TAG_PAYLOAD, _ucx_buf(buf[:msg.payload_bytes]))]
+            posted.set_result(None)
+            results = await asyncio.gather(*sends, return_exceptions=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._break(conn, f"send failed: {e!r}")
+            return
+        finally:
+            if not posted.done():
+                posted.cancel()  # the messages after this one are never posted
+            task = asyncio.current_task()
+            if task in conn.tasks:
+                conn.tasks.remove(task)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self._break(conn, f"send failed: {errors[0]!r}")
@@ -297,8 +334,10 @@ class BlockingKVSender:
 
     def submit_layer(self, peer: Address, request_id: str, copies: Copies, *,
                      timeout_s: Optional[float] = None) -> concurrent.futures.Future:
+        """The pages are read after what this thread's current stream has queued so far."""
+        ready = self.sender.ready_event()
         return self.thread.submit(self.sender.send_layer(peer, request_id, copies,
-                                                         timeout_s=timeout_s))
+                                                         timeout_s=timeout_s, ready=ready))
 
     def send_layer_sync(self, peer: Address, request_id: str, copies: Copies, *,
                         timeout_s: Optional[float] = None) -> m.TransferAck:

@@ -1,26 +1,46 @@
 """Staging of KV pages: `_Pools` validates a rank's per-layer (K, V) pools and gathers
 (sender) or scatters (receiver) the blocks of a copy template through one contiguous
 staging buffer; `_Template` is a template located in one side's pools (its pool-row
-indices built once, on the pools' device, and reused by every block)."""
+indices built once, on the pools' device, and reused by every block).
+
+Streams (CUDA): gathers and scatters run on the pools' own non-blocking copy stream, not
+on the stream the engine computes on, so a gather waits only for the layers it reads
+(the `ready` events recorded on the compute stream when each layer was submitted), not
+for every kernel the engine queued after them, and a scatter does not queue behind a
+decode step. Both only queue their copies and return an event; `wait` awaits it on a
+waiter thread, so the transport loop keeps receiving, posting and acknowledging other
+messages while copies run (one message on the wire while the next is gathered and the
+previous scattered). A scatter waits for no event: the pages it writes were reserved on
+the host after the engine synchronised the last step that read them (engines read
+sampled tokens back every step)."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from . import messages as m
+from .slab_copy import SlabIndex
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _Pools:
     """Per-layer (K, V) pools `[num_pages, heads, page_size, head_dim]`, one dtype and
-    device; gathers and scatters template blocks, one indexed copy per granule run."""
+    device; gathers and scatters template blocks: one indexed copy per message when the
+    pools are one allocation, else one per (block, granule run)."""
 
-    def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 slab_kernel: Optional[bool] = None) -> None:
+        """slab_kernel: copy through `slab_copy`'s one-launch kernel (needs the pools as
+        one allocation); default: on CUDA when they are."""
         if not pools:
             raise ValueError("pools must hold one (k, v) pair per layer")
         first = pools[0][0]
@@ -38,6 +58,41 @@ class _Pools:
         self.dtype, self.device = first.dtype, first.device
         self.row_bytes = self.head_dim * first.element_size()
         self.pools = [tuple(pair) for pair in pools]
+        self._stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
+                        else None)
+        self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._flat = self._flat_view()
+        if slab_kernel is None:
+            slab_kernel = self._flat is not None and self.device.type == "cuda"
+        if slab_kernel and self._flat is None:
+            raise ValueError("the slab kernel needs the pools as one allocation")
+        self._slab_kernel = slab_kernel
+
+    def _flat_view(self) -> Optional[torch.Tensor]:
+        """One 1-D tensor over every pool when they are consecutive pieces of one
+        allocation (K0, V0, K1, V1, ...: `allocate_kv_cache`'s layout), else None. A
+        message is then one indexed copy, whatever layers it spans."""
+        first = self.pools[0][0]
+        step = first.numel() * first.element_size()
+        for layer, pair in enumerate(self.pools):
+            for kind, t in enumerate(pair):
+                if t.data_ptr() != first.data_ptr() + (2 * layer + kind) * step:
+                    return None
+        total = 2 * self.num_layers * first.numel()
+        storage = first.untyped_storage()
+        if (first.storage_offset() + total) * first.element_size() > storage.nbytes():
+            return None
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            storage, first.storage_offset(), (total,))
+
+    def ready_event(self) -> Optional["torch.cuda.Event"]:
+        """An event on the calling thread's current stream (CUDA; None on CPU): a gather
+        given it reads what that stream wrote before this call."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def check(self, table: np.ndarray, side: str) -> str:
         return m.check_copies(table, side, self.num_layers, self.num_pages, self.heads,
@@ -53,54 +108,113 @@ class _Pools:
             raise ValueError(error)
         return _Template(self, table, side)
 
-    def _block_runs(self, tmpl: "_Template", blocks: np.ndarray, buf: torch.Tensor):
-        """(layer, pool rows, index, payload rows) per (block, granule run), in payload
-        order; `buf` holds exactly the blocks' payload."""
-        flat, pos = buf.view(self.dtype), 0
+    def _copies(self, tmpl: "_Template", blocks: np.ndarray, buf: torch.Tensor):
+        """(pool rows `[-1, width]`, row index, payload rows `[-1, width]`) covering the
+        blocks in payload order: one triple over the flat view when there is one and
+        the template has one granule, else one per (block, granule run). `buf` holds
+        exactly the blocks' payload."""
+        payload = buf.view(self.dtype)
+        if self._flat is not None and len(tmpl.granules) == 1:
+            width = tmpl.granules[0] * self.head_dim
+            per_pool = self.pools[0][0].numel() // width
+            parts = [rows[i0:i1] + (2 * layer + kind) * per_pool
+                     for layer, kind, i0, i1, rows in self._block_slices(tmpl, blocks)]
+            idx = torch.from_numpy(np.concatenate(parts))
+            if self.device.type == "cuda":
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
+            yield self._flat.view(-1, width), idx, payload.view(-1, width)
+            return
+        pos = 0
+        for layer, kind, i0, i1, _, g, dev_rows in self._block_slices(tmpl, blocks, True):
+            width = g * self.head_dim
+            end = pos + (i1 - i0) * width
+            yield (self.pools[layer][kind].view(-1, width), dev_rows[i0:i1],
+                   payload[pos:end].view(-1, width))
+            pos = end
+
+    @staticmethod
+    def _block_slices(tmpl: "_Template", blocks: np.ndarray, device_rows: bool = False):
+        """Per (block, granule run) in payload order: (layer, kind, i0, i1, host rows
+        [, granule, device rows]): rows[i0:i1] are the run's slabs within the block."""
         for layer, kind, r0, r1 in blocks.tolist():
-            for a, b, g, idx, off in tmpl.runs:
+            for a, b, g, rows, off, host_rows in tmpl.runs:
                 lo, hi = max(a, r0), min(b, r1)
-                if lo >= hi:
-                    continue
-                i0, i1 = int(off[lo - a]), int(off[hi - a])
-                width = g * self.head_dim
-                end = pos + (i1 - i0) * width
-                yield (layer, self.pools[layer][kind].view(-1, width), idx[i0:i1],
-                       flat[pos:end].view(-1, width))
-                pos = end
+                if lo < hi:
+                    i0, i1 = int(off[lo - a]), int(off[hi - a])
+                    yield ((layer, kind, i0, i1, host_rows, g, rows) if device_rows
+                           else (layer, kind, i0, i1, host_rows))
 
-    def gather(self, tmpl: "_Template", blocks: np.ndarray, out: torch.Tensor) -> None:
-        """Source slabs of `blocks` into the uint8 buffer `out`, in payload order; done
-        (device synchronised) on return, since UCX then reads `out` directly."""
-        for _, pool, idx, rows in self._block_runs(tmpl, blocks, out):
-            torch.index_select(pool, 0, idx, out=rows)
-        self._sync()
+    def gather(self, tmpl: "_Template", blocks: np.ndarray, out: torch.Tensor,
+               ready: Sequence[Any] = ()) -> Optional["torch.cuda.Event"]:
+        """Source slabs of `blocks` into the uint8 buffer `out`, in payload order, after
+        the `ready` events. CPU: done on return (None). CUDA: queued on the copy stream;
+        returns the event after which `out` is complete (`wait` for it before UCX reads
+        `out`)."""
+        with self._on_copy_stream():
+            for event in ready:
+                if event is not None:
+                    self._stream.wait_event(event)
+            if self._slab_kernel:
+                tmpl.slabs(self).copy(self._flat, out.view(self.dtype), blocks,
+                                      self.pools[0][0].numel(), to_payload=True)
+            else:
+                for pool, idx, rows in self._copies(tmpl, blocks, out):
+                    torch.index_select(pool, 0, idx, out=rows)
+        return self._record()
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+    def _record(self) -> Optional["torch.cuda.Event"]:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    async def wait(self, event: Optional["torch.cuda.Event"]) -> None:
+        """Until `event` (from gather/scatter) has happened, without blocking the loop:
+        the wait runs on this pool's one waiter thread (events complete in queue order)."""
+        if event is None or event.query():
+            return
+        if self._waiter is None:
+            self._waiter = concurrent.futures.ThreadPoolExecutor(1, "phalanx-kv-copy-wait")
+        await asyncio.get_running_loop().run_in_executor(self._waiter, event.synchronize)
+
+    def sync(self) -> None:
+        """Block until every queued gather and scatter is complete."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _on_copy_stream(self):
+        return (torch.cuda.stream(self._stream) if self._stream is not None
+                else contextlib.nullcontext())
 
     def scatter(self, tmpl: "_Template", blocks: np.ndarray, payload: torch.Tensor
-                ) -> dict[int, int]:
-        """Payload into the destination slots of `blocks`; token slots written per layer.
-        On CPU through numpy (row assignment runs ~7x faster than torch's index_copy_)."""
+                ) -> tuple[dict[int, int], Optional["torch.cuda.Event"]]:
+        """Payload into the destination slots of `blocks`: (token slots written per layer,
+        event). CPU: done on return, through numpy (row assignment runs ~7x faster than
+        torch's index_copy_), event None. CUDA: queued on the copy stream; the slots hold
+        their values and `payload` may be reused once the event has happened."""
         as_int = _INT_OF_SIZE[self.row_bytes // self.head_dim]
-        for _, pool, idx, rows in self._block_runs(tmpl, blocks, payload):
-            if pool.device.type == "cpu":
-                pool.view(as_int).numpy()[idx.numpy()] = rows.view(as_int).numpy()
+        with self._on_copy_stream():
+            if self._slab_kernel:
+                tmpl.slabs(self).copy(self._flat, payload.view(self.dtype), blocks,
+                                      self.pools[0][0].numel(), to_payload=False)
             else:
-                pool.index_copy_(0, idx, rows)
-        self._sync()  # written before it is reported landed and the buffer is reused
+                for pool, idx, rows in self._copies(tmpl, blocks, payload):
+                    if pool.device.type == "cpu":
+                        pool.view(as_int).numpy()[idx.numpy()] = rows.view(as_int).numpy()
+                    else:
+                        pool.index_copy_(0, idx, rows)
         landed: dict[int, int] = defaultdict(int)
         for layer, _, r0, r1 in blocks.tolist():
             landed[layer] += int(tmpl.slots_cum[r1] - tmpl.slots_cum[r0])
-        return landed
+        return landed, self._record()
 
 
 class _Template:
     """A template (copy table, layer/kind unused) located in one side's pools: for each
     run of rows with one granule g, the pool rows (`[-1, g * head_dim]` view) of every
-    slab in payload order, and per row its offset into them; byte and slot prefix sums
+    slab in payload order (on the device and on the host), and per row its offset into
+    them; byte and slot prefix sums
     per row, so a block [r0, r1) is sized and indexed in O(runs)."""
 
     def __init__(self, pools: _Pools, table: np.ndarray, side: str) -> None:
@@ -113,7 +227,16 @@ class _Template:
         for _, _, g, a, b in m.segments(table, side, pools.page_size):
             rows = m.copy_rows(table[a:b], side, pools.heads, pools.page_size, g)
             off = np.concatenate(([0], np.cumsum(slots[a:b] // g)))
-            self.runs.append((a, b, g, torch.from_numpy(rows).to(pools.device), off))
+            self.runs.append((a, b, g, torch.from_numpy(rows).to(pools.device), off, rows))
+        self.granules = sorted({run[2] for run in self.runs})
+        self._slabs: Optional[SlabIndex] = None
+
+    def slabs(self, pools: _Pools) -> SlabIndex:
+        """This template's `SlabIndex` on the pools' device (built on first use)."""
+        if self._slabs is None:
+            self._slabs = SlabIndex([(a, b, g, host, off) for a, b, g, _, off, host in self.runs],
+                                    self.rows, pools.head_dim, pools.device)
+        return self._slabs
 
     def nbytes(self, blocks: np.ndarray) -> int:
         return int((self.bytes_cum[blocks[:, 3]] - self.bytes_cum[blocks[:, 2]]).sum())

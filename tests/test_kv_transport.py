@@ -470,26 +470,37 @@ def test_wire_format_round_trips_and_validates():
     assert m.check_copies(table, "dst", LAYERS, 20, 4, 8) == ""
 
 
+def _one_allocation(pools: list) -> list:
+    """The same pools as views of one `[layers, 2, ...]` tensor (the engine's layout)."""
+    buf = torch.stack([torch.stack(pair) for pair in pools])
+    return [(buf[i, 0], buf[i, 1]) for i in range(len(pools))]
+
+
+@pytest.mark.parametrize("one_allocation", [False, True], ids=["per_pool", "one_allocation"])
 @pytest.mark.parametrize("case", ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1"])
-def test_gather_scatter_match_the_plan_in_process(case):
+def test_gather_scatter_match_the_plan_in_process(case, one_allocation):
     """The transport's gather (every src rank) + scatter equal the plan applied slab by
     slab, whatever granule each side picks (partial pages, different page sizes), also
-    when blocks are cut at row boundaries to fit small messages."""
+    when blocks are cut at row boundaries to fit small messages; with pools allocated
+    one by one (a copy per granule run) and as one allocation (a copy per message)."""
     from phalanx.kv_transfer import messages as m
     from phalanx.kv_transfer.transport import _Pools
     plan = _plan(case)
+    shape = _one_allocation if one_allocation else (lambda pools: pools)
     for d in range(_layouts(case)[1].tp):
-        dst = _Pools(_zero_pools(case, d))
+        dst = _Pools(shape(_zero_pools(case, d)))
+        assert (dst._flat is not None) == one_allocation
         for s in range(_layouts(case)[0].tp):
             table = m.encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == (s, d)])
-            src = _Pools(_side_pools(case, "src", s, "noise"))
+            src = _Pools(shape(_side_pools(case, "src", s, "noise")))
             for template, blocks in m.templates_of(table):
                 tx, rx = src.template(template, "src"), dst.template(template, "dst")
                 pieces = [p for b in blocks.tolist() for p, _ in tx.cut(b, 700)]
                 cut = np.array(pieces, dtype=np.int32)
                 buf = torch.empty(tx.nbytes(cut), dtype=torch.uint8)
-                src.gather(tx, cut, buf)
-                dst.scatter(rx, cut, buf)
+                assert src.gather(tx, cut, buf) is None  # CPU: done on return
+                landed, done = dst.scatter(rx, cut, buf)
+                assert done is None and sum(landed.values()) == rx.slots_cum[-1] * len(blocks)
         want = _side_pools(case, "dst", d, "zero")
         assert all(torch.equal(want[l][k], dst.pools[l][k]) for l in range(LAYERS)
                    for k in range(2))
@@ -520,7 +531,8 @@ def test_receiver_rejects_bad_batches_without_writing():
                   rx._apply(m.TransferRequest("r", 2, 2, 0, 1, 1, tb, raw, n - 4), payload, known),
                   rx._apply(m.TransferRequest("r", 2, 3, 0, 1, 7, b"", raw, n), payload, known),
                   rx._apply(m.TransferRequest("r", 1, 4, 0, 1, 1, b"", raw, n), payload, known)]
-        return errors, rx.stats, all(not t.any() for pair in pools for t in pair)
+        assert all(landed is None and event is None for _, landed, event in errors)
+        return [e for e, _, _ in errors], rx.stats, all(not t.any() for pair in pools for t in pair)
 
     errors, stats, untouched = asyncio.run(run())
     assert "dst head range" in errors[0] and "does not match" in errors[1]

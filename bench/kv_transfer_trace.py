@@ -1,0 +1,124 @@
+"""`bench/kv_transfer.py --trace`: a timeline of one process's transport operations.
+
+Wraps the transport's send/receive posts (per tag: posted, completed), its gathers and
+scatters (start, end) and the receiver's message handling, appending
+(CLOCK_MONOTONIC seconds, event, detail) to a list that `dump` writes to
+$OUT/trace_<role>.json. Timestamps share one clock across the processes of one host, so
+the sender's and the receiver's timelines line up. Bench-only: patches module globals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+EVENTS: list[tuple[float, str, str]] = []
+_TAGS: dict[int, str] = {}
+
+
+def mark(event: str, detail: str = "") -> None:
+    EVENTS.append((time.monotonic(), event, detail))
+
+
+def install() -> None:
+    from phalanx.kv_transfer import receiver, sender, staging, ucx_runtime as rt
+
+    _TAGS.update({rt.TAG_CTRL: "ctrl", rt.TAG_PAYLOAD: "payload", rt.TAG_REPLY: "reply"})
+
+    def traced(kind: str, post):
+        def wrapper(ep, tag, buf):
+            name = f"{kind}_{_TAGS.get(tag, tag)}"
+            size = str(getattr(buf, "nbytes", len(buf)))
+            mark(f"{name}_post", size)
+            task = post(ep, tag, buf)
+            task.add_done_callback(lambda _t: mark(f"{name}_done", size))
+            return task
+        return wrapper
+
+    sender._post_send = traced("send", rt._post_send)
+    receiver._post_send = traced("send", rt._post_send)
+    receiver._post_recv = traced("recv", rt._post_recv)
+    for cls, name in ((staging._Pools, "gather"), (staging._Pools, "scatter")):
+        _wrap_method(cls, name)
+    _wrap_method(receiver.KVReceiver, "_apply")
+    from phalanx.kv_transfer import slab_copy
+    _wrap_method(slab_copy.SlabIndex, "copy")
+    _wrap_method(staging._Pools, "_record")
+    _wrap_method(sender.KVSender, "_table")
+    _wrap_method(sender.KVSender, "_template")
+
+
+def _wrap_method(cls, name: str) -> None:
+    inner = getattr(cls, name)
+
+    def wrapper(self, *args, **kwargs):
+        mark(f"{name}_start")
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            mark(f"{name}_end")
+
+    setattr(cls, name, wrapper)
+
+
+def dump(role: str) -> None:
+    path = os.path.join(os.environ.get("OUT", "."), f"trace_{role}.json")
+    with open(path, "w") as f:
+        json.dump(EVENTS, f)
+
+
+def timeline(out_dir: str, mode: str = "pipelined", limit: int = 120) -> list[str]:
+    """The last `mode` run's events of every process in `out_dir`, merged, as lines
+    'ms role event detail' relative to the run's start."""
+    traces = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith("trace_") and name.endswith(".json"):
+            with open(os.path.join(out_dir, name)) as f:
+                traces[name[6:-5]] = json.load(f)
+    cmds = [(t, d) for role, ev in traces.items() if role.startswith("sender")
+            for t, e, d in ev if e == "cmd"]
+    cmds.sort()
+    starts = [t for t, d in cmds if d == mode]
+    if not starts:
+        return [f"no {mode} run in {out_dir}"]
+    t0 = starts[-1]
+    t1 = min([t for t, _ in cmds if t > t0] or [float("inf")])
+    merged = sorted((t, role, e, d) for role, ev in traces.items() for t, e, d in ev
+                    if t0 <= t < t1 and e != "cmd")
+    return [f"{(t - t0) * 1e3:9.3f} {role:10s} {e:22s} {d}" for t, role, e, d in merged[:limit]]
+
+
+def summary(lines: list[str]) -> list[str]:
+    """Per event kind of a timeline: count, and the median gap (ms) from each occurrence
+    to the next of the same kind, plus the median duration of start/end and post/done
+    pairs taken in order."""
+    import statistics
+    times: dict[tuple[str, str], list[float]] = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 3:
+            times.setdefault((parts[1], parts[2]), []).append(float(parts[0]))
+    out = []
+    for (role, event), ts in sorted(times.items()):
+        gaps = [b - a for a, b in zip(ts, ts[1:])]
+        row = f"{role:10s} {event:22s} n={len(ts):3d} gap={statistics.median(gaps) if gaps else 0:7.3f}"
+        for a, b in (("_start", "_end"), ("_post", "_done")):
+            if event.endswith(a):
+                ends = times.get((role, event[:-len(a)] + b), [])
+                durs = [e - s for s, e in zip(ts, ends)]
+                if durs:
+                    row += f" dur={statistics.median(durs):7.3f} max={max(durs):7.3f}"
+        out.append(row)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+    mode = sys.argv[2] if len(sys.argv) > 2 else "pipelined"
+    lines = timeline(sys.argv[1], mode, limit=100000)
+    for line in summary(lines):
+        print(line)
+    lo, hi = (int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "0:60").split(":"))
+    for line in lines[lo:hi]:
+        print(line)

@@ -1,0 +1,107 @@
+"""One-launch gather/scatter of KV slabs between the pools and a staging buffer (CUDA).
+
+A template's slabs (runs of `granule` tokens of one head: contiguous in a pool and in the
+payload) are described once per template on the device: `SlabIndex` holds, per slab,
+its element offset inside one pool, its element offset inside the template's payload and
+its length. A message's blocks (layer, kind, rows [r0, r1)) are slab ranges of that
+index, so a message is one kernel launch over (block, slab) whatever layers, kinds and
+granules it spans; the host sends only one 4-int64 row per block.
+
+Layout contract: the pools are consecutive pieces of one allocation (K0, V0, K1, V1,
+...), so pool (layer, kind) starts `(2 * layer + kind) * pool_numel` elements into it;
+every offset and length is a multiple of head_dim (`ALIGN` hints the vector width).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+SLABS_PER_PROGRAM = 4
+BLOCK = 1024  # most elements per load (2 KiB of a bf16 slab); the slab loop is unrolled
+
+
+@triton.jit
+def _slab_copy_kernel(pool_ptr, pay_ptr, slab_pool_ptr, slab_pay_ptr, slab_len_ptr,
+                      blocks_ptr, TO_PAYLOAD: tl.constexpr, SLABS: tl.constexpr,
+                      BLOCK: tl.constexpr, MAX_LEN: tl.constexpr, ALIGN: tl.constexpr):
+    b = tl.program_id(0)
+    p = tl.program_id(1)
+    s0 = tl.load(blocks_ptr + b * 4)
+    n = tl.load(blocks_ptr + b * 4 + 1)
+    pool_base = tl.load(blocks_ptr + b * 4 + 2)
+    pay_base = tl.load(blocks_ptr + b * 4 + 3)
+    offs = tl.arange(0, BLOCK)
+    for i in tl.static_range(SLABS):
+        k = p * SLABS + i
+        valid = k < n
+        s = s0 + k
+        src = tl.multiple_of(pool_base + tl.load(slab_pool_ptr + s, mask=valid, other=0), ALIGN)
+        dst = tl.multiple_of(pay_base + tl.load(slab_pay_ptr + s, mask=valid, other=0), ALIGN)
+        length = tl.load(slab_len_ptr + s, mask=valid, other=0)
+        for c in tl.static_range(0, MAX_LEN, BLOCK):
+            mask = c + offs < length
+            if TO_PAYLOAD:
+                v = tl.load(pool_ptr + src + c + offs, mask=mask)
+                tl.store(pay_ptr + dst + c + offs, v, mask=mask)
+            else:
+                v = tl.load(pay_ptr + dst + c + offs, mask=mask)
+                tl.store(pool_ptr + src + c + offs, v, mask=mask)
+
+
+class SlabIndex:
+    """A template's slabs on `device`: per slab its offset in one pool, its offset in
+    the template's payload and its length (elements); per template row its first slab
+    (host), to turn a block's rows into a slab range."""
+
+    def __init__(self, runs: list[tuple[int, int, int, np.ndarray, np.ndarray]],
+                 num_rows: int, head_dim: int, device: torch.device) -> None:
+        """runs: (first row, stop row, granule, pool rows in `[-1, granule * head_dim]`
+        units, per-row offsets into those pool rows), in template order."""
+        pool_off, length = [], []
+        row_slabs = np.zeros(num_rows, dtype=np.int64)
+        for a, b, g, rows, off in runs:
+            width = g * head_dim
+            pool_off.append(rows.astype(np.int64) * width)
+            length.append(np.full(len(rows), width, dtype=np.int64))
+            row_slabs[a:b] = np.diff(off)
+        self.row_first = np.concatenate(([0], np.cumsum(row_slabs)))
+        pool_off = np.concatenate(pool_off) if pool_off else np.zeros(0, np.int64)
+        length = np.concatenate(length) if length else np.zeros(0, np.int64)
+        self.pay_cum = np.concatenate(([0], np.cumsum(length)))  # host: slab s is [s, s+1)
+        self.head_dim = head_dim
+        self.max_len = int(length.max()) if len(length) else 0
+        self._dev = [torch.from_numpy(x).to(device)
+                     for x in (pool_off, np.ascontiguousarray(self.pay_cum[:-1]), length)]
+
+    def block_rows(self, blocks: np.ndarray, pool_numel: int) -> tuple[np.ndarray, int]:
+        """Per block (first slab, slabs, pool base, payload base) in elements, the
+        blocks' payloads laid end to end; and the most slabs in one block."""
+        b = np.asarray(blocks, dtype=np.int64).reshape(-1, 4)
+        s0, s1 = self.row_first[b[:, 2]], self.row_first[b[:, 3]]
+        sizes = self.pay_cum[s1] - self.pay_cum[s0]
+        starts = np.concatenate(([0], np.cumsum(sizes)))[:-1]
+        out = np.stack([s0, s1 - s0, (2 * b[:, 0] + b[:, 1]) * pool_numel,
+                        starts - self.pay_cum[s0]], axis=1)
+        return np.ascontiguousarray(out), int((s1 - s0).max()) if len(b) else 0
+
+    def copy(self, flat_pools: torch.Tensor, payload: torch.Tensor, blocks: np.ndarray,
+             pool_numel: int, to_payload: bool) -> None:
+        """Gather (`to_payload`) or scatter the blocks' slabs between `flat_pools` (the
+        one allocation, 1-D) and `payload` (1-D, same dtype), queued on the current
+        stream."""
+        rows, most = self.block_rows(blocks, pool_numel)
+        if most == 0:
+            return
+        desc = torch.from_numpy(rows)
+        if flat_pools.device.type == "cuda":
+            desc = desc.pin_memory().to(flat_pools.device, non_blocking=True)
+        align = 16 if self.head_dim % 16 == 0 else 1
+        block = min(BLOCK, triton.next_power_of_2(self.max_len))
+        grid = (len(rows), triton.cdiv(most, SLABS_PER_PROGRAM))
+        _slab_copy_kernel[grid](flat_pools, payload, *self._dev, desc,
+                                TO_PAYLOAD=to_payload, SLABS=SLABS_PER_PROGRAM, BLOCK=block,
+                                MAX_LEN=triton.cdiv(self.max_len, block) * block,
+                                ALIGN=align, num_warps=4)
