@@ -82,6 +82,24 @@ def check_decode(c: Ctx, rec):
                             decode_attention_triton(q, kc, vc, sl, tables, hd**-0.5, partition=64), ref)
 
 
+def check_split(c: Ctx, rec):
+    """Every partition of the `split` timing group against the reference (B=1 and 16)."""
+    from phalanx.kernels import attention as at
+    from phalanx.kernels.gpu.attention import decode_attention_triton
+    from kernels_gpu_timing import SPLIT_PARTITIONS
+
+    torch, (_, hd, nq, nkv, _) = c.torch, _dims(c)
+    L = 100 if c.small else 1024
+    for B in (1, 16):
+        kc, vc, tables = paged(c, [L] * B, 16, nkv, hd, slack=8)
+        q, sl = c.randn(B, nq, hd), torch.full((B,), L, dtype=torch.int32, device=c.dev)
+        ref = at.decode_attention_ref(q, kc, vc, sl, tables, hd**-0.5)
+        for part in SPLIT_PARTITIONS:
+            c.poison(); rec("decode-split", f"B={B} ctx={L} part={part}",
+                            decode_attention_triton(q, kc, vc, sl, tables, hd**-0.5,
+                                                    partition=part), ref)
+
+
 def check_prefill(c: Ctx, rec):
     from phalanx.kernels import attention as at
 

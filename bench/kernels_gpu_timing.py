@@ -31,6 +31,27 @@ def time_decode(c: Ctx, row, L=1024):
             nbytes=(B * L * NKV * HD * 2 + 2 * q.numel()) * 2)
 
 
+SPLIT_PARTITIONS = (32, 64, 128, 256)
+
+
+def time_split(c: Ctx, row, L=1024):
+    """Decode attention per split size (positions per program), block tables as wide as
+    the decode bench's CUDA graphs (max_model_len 4096): which partition the heuristic
+    should pick at small batches."""
+    from phalanx.kernels import attention as at
+    from phalanx.kernels.gpu.attention import decode_attention_triton
+
+    for B in (1, 4, 16, 64):
+        kc, vc, tables = paged(c, [L] * B, slack=4096 // PAGE - L // PAGE)
+        q, sl = c.randn(B, NQ, HD), c.torch.full((B,), L, dtype=c.torch.int32, device=c.dev)
+        for part in SPLIT_PARTITIONS + (None,):
+            row("decode-split", f"B={B} part={part or 'auto'}",
+                lambda part=part: decode_attention_triton(q, kc, vc, sl, tables, HD**-0.5,
+                                                          partition=part),
+                lambda: at.decode_attention_ref(q, kc, vc, sl, tables, HD**-0.5),
+                nbytes=(B * L * NKV * HD * 2 + 2 * q.numel()) * 2)
+
+
 def time_prefill(c: Ctx, row, n=2048):
     import torch.nn.functional as F
 

@@ -201,11 +201,18 @@ def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim
     """Positions per split (a multiple of block_n).
 
     Aims at enough (split, kv_head, seq) programs to fill ~132 SMs for a ~1k context:
-    few sequences -> short partitions. Longer contexts only add programs. Grown if the
-    float32 partial buffer [S, H, splits, D] would pass 128 MiB (huge block tables).
+    few sequences -> short partitions; up to 64 sequences never past 256 positions, since
+    splitting a 1k context four ways beat one program per (kv_head, seq) even at 64
+    sequences. From a sweep on one H200 (graph replay, ctx 1k, 256-page tables;
+    bench/NOTES.md): B=1 best at 64 (7.4 µs vs 8.1 at 128), B=4 at 64, B=16 at 256, B=64
+    at 256 (49.7 vs 54.5 at 1024). Past 64 sequences (not swept) the earlier rule stays. Longer contexts only add programs, up to 256 splits of the block table (the
+    reduce walks a long context's splits one after another). Grown if the float32 partial buffer
+    [S, H, splits, D] would pass 128 MiB (huge block tables).
     """
-    part = max(128, min(2048, triton.next_power_of_2(num_seqs * num_kv_heads * 4)))
-    part = max(part, block_n)
+    want = triton.next_power_of_2(num_seqs * num_kv_heads * 4)
+    part = max(64, min(256, want)) if num_seqs <= 64 else min(2048, want)
+    # At most 256 splits of the table: the reduce walks a long context's splits in turn.
+    part = max(part, block_n, triton.next_power_of_2(triton.cdiv(bound, 256)))
     while num_seqs * num_heads * triton.cdiv(bound, part) * head_dim * 4 > (128 << 20):
         part *= 2
     return part
