@@ -296,11 +296,13 @@ class DisaggClient(DisaggRecovery):
     def leader_stats(self) -> dict:
         """`{"decode": [stats of each decode DP leader], "prefill": [stats of each prefill
         instance's leader, {} while it is being replaced], "queued": requests waiting
-        for decode pages}`. A decode failure raises `GroupFailure`; a leader that does
-        not answer within `VIEW_TIMEOUT_S` raises TimeoutError."""
+        for decode pages, "recoveries": groups re-formed so far}`. A decode failure raises
+        `GroupFailure`; a leader that does not answer within `VIEW_TIMEOUT_S` raises
+        TimeoutError."""
         decode = self._decode_view("stats")
         return {"decode": decode, "prefill": self._prefill_view("stats", {}),
-                "queued": len(self._queue)}
+                "queued": len(self._queue),
+                "recoveries": self.recoveries + self.decode_recoveries}
 
     def held_prefixes(self) -> dict:
         """`{"decode": [page hashes each decode DP leader holds], "prefill": [... each

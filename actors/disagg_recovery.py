@@ -14,13 +14,12 @@ under a new epoch, and every request it held goes back to the queue.
 
 from __future__ import annotations
 
-import dataclasses
-
 import ray
 from ray.exceptions import RayActorError
 
 from ..engine.rank_engine import RankFailure
 from ..log import get_logger
+from .resume import resume_from
 from .supervisor import GroupFailure
 
 log = get_logger(__name__)
@@ -111,7 +110,4 @@ class DisaggRecovery:
 
     def _resume(self, req) -> None:
         """Continue `req` from its prompt + the tokens the caller already has."""
-        req.base = len(req.emitted)
-        req.tokens = req.prompt + req.emitted
-        left = req.params_in.max_tokens - req.base
-        req.params = dataclasses.replace(req.params, max_tokens=max(left, 1))
+        req.tokens, req.params, req.base = resume_from(req.prompt, req.params_in, req.emitted)

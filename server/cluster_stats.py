@@ -10,6 +10,8 @@ Keys (all numbers; see `ServingBackend.stats`):
   num_live: requests the driver tracks; num_dp_groups, num_prefill_instances;
   router_decisions, router_prefix_hit_estimate: the router's own count and hit estimate
     for the side that runs prompts;
+  recoveries: groups re-formed after a rank failure (prefill instances, decode or
+    colocated groups);
   healthy: 1.0.
 """
 
@@ -43,7 +45,7 @@ def _kv_usage(stats: list[dict]) -> float:
 
 def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
     """`view`: a client's `leader_stats()` (`{"decode": [...], "prefill": [...],
-    "queued": n}`; empty dicts stand for leaders that did not answer)."""
+    "queued": n, "recoveries": n}`; empty dicts stand for leaders that did not answer)."""
     decode = [s for s in view.get("decode", ()) if s]
     prefill = [s for s in view.get("prefill", ()) if s]
     disaggregated = bool(router.prefill_instances)
@@ -58,5 +60,6 @@ def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
         "num_prefill_instances": float(len(router.prefill_instances)),
         "router_decisions": float(pool.stats.decisions),
         "router_prefix_hit_estimate": pool.stats.estimated_hit_rate,
+        "recoveries": float(view.get("recoveries", 0)),
         "healthy": 1.0,
     }

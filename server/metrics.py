@@ -28,6 +28,8 @@ _GAUGES = {
     "prefix_hit_rate": ("phalanx_prefix_cache_hit_rate",
                         "Fraction of prompt tokens served from the prefix cache"),
     "healthy": ("phalanx_backend_healthy", "1 while the backend can serve, 0 once it failed"),
+    "recoveries": ("phalanx_recoveries", "Groups re-formed after a rank failure (prefill "
+                   "instances, decode or colocated groups) since start"),
     "router_prefix_hit_estimate": ("phalanx_router_prefix_hit_estimate",
                                    "Fraction of routed prompt tokens the chosen target held, "
                                    "by the router's prefix tree"),

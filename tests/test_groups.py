@@ -11,7 +11,6 @@ import time
 
 import pytest
 import ray
-import torch
 
 from phalanx import LLM, SamplingParams
 from phalanx.actors.supervisor import GroupFailure
@@ -106,6 +105,7 @@ class _ShapeOnlyComm:
 def test_rank_killed_mid_all_to_all_fails_fast(tiny_model):
     deadline = 5.0
     llm = LLM(tiny_model, dp=3, page_size=8, num_pages=256, collective_timeout_s=deadline)
+    llm.group.max_recoveries = 0  # the fail-fast path: no re-formed group
     try:
         victim = llm.group.supervisor.actors[2]
         # exit at the 40th MoE dispatch (real or dummy): peers are inside the all-to-all
@@ -123,5 +123,34 @@ def test_rank_killed_mid_all_to_all_fails_fast(tiny_model):
         assert all("CollectiveError" in r and "epoch 1" in r for r in survivors.values()), survivors
         print(f"caller got GroupFailure after {elapsed:.2f}s: {failure}")
         assert elapsed < deadline + 15, f"caller waited {elapsed:.1f}s"
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("tp, dp, point, count", [(1, 2, "moe_dispatch", 25), (2, 1, "step", 6)],
+                         ids=["dp2-mid-all-to-all", "tp2-mid-step"])
+def test_rank_killed_group_recovers(tiny_model, oracle, tp, dp, point, count):
+    """A rank dies mid-generation: the group is re-formed under epoch 2 and every request
+    resumes from prompt + the tokens already delivered, so the caller gets each token
+    once and the same tokens as transformers."""
+    prompts, expected = oracle
+    llm = LLM(tiny_model, tp=tp, dp=dp, max_num_seqs=8, max_num_batched_tokens=96, page_size=4,
+              num_pages=120, collective_timeout_s=5)
+    try:
+        ray.get(llm.group.supervisor.actors[1].arm_fault.remote(point, count))
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        seen: dict[str, list[int]] = {}
+        rids = llm._submit([list(p) for p in prompts], [params] * len(prompts))
+        pending = set(rids)
+        while pending:
+            for out in llm._poll():
+                got = seen.setdefault(out.request_id, [])
+                assert out.index == len(got), (out.request_id, out.index, len(got))
+                got.extend(out.new_token_ids)
+                if out.finished:
+                    pending.discard(out.request_id)
+        for i, rid in enumerate(rids):
+            assert seen[rid] == expected[i], f"prompt {i}"
+        assert llm.group.recoveries == 1 and llm.group.epoch == 2
     finally:
         llm.close()

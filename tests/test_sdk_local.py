@@ -1,7 +1,8 @@
 """The in-process SDK client: `LocalClient` / `start_local`, the `AsyncClient` API without
 HTTP. Single-rank (no Ray) for the API surface and errors; one colocated DP=2 cluster on
-local Ray for the routed path (`GroupClient` under `ClusterBackend`), until a rank is
-killed (503, unhealthy). Greedy outputs equal the offline `LLM`'s.
+local Ray for the routed path (`GroupClient` under `ClusterBackend`): a rank killed
+mid-stream is recovered (same text), and past the recovery budget it is final (503,
+unhealthy). Greedy outputs equal the offline `LLM`'s.
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ async def test_breaking_out_of_a_stream_aborts(local):
     assert local.backend.stats()["num_running"] == 0
 
 
-async def test_start_local_cluster_routes_matches_offline_and_fails_503(tiny_model, offline):
+async def test_start_local_cluster_routes_matches_offline_recovers_and_fails_503(tiny_model, offline):
     import ray
+
+    from phalanx import SamplingParams
 
     client = start_local(tiny_model, tp=1, dp=2, model_name=MODEL, max_num_seqs=16,
                          num_pages=256, collective_timeout_s=5)
@@ -107,8 +110,28 @@ async def test_start_local_cluster_routes_matches_offline_and_fails_503(tiny_mod
         per_group = client.backend.router.decode.stats.per_target
         assert sum(per_group.values()) == 9 and set(per_group) <= {0, 1}
 
-        # A rank dies: requests end with a 503 and the backend reports itself unhealthy.
-        ray.kill(client.backend._driver._client.supervisor.actors[1], no_restart=True)
+        # A rank dies mid-stream: the group is re-formed, the stream goes on with the
+        # same text as without the fault, and /metrics counts one recovery.
+        group = client.backend._driver._client
+        [long_ref] = offline.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=48,
+                                                                  ignore_eos=True))
+        chunks, killed = [], False
+        async for c in client.stream(prompts[1], max_tokens=48, temperature=0, ignore_eos=True):
+            chunks.append(c.text)
+            if len(chunks) == 3 and not killed:
+                ray.kill(group.supervisor.actors[1], no_restart=True)
+                killed = True
+        assert "".join(chunks) == offline.decode(long_ref.outputs[0].token_ids)
+        assert group.recoveries == 1 and group.epoch == 2
+        for _ in range(200):  # the stats view refreshes in the background
+            if client.backend.stats().get("recoveries") == 1.0:
+                break
+            await asyncio.sleep(0.05)
+        assert client.backend.stats()["recoveries"] == 1.0 and client.backend.healthy()
+
+        # Past its recovery budget a rank death is final: 503, unhealthy.
+        group.max_recoveries = group.recoveries
+        ray.kill(group.supervisor.actors[1], no_restart=True)
         with pytest.raises(APIError) as err:
             for _ in range(100):  # until the failure is seen (at most one deadline)
                 await client.complete(prompts[1], max_tokens=64, ignore_eos=True)

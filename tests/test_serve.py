@@ -126,7 +126,7 @@ async def test_metrics_parse(serve, client):
                  "phalanx_inter_token_latency_seconds", "phalanx_queue_depth",
                  "phalanx_kv_cache_usage_ratio", "phalanx_prefix_cache_hit_rate",
                  "phalanx_running_requests", "phalanx_backend_healthy",
-                 "phalanx_router_prefix_hit_estimate"):
+                 "phalanx_router_prefix_hit_estimate", "phalanx_recoveries"):
         assert name in families, name
     assert families["phalanx_backend_healthy"].samples[0].value == 1.0
     ttft = [s for s in families["phalanx_time_to_first_token_seconds"].samples
