@@ -69,6 +69,7 @@ class LocalClient:
         try:
             await self.backend.close()
         finally:
+            self._handlers.close()
             if self._on_close is not None:
                 self._on_close()
 
@@ -98,7 +99,8 @@ class LocalClient:
         return self._stream("chat", model, params, messages=list(messages))
 
     # -- plumbing --------------------------------------------------------------------
-    def _plan(self, kind: str, model: Optional[str], params: dict, stream: bool, **fields: Any):
+    async def _plan(self, kind: str, model: Optional[str], params: dict, stream: bool,
+                    **fields: Any):
         """The validated plan of a request body built from the keywords (OpenAIError)."""
         from ..server import protocol as proto
 
@@ -108,13 +110,12 @@ class LocalClient:
         if stream:
             body["stream"] = True
         data = msgspec.json.encode(body)
-        if kind == "chat":
-            return self._handlers.chat_plan(proto.decode_request(data, proto.ChatCompletionRequest))
-        return self._handlers.completion_plan(proto.decode_request(data, proto.CompletionRequest))
+        kind_of = proto.ChatCompletionRequest if kind == "chat" else proto.CompletionRequest
+        return await self._handlers.plan(proto.decode_request(data, kind_of))
 
     async def _respond(self, kind: str, model: Optional[str], params: dict, **fields: Any) -> Any:
         try:
-            plan = self._plan(kind, model, params, False, **fields)
+            plan = await self._plan(kind, model, params, False, **fields)
             async with self._handlers.running(plan, time.monotonic()) as runs:
                 return await self._handlers.collect(plan, runs)
         except APIError:
@@ -125,7 +126,7 @@ class LocalClient:
     async def _stream(self, kind: str, model: Optional[str], params: dict,
                       **fields: Any) -> AsyncIterator[Any]:
         try:
-            plan = self._plan(kind, model, params, True, **fields)
+            plan = await self._plan(kind, model, params, True, **fields)
             async with self._handlers.running(plan, time.monotonic()) as runs:
                 async with aclosing(self._handlers.chunks(plan, runs)) as chunks:
                     async for chunk in chunks:

@@ -75,6 +75,10 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
         body = metrics.render(backend.stats())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
+    async def close_handlers(app: web.Application) -> None:
+        gen.close()
+
+    app.on_cleanup.append(close_handlers)
     app.router.add_post("/v1/completions", gen.completions)
     app.router.add_post("/v1/chat/completions", gen.chat)
     app.router.add_get("/v1/models", models, allow_head=False)

@@ -11,6 +11,8 @@ client gone, handler cancelled, error — its unfinished backend requests are ab
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -53,20 +55,54 @@ class _Plan:
     prompt_param: str  # "prompt" or "messages": where a refused prompt came from
 
 
+# Prompt text (characters) past which a request is tokenized on the tokenizer thread, not
+# on the event loop: a long prompt or chat template takes milliseconds that every stream
+# in flight would otherwise wait for.
+OFFLOAD_CHARS = 4096
+
+
+def _text_chars(req: Union[proto.CompletionRequest, proto.ChatCompletionRequest]) -> int:
+    """Characters of text the request's plan tokenizes (token-id prompts count 0)."""
+    if isinstance(req, proto.ChatCompletionRequest):
+        return sum(len(m.content) if isinstance(m.content, str)
+                   else sum(len(getattr(part, "text", "") or "") for part in (m.content or ()))
+                   for m in req.messages or ())
+    p = req.prompt
+    if isinstance(p, str):
+        return len(p)
+    return sum(len(x) for x in p if isinstance(x, str)) if isinstance(p, list) else 0
+
+
 class GenerationHandlers:
-    """The two generation routes over one backend."""
+    """The two generation routes over one backend. Plans of long prompts are built on one
+    tokenizer thread (tokenizers are used from one thread at a time there; short prompts
+    stay on the loop, where the hop would cost more than the work)."""
 
     def __init__(self, backend: ServingBackend, metrics: ServerMetrics, model_name: str) -> None:
         self.backend, self.metrics, self.model_name = backend, metrics, model_name
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "phalanx-tokenize")
 
     # -- routes ----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = proto.decode_request(await request.read(), proto.CompletionRequest)
-        return await self._execute(request, self.completion_plan(req))
+        return await self._execute(request, await self.plan(req))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = proto.decode_request(await request.read(), proto.ChatCompletionRequest)
-        return await self._execute(request, self.chat_plan(req))
+        return await self._execute(request, await self.plan(req))
+
+    async def plan(self, req: Union[proto.CompletionRequest, proto.ChatCompletionRequest]
+                   ) -> "_Plan":
+        """`completion_plan` / `chat_plan` of `req`, on the tokenizer thread when its text
+        passes `OFFLOAD_CHARS` (OpenAIError as theirs)."""
+        build = self.chat_plan if isinstance(req, proto.ChatCompletionRequest) else self.completion_plan
+        if _text_chars(req) < OFFLOAD_CHARS:
+            return build(req)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, build, req)
+
+    def close(self) -> None:
+        """Stop the tokenizer thread (after the last request)."""
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # -- plans (HTTP-free: the in-process SDK client uses them too) --------------------
     def completion_plan(self, req: proto.CompletionRequest) -> _Plan:

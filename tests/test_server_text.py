@@ -106,3 +106,47 @@ def test_chat_messages_and_params():
                                         {"role": "assistant", "content": ""}]
     params = proto.sampling_params(req, 5)
     assert (params.top_k, params.seed, params.max_tokens, params.temperature) == (3, 7, 5, 1.0)
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model):
+    """Prompts past OFFLOAD_CHARS (completions and chat) are tokenized on the tokenizer
+    thread, short ones on the loop; errors come back through the await as OpenAIError."""
+    import threading
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from phalanx.server.handlers import OFFLOAD_CHARS, GenerationHandlers
+    from phalanx.server.metrics import ServerMetrics
+
+    real = AutoTokenizer.from_pretrained(tiny_model)
+    threads: list[str] = []
+
+    class Recording:
+        def encode(self, text, **kwargs):
+            threads.append(threading.current_thread().name)
+            return real.encode(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    backend = SimpleNamespace(tokenizer=Recording(), max_model_len=1 << 20)
+    handlers = GenerationHandlers(backend, ServerMetrics(), "m")
+    long_text = "red green blue " * (OFFLOAD_CHARS // 15 + 1)
+    try:
+        for prompt in ("a short prompt", long_text):
+            req = proto.CompletionRequest(model="m", prompt=prompt)
+            plan = await handlers.plan(req)
+            assert plan.prompts == [real.encode(prompt, add_special_tokens=False)]
+        chat = proto.ChatCompletionRequest(model="m", messages=[
+            proto.ChatMessageIn(role="user", content=long_text)])
+        await handlers.plan(chat)
+        loop_thread = threading.current_thread().name
+        assert threads[0] == loop_thread
+        assert all(t.startswith("phalanx-tokenize") for t in threads[1:]), threads
+        backend.max_model_len = 64
+        with pytest.raises(OpenAIError) as err:
+            await handlers.plan(proto.CompletionRequest(model="m", prompt=long_text))
+        assert err.value.status == 400 and err.value.code == "context_length_exceeded"
+    finally:
+        handlers.close()
