@@ -174,6 +174,7 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         return {
             "num_waiting": self.scheduler.num_waiting,
+            "num_waiting_tokens": self.scheduler.num_waiting_tokens,
             "num_running": len(self.scheduler.running),
             "num_pages": self.num_pages,
             "kv_usage": self.pool.usage,

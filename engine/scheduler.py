@@ -82,6 +82,15 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.prefilled)
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens still to prefill: all uncomputed tokens of waiting sequences (a
+        preempted one recomputes its output too) plus the prompt rest of running ones
+        in chunked prefill. What a router weighs as a group's queued work."""
+        waiting = sum(seq.num_tokens - seq.num_computed_tokens for seq in self.waiting)
+        return waiting + sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+                             for seq in self.running)
+
     # -- KV that crosses groups (prefill → decode) -----------------------------------
     def release_held(self, request_id: str) -> bool:
         """Free the pages a finished prefill kept for its readers."""

@@ -238,10 +238,11 @@ def test_long_prompt_is_chunked_and_samples_only_at_its_end():
     sched = make(num_pages=64, page_size=4, budget=16)
     prompt = prompt_of(3, 50)
     reqs = [(0, "long", prompt, greedy(3)), (0, "short", prompt_of(4, 3), greedy(2))]
-    seen_pages = []
+    seen_pages, queued = [], []
 
     def on_step(step, sched, run):
         seqs = run.seqs
+        queued.append(sched.num_waiting_tokens)
         if "long" in seqs:
             seen_pages.append(len(seqs["long"].pages))
 
@@ -256,6 +257,9 @@ def test_long_prompt_is_chunked_and_samples_only_at_its_end():
     assert [("long" in s) for s in run.sampled] == [False, False, False, True, True, True]
     # Pages grow with the chunks (before each schedule(): 0, 4, 8, 12, 13 ...).
     assert seen_pages[:5] == [0, 4, 8, 12, 13]
+    # Tokens still to prefill (what the engine reports to a router): both prompts, then
+    # the long prompt's rest chunk by chunk, then nothing while they decode.
+    assert queued[:6] == [53, 37, 21, 5, 0, 0], queued
 
 
 def test_chunk_boundaries_not_page_aligned():
