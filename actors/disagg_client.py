@@ -29,6 +29,7 @@ from ..log import get_logger
 from .decode_rank import RemoteDecodeRank
 from .disagg_recovery import ACTOR_ERRORS, DecodeLost, DisaggRecovery
 from .group_client import VIEW_TIMEOUT_S, actor_nodes
+from .held_reports import HeldReports
 from .prefill_rank import KVDestination, RemotePrefillRank
 from .supervisor import GroupSupervisor, ensure_ray
 
@@ -87,6 +88,7 @@ class DisaggClient(DisaggRecovery):
         self._out: list[StepOutput] = []
         self._seeds = random.Random(decode_config.seed)
         self._arrivals = itertools.count()
+        self._held = HeldReports()
         self.recoveries = 0  # prefill instances replaced
         self.decode_recoveries = 0  # decode groups replaced
 
@@ -305,27 +307,39 @@ class DisaggClient(DisaggRecovery):
                 "recoveries": self.recoveries + self.decode_recoveries}
 
     def held_prefixes(self) -> dict:
-        """`{"decode": [page hashes each decode DP leader holds], "prefill": [... each
-        prefill instance's leader holds; [] while it is being replaced]}`."""
-        decode = self._decode_view("held_prefix_hashes")
-        return {"decode": decode, "prefill": self._prefill_view("held_prefix_hashes", [])}
+        """`{"decode": [per decode DP leader: the page hashes it holds, or {"evicted":
+        [hashes evicted since its last report]}], "prefill": [the same per prefill
+        instance's leader; [] while it is being replaced]}` (`held_reports`)."""
+        reports = self._held
+        reports.next_round()
+        since = lambda key, epoch: (reports.since(key, epoch),)  # noqa: E731
+        decode = self._decode_view("held_prefix_changes",
+                                   lambda g: since(("decode", g), self.decode.epoch))
+        prefill = self._prefill_view("held_prefix_changes", None,
+                                     lambda i: since(("prefill", i), self.prefill[i].epoch))
+        return {"decode": [reports.take(("decode", g), self.decode.epoch, r)
+                           for g, r in enumerate(decode)],
+                "prefill": [[] if r is None else reports.take(("prefill", i), self.prefill[i].epoch, r)
+                            for i, r in enumerate(prefill)]}
 
-    def _decode_view(self, method: str) -> list:
-        """`method()` of each decode DP leader (asked again once if the group had to be
-        replaced meanwhile)."""
+    def _decode_view(self, method: str, args_of=lambda g: ()) -> list:
+        """`method(*args_of(g))` of each decode DP leader g (asked again once if the group
+        had to be replaced meanwhile)."""
         def ask():
             leaders = self.decode.leaders
-            return self._decode_call(lambda: ray.get([getattr(a, method).remote() for a in leaders],
-                                                     timeout=VIEW_TIMEOUT_S))
+            return self._decode_call(lambda: ray.get(
+                [getattr(a, method).remote(*args_of(g)) for g, a in enumerate(leaders)],
+                timeout=VIEW_TIMEOUT_S))
         try:
             return ask()
         except DecodeLost:
             return ask()
 
-    def _prefill_view(self, method: str, missing):
-        """`method()` of each prefill instance's leader; `missing` for a failed one (its
-        recovery is `poll`'s business)."""
-        refs = [getattr(g.leaders[0], method).remote() if g.actors else None for g in self.prefill]
+    def _prefill_view(self, method: str, missing, args_of=lambda i: ()):
+        """`method(*args_of(i))` of each prefill instance i's leader; `missing` for a
+        failed one (its recovery is `poll`'s business)."""
+        refs = [getattr(g.leaders[0], method).remote(*args_of(i)) if g.actors else None
+                for i, g in enumerate(self.prefill)]
         out = []
         for ref in refs:
             try:

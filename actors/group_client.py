@@ -25,6 +25,7 @@ from ..engine.outputs import StepOutput
 from ..engine.rank_engine import RankFailure
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
+from .held_reports import HeldReports
 from .resume import resume_from
 
 log = get_logger(__name__)
@@ -77,6 +78,7 @@ class GroupClient:
         self._seeds = random.Random(config.seed)
         self._pending: dict = {}  # outstanding poll call -> leader index
         self.recoveries, self.max_recoveries = 0, max_recoveries
+        self._held = HeldReports()
 
     @property
     def epoch(self) -> int:
@@ -201,11 +203,19 @@ class GroupClient:
         return {"decode": stats, "prefill": [], "recoveries": self.recoveries}
 
     def held_prefixes(self) -> dict:
-        """`{"decode": [page hashes each DP leader's KV pool holds], "prefill": []}`
-        (errors as `leader_stats`)."""
-        held = self._view(lambda leaders: ray.get([a.held_prefix_hashes.remote() for a in leaders],
-                                                  timeout=VIEW_TIMEOUT_S))
-        return {"decode": held, "prefill": []}
+        """`{"decode": [per DP leader: the page hashes its KV pool holds, or
+        {"evicted": [hashes it evicted since its last report]}], "prefill": []}`
+        (`held_reports`; errors as `leader_stats`)."""
+        reports, epoch = self._held, self.epoch
+        reports.next_round()
+
+        def ask(leaders):
+            return ray.get([a.held_prefix_changes.remote(reports.since(g, epoch))
+                            for g, a in enumerate(leaders)], timeout=VIEW_TIMEOUT_S)
+
+        replies = self._view(ask)
+        return {"decode": [reports.take(g, epoch, r) for g, r in enumerate(replies)],
+                "prefill": []}
 
     def _view(self, ask):
         """`ask(leaders)`; a group re-formed meanwhile is a TimeoutError (ask again)."""

@@ -14,7 +14,7 @@ Invariants (checked by `check_integrity`):
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -40,8 +40,13 @@ def hash_pages(tokens: Sequence[int], page_size: int, parent: Optional[int]) -> 
     return out
 
 
+EVICTION_LOG = 1 << 16  # evicted hashes remembered for incremental reports to a router
+
+
 class BlockPool:
-    """Reference-counted pages, a hash -> page index, and an LRU free list."""
+    """Reference-counted pages, a hash -> page index, and an LRU free list. Evictions of
+    cached pages are numbered (`evictions`) and the last `EVICTION_LOG` of them kept, so
+    a router can ask what left the cache since its last look (`evicted_since`)."""
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
         if num_pages <= 0 or page_size <= 0:
@@ -55,6 +60,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.evictions = 0  # cached pages evicted so far; the log's sequence number
+        # (eviction number, hash) of the latest evictions, oldest first
+        self._evicted: deque[tuple[int, int]] = deque(maxlen=EVICTION_LOG)
 
     @property
     def num_free_pages(self) -> int:
@@ -96,6 +104,8 @@ class BlockPool:
             if h is not None:
                 del self.cached[h]
                 self.page_hash[p] = None
+                self.evictions += 1
+                self._evicted.append((self.evictions, h))
             self.ref_counts[p] = 1
             pages.append(p)
         return pages
@@ -132,6 +142,27 @@ class BlockPool:
             except RuntimeError:  # "dictionary changed size during iteration"
                 continue
         return []
+
+    def evicted_since(self, since: int) -> tuple[int, Optional[list[int]]]:
+        """(n, hashes of evictions since+1..n that are not cached again): what left the
+        cache after a reader's last look at eviction `since`; (n, None) when the log no
+        longer reaches back to `since` (or `since` is from another pool). Safe from another
+        thread, like `held_hashes`."""
+        for _ in range(8):
+            try:
+                log = list(self._evicted)
+                break
+            except RuntimeError:  # "deque mutated during iteration"
+                continue
+        else:
+            return self.evictions, None
+        if not log:
+            return (since, []) if 0 <= since <= self.evictions else (self.evictions, None)
+        first, last = log[0][0], log[-1][0]
+        if since < first - 1 or since > last:
+            return last, None
+        cached = self.cached
+        return last, [h for n, h in log[since - first + 1:] if h not in cached]
 
     @property
     def hit_rate(self) -> float:

@@ -335,9 +335,18 @@ class RankEngine:
             out["prefix_query_tokens"] = self.engine.pool.query_tokens
         return out
 
-    def held_prefix_hashes(self) -> list[int]:
-        """Page chain hashes this rank's KV pool holds (DP leaders; `[]` before start):
-        the router refreshes its prefix tree of this rank's group from them."""
+    def held_prefix_changes(self, since: int) -> dict:
+        """DP leaders (and prefill instance leaders): what the router needs to reconcile
+        its prefix tree of this rank's group with the KV pool, given the
+        eviction count `since` of its last report (-1: none): `{"seq": n, "evicted":
+        [hashes that left the pool since]}`, or `{"seq": n, "full": [every held hash]}`
+        when `since` is -1 or the pool's eviction log no longer reaches back to it."""
         if self.engine is None:
-            return []
-        return self.engine.pool.held_hashes()
+            return {"seq": -1, "full": []}
+        pool = self.engine.pool
+        if since >= 0:
+            seq, evicted = pool.evicted_since(since)
+            if evicted is not None:
+                return {"seq": seq, "evicted": evicted}
+        seq = pool.evictions  # read first: a later eviction shows up in the next report
+        return {"seq": seq, "full": pool.held_hashes()}

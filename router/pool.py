@@ -223,5 +223,12 @@ class PlacementPool:
             raise KeyError(f"unknown {self.kind} {target!r}; known: {self.targets}")
         return self.tree.refresh(target, held, as_of)
 
+    def forget_prefixes(self, target: Hashable, evicted: Collection[int],
+                        as_of: Optional[int] = None) -> int:
+        """Drops the pages `target` reports it evicted (`PrefixTree.forget`)."""
+        if target not in self._reported:
+            raise KeyError(f"unknown {self.kind} {target!r}; known: {self.targets}")
+        return self.tree.forget(target, evicted, as_of)
+
 
 __all__ = ["NoTargetError", "PlacementPool", "PoolStats"]

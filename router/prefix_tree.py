@@ -207,6 +207,16 @@ class PrefixTree:
                  if h not in held and (as_of is None or t <= as_of)]
         return sum(self._drop_subtree(group, h) for h in stale)
 
+    def forget(self, group: GroupId, evicted: Collection[int], as_of: Optional[int] = None) -> int:
+        """Drops the pages `group` reports it evicted (with their subtrees of the group),
+        except pages touched after tick `as_of` (as in `refresh`). Returns the number
+        of pages dropped: the incremental form of `refresh`."""
+        lru = self._lru.get(group)
+        if not lru:
+            return 0
+        stale = [h for h in evicted if h in lru and (as_of is None or lru[h] <= as_of)]
+        return sum(self._drop_subtree(group, h) for h in stale)
+
     def remove_group(self, group: GroupId) -> int:
         """Forgets every page of `group`; returns how many it had."""
         lru = self._lru.pop(group, None)

@@ -125,6 +125,12 @@ class Router:
         `prefix_clock` when the report was requested (later routings are kept)."""
         return self.decode.refresh_prefixes(group, held, as_of)
 
+    def forget_prefixes(self, group: Hashable, evicted: Collection[int],
+                        as_of: Optional[int] = None) -> int:
+        """Drops the pages `group` reports it evicted since its last report (the
+        incremental form of `refresh_prefixes`)."""
+        return self.decode.forget_prefixes(group, evicted, as_of)
+
     @property
     def prefix_clock(self) -> int:
         return self.decode.tree.clock
@@ -162,6 +168,10 @@ class Router:
     def refresh_prefill_prefixes(self, instance: Hashable, held: Collection[int],
                                  as_of: Optional[int] = None) -> int:
         return self.prefill.refresh_prefixes(instance, held, as_of)
+
+    def forget_prefill_prefixes(self, instance: Hashable, evicted: Collection[int],
+                                as_of: Optional[int] = None) -> int:
+        return self.prefill.forget_prefixes(instance, evicted, as_of)
 
     def prefill_done(self, request: Union[RequestRecord, str]) -> bool:
         """The request's prompt is in (first token out, KV handed over): its prefill

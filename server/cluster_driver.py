@@ -304,12 +304,20 @@ class ClusterDriver(OwnerThread):
         except TimeoutError as e:
             log.warning("held_prefixes_timeout", error=str(e))
             return
-        for g, hashes in enumerate(held.get("decode", ())):
+        # A list is every hash a leader holds; {"evicted": [...]} what it dropped since
+        # its last report (actors/held_reports.py).
+        for g, report in enumerate(held.get("decode", ())):
             if g in r.decode:
-                r.refresh_prefixes(g, hashes, as_of)
-        for i, hashes in enumerate(held.get("prefill", ())):
+                if isinstance(report, dict):
+                    r.forget_prefixes(g, report.get("evicted", ()), as_of)
+                else:
+                    r.refresh_prefixes(g, report, as_of)
+        for i, report in enumerate(held.get("prefill", ())):
             if i in r.prefill:
-                r.refresh_prefill_prefixes(i, hashes, as_of_prefill)
+                if isinstance(report, dict):
+                    r.forget_prefill_prefixes(i, report.get("evicted", ()), as_of_prefill)
+                else:
+                    r.refresh_prefill_prefixes(i, report, as_of_prefill)
 
     # -- failure ---------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:

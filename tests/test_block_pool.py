@@ -703,3 +703,39 @@ def test_hash_pages_prefix_property(data, tokens, ps):
     assert len(h) == len(full)
     assert h[:k] == full[:k]
     assert all(a != b for a, b in zip(h[k:], full[k:]))
+
+
+def test_evictions_are_logged_for_incremental_reports():
+    """`evicted_since(n)`: the hashes evicted after eviction n that are not cached again;
+    None once the log no longer reaches back (the reader then asks for a full list)."""
+    from phalanx.engine import block_pool as bp
+
+    pool = BlockPool(4, 2)
+    pages = pool.allocate(4)
+    for i, page in enumerate(pages):
+        pool.register(page, 100 + i)
+    pool.release(pages)
+    assert pool.evicted_since(0) == (0, [])
+    got = pool.allocate(2)  # evicts the two least recently released
+    evicted = [h for h in range(100, 104) if h not in pool.cached]
+    n, since0 = pool.evicted_since(0)
+    assert n == 2 and sorted(since0) == evicted
+    assert pool.evicted_since(1)[1] == since0[1:] and pool.evicted_since(2) == (2, [])
+    assert pool.evicted_since(3) == (2, None)  # ahead of this pool: another pool's count
+    pool.register(got[0], since0[0])  # cached again: no longer reported as gone
+    assert pool.evicted_since(0) == (2, since0[1:])
+    pool.check_integrity()
+
+    old, bp.EVICTION_LOG = bp.EVICTION_LOG, 3
+    try:
+        small = BlockPool(2, 2)
+        for round_ in range(4):  # 6 evictions (none in the first round), a 3-entry log
+            ps = small.allocate(2)
+            for i, page in enumerate(ps):
+                small.register(page, 1000 + 10 * round_ + i)
+            small.release(ps)
+        assert small.evictions == 6
+        assert small.evicted_since(0) == (6, None) and small.evicted_since(2) == (6, None)
+        assert small.evicted_since(3)[1] is not None and len(small.evicted_since(3)[1]) == 3
+    finally:
+        bp.EVICTION_LOG = old

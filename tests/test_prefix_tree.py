@@ -85,6 +85,24 @@ def test_refresh_keeps_pages_routed_after_the_report_was_taken():
     assert tree.match(toks(1, 2)) == {"g": 4}
 
 
+def test_forget_drops_evicted_pages_with_their_subtree():
+    """The incremental report: pages a group evicted go (with the pages below them),
+    except ones routed after the report was asked for; unknown hashes are ignored."""
+    tree = PrefixTree(PS, 100)
+    tree.insert("g", toks(1, 2, 3))
+    tree.insert("h", toks(1, 2, 3))
+    h1, h2, h3 = page_hashes(toks(1, 2, 3), PS)
+    assert tree.forget("g", [h2, 12345]) == 2  # page 2 and page 3 under it
+    tree.check_integrity()
+    assert tree.match(toks(1, 2, 3)) == {"g": 4, "h": 12}
+    as_of = tree.clock
+    tree.insert("g", toks(1, 5))
+    h5 = page_hashes(toks(1, 5), PS)[1]
+    assert tree.forget("g", [h5], as_of=as_of) == 0  # routed after the report
+    assert tree.forget("g", [h5]) == 1 and tree.forget("missing", [h1]) == 0
+    tree.check_integrity()
+
+
 def test_remove_group_and_capacity_changes():
     tree = PrefixTree(PS, 100)
     tree.insert("g", toks(1, 2, 3))

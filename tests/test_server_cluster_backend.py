@@ -60,6 +60,7 @@ class FakeClient:
     fail: Exception | None = None
     closed: bool = False
     held: dict = field(default_factory=dict)  # group -> page hashes of its prompts
+    evicted: dict | None = None  # set: report evictions (group -> hashes) instead
 
     def __post_init__(self) -> None:
         self.place = lambda rid: 0
@@ -112,6 +113,9 @@ class FakeClient:
         return {"decode": stats, "prefill": [{"num_waiting": 1}] * self.prefill_instances}
 
     def held_prefixes(self) -> dict:
+        if self.evicted is not None:  # incremental reports (actors/held_reports.py)
+            return {"decode": [{"evicted": sorted(self.evicted.get(g, ()))} for g in range(self.dp)],
+                    "prefill": [{"evicted": []} for _ in range(self.prefill_instances)]}
         return {"decode": [sorted(self.held.get(g, ())) for g in range(self.dp)],
                 "prefill": [[] for _ in range(self.prefill_instances)]}
 
@@ -125,6 +129,11 @@ class SpyRouter(Router):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.decisions: dict[str, tuple] = {}
+        self.forgotten: list[tuple] = []  # (group, evicted hashes) per incremental report
+
+    def forget_prefixes(self, group, evicted, as_of=None):
+        self.forgotten.append((group, sorted(evicted)))
+        return super().forget_prefixes(group, evicted, as_of)
 
     def route(self, request, **kw):
         group = super().route(request, **kw)
@@ -193,6 +202,40 @@ async def test_placement_follows_the_router():
         assert router.decode.inflight() == []
     finally:
         await backend.close()
+
+
+async def test_incremental_prefix_reports_drop_only_evicted_pages():
+    """Leaders that report evictions instead of full lists: the router keeps the pages
+    nobody evicted and drops exactly the evicted ones (with the pages below them)."""
+    fake = FakeClient(dp=2, evicted={})
+    backend = _backend(fake, prefix_interval_s=0.02)
+    try:
+        shared = list(range(1, 33))  # 8 full pages
+        await _run(backend, "first", shared + [40, 41], 3)
+        router: SpyRouter = backend.router
+        group = router.decisions["first"][0]
+        hashes = page_hashes(shared, PAGE)
+        await _until(lambda: len(router.forgotten) >= 3)  # a few empty reports went by
+        assert backend.router.decode.tree.match(shared).get(group) == len(shared)
+        fake.evicted = {group: set(hashes[4:])}  # the last four pages of the prompt left
+        await _until(lambda: any(g == group and e for g, e in list(router.forgotten)))
+        await _until(lambda: backend.router.decode.tree.match(shared).get(group) == 4 * PAGE)
+    finally:
+        await backend.close()
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    """Poll `predicate` (it reads router state the driver thread mutates: a read that
+    races a mutation counts as not yet)."""
+    def holds() -> bool:
+        try:
+            return bool(predicate())
+        except RuntimeError:  # dictionary changed size during iteration
+            return False
+
+    async with asyncio.timeout(timeout):
+        while not holds():
+            await asyncio.sleep(0.01)
 
 
 async def test_disaggregated_placement_and_release():
