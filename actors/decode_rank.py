@@ -55,9 +55,11 @@ class DecodeRank(KVRank):
     def close_gate(self, transfer_id: str) -> None:
         self._receiver.release(transfer_id)
 
-    def reserve(self, request_id: str, num_tokens: int) -> Optional[list[int]]:
-        """Decode pages for a prompt's KV (DP leader); None when there is no room now."""
-        return self.run_on_loop(lambda engine: engine.reserve(request_id, num_tokens))
+    def reserve(self, request_id: str, prompt_token_ids: list[int]
+                ) -> Optional[tuple[list[int], int]]:
+        """Decode pages for a prompt's KV (DP leader) and the prompt tokens they already
+        hold (a cached prefix: only the rest is streamed); None when there is no room now."""
+        return self.run_on_loop(lambda engine: engine.reserve(request_id, prompt_token_ids))
 
     def unreserve(self, request_id: str) -> None:
         self.run_on_loop(lambda engine: engine.unreserve(request_id))

@@ -155,9 +155,11 @@ class DisaggClient(DisaggRecovery):
             req.dp_rank = self.place(req.request_id)
         n, dp = len(req.tokens), req.dp_rank
         leader = self.decode.leaders[dp]
-        pages = self._decode_call(lambda: ray.get(leader.reserve.remote(req.request_id, n)))
-        if pages is None:
+        reserved = self._decode_call(lambda: ray.get(leader.reserve.remote(req.request_id,
+                                                                           req.tokens)))
+        if reserved is None:
             return False
+        pages, cached = reserved
         req.attempt += 1
         req.transfer_id = f"{req.request_id}#{req.attempt}"
         ranks = self._decode_ranks(dp)
@@ -167,7 +169,7 @@ class DisaggClient(DisaggRecovery):
         tp = self.layout.decode_tp
         dest = KVDestination(req.request_id, req.transfer_id,
                              tuple(self._kv_addresses[dp * tp:(dp + 1) * tp]), self._dst_layout,
-                             tuple(pages), n, dp)
+                             tuple(pages), n, dp, start=cached)
         group = self.prefill[req.instance]
         try:
             ray.get([a.expect.remote(req.key, dest) for a in group.actors])

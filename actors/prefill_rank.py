@@ -38,6 +38,7 @@ class KVDestination:
     pages: tuple[int, ...]  # decode pages reserved for the prompt
     num_tokens: int  # prompt length
     replica_hint: int  # spreads reads over prefill replicas of a head (decode DP rank)
+    start: int = 0  # tokens [0, start) are in the decode pages already (its prefix cache)
 
 
 @dataclass(slots=True)
@@ -84,7 +85,7 @@ class PrefillRank(KVRank):
             self._sender.connect(tuple(address))
         with self._lock:
             self._raise_if_failed()
-            self._streams[key] = _Stream(dest)
+            self._streams[key] = _Stream(dest, sent_upto=dest.start)
 
     def submit_prefill(self, request_id: str, prompt_token_ids: list[int], params, key: int) -> None:
         """Prefill only (the leader): sample the first token, hold the pages for `release`."""

@@ -204,7 +204,7 @@ def admit_decoding(engine: LLMEngine, rids: list[str], ctx: int, max_tokens: int
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for rid in rids:
         prompt = torch.randint(0, vocab, (ctx,), generator=gen).tolist()
-        if engine.reserve(rid, ctx) is None:
+        if engine.reserve(rid, prompt) is None:
             raise RuntimeError(f"KV pool too small for {len(rids)} x {ctx} tokens")
         engine.admit_prefilled(rid, prompt, int(prompt[-1]), params)
 

@@ -113,11 +113,13 @@ class LLMEngine:
     def release_held(self, request_id: str) -> bool:
         return self.scheduler.release_held(request_id)
 
-    def reserve(self, request_id: str, num_tokens: int) -> Optional[list[int]]:
-        """Pages for a prompt's KV about to arrive (None: no room now)."""
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int]
+                ) -> Optional[tuple[list[int], int]]:
+        """Pages for a prompt's KV about to arrive and how many of its tokens they
+        already hold from the prefix cache (None: no room now)."""
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.scheduler.reserve(request_id, num_tokens)
+        return self.scheduler.reserve(request_id, list(prompt_token_ids))
 
     def unreserve(self, request_id: str) -> bool:
         return self.scheduler.unreserve(request_id)

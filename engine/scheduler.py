@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
+from typing import Sequence as Seq
 
-from .block_pool import BlockPool
+from .block_pool import BlockPool, hash_pages
 from .sequence import Sequence, SequenceStatus
 
 
@@ -99,16 +100,23 @@ class Scheduler:
             self.pool.release(pages)
         return pages is not None
 
-    def reserve(self, request_id: str, num_tokens: int) -> Optional[list[int]]:
-        """Pages for `num_tokens` tokens of KV that will arrive from prefill, or None
-        when the pool cannot spare them now (the caller retries later)."""
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int]
+                ) -> Optional[tuple[list[int], int]]:
+        """Pages for a prompt's KV that will arrive from prefill: (pages, cached tokens),
+        or None when the pool cannot spare them now (the caller retries later). The
+        prompt's longest cached chain of full pages (short of its last token: at least
+        one page always comes from prefill) is reused, so only the tokens from `cached`
+        on need to arrive."""
         if request_id in self.reserved:
             raise ValueError(f"request_id {request_id!r} already has a reservation")
-        need = -(-num_tokens // self.pool.page_size)
-        if need > self.pool.num_free_pages:
+        ps, n = self.pool.page_size, len(prompt_token_ids)
+        hits = self.pool.match_prefix(hash_pages(prompt_token_ids[:n - 1], ps, None))
+        need = -(-n // ps) - len(hits)
+        if need > self.pool.num_free_after_acquire(hits):
             return None
-        self.reserved[request_id] = pages = self.pool.allocate(need)
-        return list(pages)
+        self.pool.acquire(hits)
+        self.reserved[request_id] = pages = hits + self.pool.allocate(need)
+        return list(pages), len(hits) * ps
 
     def unreserve(self, request_id: str) -> bool:
         pages = self.reserved.pop(request_id, None)

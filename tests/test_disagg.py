@@ -103,3 +103,27 @@ def test_decode_rank_killed_mid_all_to_all(tiny_model, oracle):
         assert stats["recoveries"] == 0
     finally:
         llm.close()
+
+
+def test_second_turn_streams_only_what_decode_does_not_cache(tiny_model):
+    """A follow-up prompt (the first turn's prompt + its answer + more) on the same decode
+    group: the decode pool still caches the first turn's pages, so only the tail of the
+    new prompt is streamed; the tokens still equal transformers'."""
+    first = make_prompts(2048, seed=11)[9][:60]
+    [answer] = hf_greedy(tiny_model, [first], MAX_NEW)
+    second = first + answer + [5, 6, 7, 8, 9]
+    [expected] = hf_greedy(tiny_model, [second], MAX_NEW)
+    llm = LLM(tiny_model, prefill_tp=1, decode_dp=1, page_size=4, **KW)
+    try:
+        receiver = llm.group.decode.actors[0]
+        assert _generate(llm, [first]) == [answer]
+        bytes_first = ray.get(receiver.kv_stats.remote())["bytes"]
+        assert _generate(llm, [second]) == [expected]
+        bytes_second = ray.get(receiver.kv_stats.remote())["bytes"] - bytes_first
+        per_token = bytes_first / len(first)
+        # cached: the full pages of first + answer (minus the answer's last token, whose
+        # KV the decode side computes only when it samples the next one)
+        assert bytes_second <= per_token * (len(second) - (len(first) + len(answer) - 1) // 4 * 4)
+        assert bytes_second < per_token * len(second) / 3
+    finally:
+        llm.close()

@@ -52,8 +52,8 @@ def test_preempted_streaming_prefill_keeps_its_old_pages_until_release():
 
 def test_reserve_admit_and_unreserve():
     s = _sched(10)
-    assert s.reserve("r", 9) is not None and len(s.reserved["r"]) == 3
-    assert s.reserve("big", 4 * 10) is None, "no room now: the caller retries"
+    assert s.reserve("r", list(range(9))) == (s.reserved["r"], 0) and len(s.reserved["r"]) == 3
+    assert s.reserve("big", list(range(100, 140))) is None, "no room now: the caller retries"
     seq = Sequence("r", list(range(9)), SamplingParams(max_tokens=3), 0)
     seq.output_token_ids.append(5)  # the first token, sampled by prefill
     s.admit_prefilled(seq)
@@ -62,7 +62,31 @@ def test_reserve_admit_and_unreserve():
     assert batch.items == [(seq, 1)], "only the first token is computed here"
     s.update(batch, {"r": 6})
     assert seq.output_token_ids == [5, 6]
-    assert s.reserve("x", 4) is not None and s.unreserve("x") and not s.unreserve("x")
+    assert s.reserve("x", [7] * 4) is not None and s.unreserve("x") and not s.unreserve("x")
     s.abort("r")
     assert s.pool.num_free_pages == 10
+    s.pool.check_integrity()
+
+
+def test_reserve_reuses_the_cached_prefix_of_a_prompt():
+    """A prompt whose leading full pages the decode pool caches (an earlier turn of the
+    same conversation): those pages are reserved with a reference, only the rest is
+    fresh, and the reservation says how many tokens are already there. The last page
+    always comes from prefill, even when the whole prompt is cached."""
+    s = _sched(16)
+    first = Sequence("t1", list(range(10)), SamplingParams(max_tokens=2), 0)
+    s.add(first)
+    while s.has_unfinished():
+        _run(s)
+    # t1's KV: prompt + output, pages [0..4), [4..8) full and cached once computed
+    follow = list(range(10)) + [9] + list(range(50, 57))  # t1's prompt + its output + more
+    pages, cached = s.reserve("t2", follow)
+    assert cached == 8 and len(pages) == 5
+    assert pages[:2] == [s.pool.cached[h] for h in first.page_hashes[:2]]
+    assert all(s.pool.ref_counts[p] == 1 for p in pages)
+    same = list(range(8))  # all cached, but its last page still comes from prefill
+    pages2, cached2 = s.reserve("t3", same)
+    assert cached2 == 4 and pages2[0] == pages[0] and s.pool.ref_counts[pages[0]] == 2
+    assert s.unreserve("t2") and s.unreserve("t3")
+    assert s.pool.num_free_pages == 16
     s.pool.check_integrity()
