@@ -4,13 +4,12 @@ between phases."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import time
-import traceback
 
 import torch
+
+from phalanx.spawn import run_ranks
 
 CPU_WORLD = 2  # ranks on CPU unless --world says otherwise
 
@@ -34,45 +33,9 @@ def file_barrier(opts: dict, name: str, rank: int, world: int, timeout_s: float)
         time.sleep(0.05)
 
 
-def _entry(fn, rank, world, opts, q) -> None:
-    try:
-        q.put((rank, "ok", fn(rank, world, opts)))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        q.put((rank, "error", traceback.format_exc()))
-
-
 def run_procs(fn, world: int, opts: dict, timeout_s: float) -> tuple[dict, dict]:
     """Run `fn(rank, world, opts)` in `world` spawned processes; (results, errors)."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, opts, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
-    end = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < end and len(results) + len(errors) < world:
-            try:
-                rank, status, val = q.get(timeout=0.5)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break
-                continue
-            (results if status == "ok" else errors)[rank] = val
-            if status != "ok":
-                break  # the peers would wait on the dead rank until their deadline
-        for p in procs:
-            p.join(timeout=max(0.1, min(10.0, end - time.monotonic())))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    for r in range(world):
-        if r not in results and r not in errors:
-            errors[r] = f"no result within {timeout_s:.0f} s (exit code {procs[r].exitcode})"
-    return results, errors
+    return run_ranks(fn, world, (opts,), timeout_s=timeout_s, stop_on_error=True)
 
 
 def setup_device(rank: int, opts: dict) -> torch.device:

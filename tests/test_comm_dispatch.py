@@ -6,12 +6,9 @@ then kills whatever is left and fails, so a hang can never stall CI.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import socket
 import time
-import traceback
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ import torch
 from phalanx.kernels.comm import CollectiveError, GroupComm
 from phalanx.kernels.dispatch import EPDispatcher, make_expert_placement, moe_reference
 from phalanx.kernels.moe import fused_experts, route_ref
+from phalanx.spawn import run_ranks
 
 E, K, H, I = 16, 4, 32, 16
 DEADLINE_S = 3.0
@@ -39,49 +37,17 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _entry(fn, rank, world, args, q) -> None:
-    torch.set_num_threads(1)
-    try:
-        q.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
-
-
 def _run_world(fn, world: int, *args, expect=None, timeout_s: float = WORLD_TIMEOUT_S) -> dict:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; rank -> return value.
 
     ``expect``: ranks that must report (default all). Fails on a worker exception or if
     the ranks are not done within ``timeout_s`` (leftovers are killed either way).
     """
-    expect = set(range(world)) if expect is None else set(expect)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, args, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
-    end = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < end and not expect <= (results.keys() | errors.keys()):
-            try:
-                rank, status, val = q.get(timeout=0.2)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs) and q.empty():
-                    break
-                continue
-            (results if status == "ok" else errors)[rank] = val
-        for p in procs:
-            p.join(timeout=max(0.1, min(5.0, end - time.monotonic())))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    assert not errors, "worker failed:\n" + "\n".join(f"rank {r}:\n{t}" for r, t in errors.items())
-    missing = expect - results.keys()
-    assert not missing, f"ranks {sorted(missing)} gave no result within {timeout_s}s " \
-                        f"(exit codes {[p.exitcode for p in procs]})"
+    results, errors = run_ranks(fn, world, args, timeout_s=timeout_s, expect=expect,
+                                torch_threads=1)
+    failed = {r: t for r, t in errors.items() if not t.startswith("no result")}
+    assert not failed, "worker failed:\n" + "\n".join(f"rank {r}:\n{t}" for r, t in failed.items())
+    assert not errors, f"ranks {sorted(errors)} gave no result within {timeout_s}s: {errors}"
     return results
 
 

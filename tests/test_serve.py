@@ -9,18 +9,16 @@ One server for the module; the SIGINT test runs last and ends it.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
 from openai import AsyncOpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx import LLM
 
 from serve_process import ServeProcess
-from test_server import (_BAD_CASES, AUTH, BODY_CAP, KEY, MODEL, _chat_ids, _prompts,
-                         _reference)
+from test_server import (BASE_FAMILIES, BODY_CAP, KEY, MODEL, _chat_ids, _prompts, _reference,
+                         check_streams, scrape_metrics, send_bad_case, stream_completion)
 
 SYSTEM = ("You are a careful assistant who answers in one short sentence and never "
           "repeats the question back to the user. ")  # shared prefix: several full pages
@@ -95,58 +93,19 @@ async def test_completion_and_chat_match_offline(client, offline):
 async def test_64_concurrent_streams_match_offline(client, offline):
     prompts = [(SYSTEM if i % 2 else "") + p for i, p in enumerate(_prompts(64))]
     refs = _reference(offline, prompts, 10)
-
-    async def one(prompt: str):
-        text, reasons, usage = "", [], None
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True})
-        async for chunk in stream:
-            for c in chunk.choices:
-                text += c.text
-                reasons.append(c.finish_reason)
-            usage = chunk.usage or usage
-        return text, reasons, usage
-
-    results = await asyncio.gather(*(one(p) for p in prompts))
-    for prompt, (text, n, reason), (got, reasons, usage) in zip(prompts, refs, results):
-        assert got == text, prompt
-        assert reasons[-1] == reason and all(r is None for r in reasons[:-1])
-        assert usage.completion_tokens == n
+    results = await asyncio.gather(*(stream_completion(client, p, 10) for p in prompts))
+    check_streams(prompts, refs, results)
 
 
 async def test_metrics_parse(serve, client):
-    await client.completions.create(model=MODEL, prompt="metrics", max_tokens=3)
-    async with aiohttp.ClientSession(headers=AUTH) as s:
-        async with s.get(serve.url + "/metrics") as r:
-            assert r.status == 200
-            text = await r.text()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("phalanx_requests", "phalanx_time_to_first_token_seconds",
-                 "phalanx_inter_token_latency_seconds", "phalanx_queue_depth",
-                 "phalanx_kv_cache_usage_ratio", "phalanx_prefix_cache_hit_rate",
-                 "phalanx_running_requests", "phalanx_backend_healthy",
-                 "phalanx_router_prefix_hit_estimate", "phalanx_recoveries"):
-        assert name in families, name
+    families = await scrape_metrics(client, serve.url, BASE_FAMILIES + (
+        "phalanx_backend_healthy", "phalanx_router_prefix_hit_estimate", "phalanx_recoveries"))
     assert families["phalanx_backend_healthy"].samples[0].value == 1.0
-    ttft = [s for s in families["phalanx_time_to_first_token_seconds"].samples
-            if s.name.endswith("_count")]
-    assert ttft[0].value >= 1
 
 
 @pytest.mark.parametrize("case", BAD)
 async def test_bad_input_gets_4xx_and_server_keeps_serving(case, serve, client):
-    method, path, body, headers, status, param = _BAD_CASES[case]
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, serve.url + path, data=data,
-                             headers={**headers, "Content-Type": "application/json"}) as r:
-            assert r.status == status, await r.text()
-            err = (await r.json())["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    assert err["type"] == "invalid_request_error"
-    if param is not None:
-        assert err["param"] == param
+    await send_bad_case(serve.url, case)
     out = await client.completions.create(model=MODEL, prompt="still alive", max_tokens=2)
     assert out.usage.completion_tokens >= 1
 

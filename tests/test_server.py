@@ -139,28 +139,35 @@ async def test_token_and_multi_prompts(client, offline):
     assert texts == [refs[0][0], refs[1][0]]
 
 
-async def test_64_concurrent_streams_match_offline(client, offline, backend):
-    prompts = _prompts(64)
-    refs = _reference(offline, prompts, 8)
+async def stream_completion(client, prompt: str, max_tokens: int):
+    """(text, finish reason of every chunk, usage) of one streamed greedy completion."""
+    text, reasons, usage = "", [], None
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+    async for chunk in stream:
+        for c in chunk.choices:
+            text += c.text
+            reasons.append(c.finish_reason)
+        usage = chunk.usage or usage
+    return text, reasons, usage
 
-    async def one(prompt: str):
-        text, reasons, usage = "", [], None
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True})
-        async for chunk in stream:
-            for c in chunk.choices:
-                text += c.text
-                reasons.append(c.finish_reason)
-            if chunk.usage is not None:
-                usage = chunk.usage
-        return text, reasons, usage
 
-    results = await asyncio.gather(*(one(p) for p in prompts))
+def check_streams(prompts, refs, results) -> None:
+    """Each streamed result equals its offline reference: text, one final finish reason,
+    completion tokens."""
     for prompt, (text, n, reason), (got, reasons, usage) in zip(prompts, refs, results):
         assert got == text, prompt
         assert reasons[-1] == reason and all(r is None for r in reasons[:-1])
         assert usage.completion_tokens == n
+
+
+async def test_64_concurrent_streams_match_offline(client, offline, backend):
+    prompts = _prompts(64)
+    refs = _reference(offline, prompts, 8)
+    results = await asyncio.gather(*(stream_completion(client, p, 8) for p in prompts))
+    check_streams(prompts, refs, results)
+    for prompt, (_, _, usage) in zip(prompts, results):
         assert usage.prompt_tokens == len(offline.tokenizer.encode(prompt, add_special_tokens=False))
     await _idle(backend)
 
@@ -205,24 +212,34 @@ async def test_stop_strings(client, offline):
     assert streamed == expected
 
 
-async def test_metrics_parse(client, server):
+BASE_FAMILIES = ("phalanx_requests", "phalanx_time_to_first_token_seconds",
+                 "phalanx_inter_token_latency_seconds", "phalanx_queue_depth",
+                 "phalanx_kv_cache_usage_ratio", "phalanx_prefix_cache_hit_rate",
+                 "phalanx_running_requests")
+
+
+async def scrape_metrics(client, url: str, families_needed=BASE_FAMILIES) -> dict:
+    """After one completion, /metrics parsed by family name; every needed family is there
+    and time-to-first-token counted it."""
     await client.completions.create(model=MODEL, prompt="metrics", max_tokens=3)
     async with aiohttp.ClientSession(headers=AUTH) as s:
-        async with s.get(server.url + "/metrics") as r:
+        async with s.get(url + "/metrics") as r:
             assert r.status == 200
             text = await r.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("phalanx_requests", "phalanx_time_to_first_token_seconds",
-                 "phalanx_inter_token_latency_seconds", "phalanx_queue_depth",
-                 "phalanx_kv_cache_usage_ratio", "phalanx_prefix_cache_hit_rate",
-                 "phalanx_running_requests"):
+    for name in families_needed:
         assert name in families, name
-    ok = [s for s in families["phalanx_requests"].samples if s.name == "phalanx_requests_total"
-          and s.labels == {"route": "/v1/completions", "status": "200"}]
-    assert ok and ok[0].value >= 1
     ttft = [s for s in families["phalanx_time_to_first_token_seconds"].samples
             if s.name.endswith("_count")]
     assert ttft[0].value >= 1
+    return families
+
+
+async def test_metrics_parse(client, server):
+    families = await scrape_metrics(client, server.url)
+    ok = [s for s in families["phalanx_requests"].samples if s.name == "phalanx_requests_total"
+          and s.labels == {"route": "/v1/completions", "status": "200"}]
+    assert ok and ok[0].value >= 1
 
 
 # -- bad input ---------------------------------------------------------------------------
@@ -272,12 +289,13 @@ async def _good_request(client) -> None:
     assert out.usage.completion_tokens >= 1
 
 
-@pytest.mark.parametrize("case", list(_BAD_CASES))
-async def test_bad_input_gets_4xx_and_server_keeps_serving(case, server, client, backend):
+async def send_bad_case(url: str, case: str) -> dict:
+    """Send `_BAD_CASES[case]` to the server at `url`; check the status and the OpenAI
+    error body's shape (and `param`); return the error object."""
     method, path, body, headers, status, param = _BAD_CASES[case]
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     async with aiohttp.ClientSession() as s:
-        async with s.request(method, server.url + path, data=data,
+        async with s.request(method, url + path, data=data,
                              headers={**headers, "Content-Type": "application/json"}) as r:
             assert r.status == status, await r.text()
             err = (await r.json())["error"]
@@ -285,6 +303,12 @@ async def test_bad_input_gets_4xx_and_server_keeps_serving(case, server, client,
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize("case", list(_BAD_CASES))
+async def test_bad_input_gets_4xx_and_server_keeps_serving(case, server, client, backend):
+    err = await send_bad_case(server.url, case)
     if case == "unknown model":
         assert err["code"] == "model_not_found"
     if case in ("prompt over context", "max_tokens over room"):
