@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError
 from ..engine.rank_engine import RankFailure
 from ..log import get_logger
 from .resume import resume_from
-from .supervisor import GroupFailure
+from .supervisor import GroupFailure, settle
 
 log = get_logger(__name__)
 
@@ -75,6 +75,7 @@ class DisaggRecovery:
         log.warning("prefill_recovery", instance=index, epoch=group.epoch,
                     deaths=[(d.rank, d.reason[:120]) for d in deaths])
         group.shutdown()
+        settle(ref for ref, tag in self._pending.items() if tag[0] == "prefill" and tag[1] == index)
         self._pending = {ref: tag for ref, tag in self._pending.items()
                          if not (tag[0] == "prefill" and tag[1] == index)}
         lost = sorted((r for r in self._reqs.values()
@@ -94,6 +95,7 @@ class DisaggRecovery:
         if self.decode_recoveries >= MAX_DECODE_RECOVERIES:
             raise GroupFailure(group.epoch, deaths) from error
         group.shutdown()
+        settle(ref for ref, tag in self._pending.items() if tag[0] == "decode")
         self._pending = {ref: tag for ref, tag in self._pending.items() if tag[0] != "decode"}
         held = sorted((r for r in self._reqs.values() if r.state in ("prefill", "decode")),
                       key=lambda r: r.arrival, reverse=True)

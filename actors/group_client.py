@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import ray
 from ray.exceptions import RayActorError
 
-from .supervisor import GroupFailure, GroupSupervisor, ensure_ray
+from .supervisor import GroupFailure, GroupSupervisor, ensure_ray, settle
 from ..config import EngineConfig
 from ..engine.outputs import StepOutput
 from ..engine.rank_engine import RankFailure
@@ -165,6 +165,7 @@ class GroupClient:
         log.warning("group_recovery", epoch=self.epoch, tp=self.supervisor.tp,
                     dp=self.supervisor.dp, deaths=[(d.rank, d.reason[:120]) for d in failure.deaths])
         self.supervisor.shutdown()
+        settle(self._pending)
         self._pending = {}
         self.supervisor.form()
         self.recoveries += 1

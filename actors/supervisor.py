@@ -139,6 +139,20 @@ class GroupSupervisor:
         return GroupFailure(self.epoch, deaths) if deaths else None
 
 
+def settle(refs, timeout_s: float = 2.0) -> None:
+    """Retrieve the results of calls made on a replaced group (their errors are
+    expected) so that Ray does not log each as an unhandled error when it is dropped."""
+    refs = list(refs)
+    if not refs:
+        return
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 - the group is gone; its answers do not matter
+            pass
+
+
 def ensure_ray(num_cpus: Optional[int] = None, address: Optional[str] = None) -> None:
     """Join `address`, or start a new local Ray with enough logical CPUs for the ranks
     (never silently attach to another cluster already running on this machine)."""
@@ -150,4 +164,5 @@ def ensure_ray(num_cpus: Optional[int] = None, address: Optional[str] = None) ->
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
-__all__ = ["GroupSupervisor", "GroupFailure", "RankDeath", "ensure_ray", "GetTimeoutError"]
+__all__ = ["GroupSupervisor", "GroupFailure", "RankDeath", "ensure_ray", "settle",
+           "GetTimeoutError"]
