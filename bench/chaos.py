@@ -2,16 +2,18 @@
 was lost or changed.
 
     python bench/chaos.py [--layouts dp2,tp2,dp2tp2,disagg] [--kills 3] [--requests 24]
-                          [--max-tokens 24] [--seed 0] [--deadline-s 5]
+                          [--max-tokens 24] [--sampled 0.5] [--seed 0] [--deadline-s 5]
 
-Per layout (tiny model, CPU, local Ray): `--requests` greedy requests (random prompts of
-1-120 tokens, `ignore_eos`) go in at once; whenever the layout runs under a new epoch
+Per layout (tiny model, CPU, local Ray): `--requests` requests (random prompts of 1-120
+tokens, `ignore_eos`; a `--sampled` fraction of them sampled at temperature 0.8, top-p
+0.9 with a seed each, the rest greedy) go in at once; whenever the layout runs under a new epoch
 (at the start and after each recovery) the drill arms one fault on a random rank of the
 new group: the rank's process exits at a random pass through a fault point: inside an
 MoE all-to-all (`moe_dispatch`, DP×EP groups and the decode group), at a step (`step`,
 TP groups) or while streaming KV (`kv_send`, prefill instances). Up to `--kills` faults.
 Checked for every request: it completes, its tokens equal the single-rank engine's
-(the oracle, itself equal to transformers in tests/test_hf_oracle.py), and every output
+(the oracle: greedy, it equals transformers (tests/test_hf_oracle.py); sampled, the
+draw of each position is seeded, so a resumed request must draw the same), and every output
 index follows the previous one (each token reaches the caller exactly once).
 Prints a table last and writes JSON to $OUT/chaos.json (or ./chaos.json).
 """
@@ -47,6 +49,7 @@ ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=128, page_size=4, num_page
 class DrillResult:
     layout: str
     requests: int
+    sampled: int
     tokens: int
     faults_armed: int
     recoveries: int
@@ -60,8 +63,17 @@ def make_prompts(n: int, vocab: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(vocab - 8) for _ in range(rng.randint(1, 120))] for _ in range(n)]
 
 
-def oracle(model: str, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Greedy tokens of the single-rank engine (no Ray)."""
+def make_params(n: int, max_tokens: int, sampled: float, rng: random.Random) -> list[SamplingParams]:
+    """Greedy, or (a `sampled` fraction) seeded top-p sampling; all `ignore_eos`."""
+    return [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=max_tokens, ignore_eos=True,
+                           seed=rng.randrange(1 << 31))
+            if rng.random() < sampled else
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            for _ in range(n)]
+
+
+def oracle(model: str, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Tokens of the single-rank engine (no Ray)."""
     llm = LLM(model, **ENGINE)
     try:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -99,7 +111,7 @@ def _arm(llm: LLM, points: dict, rng: random.Random) -> tuple:
 
 
 def drill(model: str, name: str, kills: int, prompts: list[list[int]], expected: list[list[int]],
-          params: SamplingParams, seed: int, deadline_s: float) -> DrillResult:
+          params: list[SamplingParams], seed: int, deadline_s: float) -> DrillResult:
     kwargs, points = LAYOUTS[name]
     rng = random.Random(seed)
     llm = LLM(model, **kwargs, **ENGINE, collective_timeout_s=deadline_s)
@@ -108,7 +120,7 @@ def drill(model: str, name: str, kills: int, prompts: list[list[int]], expected:
     index_errors = 0
     t0 = time.monotonic()
     try:
-        rids = llm._submit([list(p) for p in prompts], [params] * len(prompts))
+        rids = llm._submit([list(p) for p in prompts], list(params))
         pending = set(rids)
         while pending:
             epoch = _epoch(llm)
@@ -124,7 +136,8 @@ def drill(model: str, name: str, kills: int, prompts: list[list[int]], expected:
                     pending.discard(out.request_id)
         seconds = time.monotonic() - t0
         identical = sum(got[rid] == want for rid, want in zip(rids, expected))
-        return DrillResult(name, len(prompts), sum(map(len, got.values())), len(faults),
+        return DrillResult(name, len(prompts), sum(not p.greedy for p in params),
+                           sum(map(len, got.values())), len(faults),
                            _recoveries(llm), identical, index_errors, seconds, faults)
     finally:
         llm.close()
@@ -136,6 +149,8 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--sampled", type=float, default=0.5,
+                    help="fraction of requests sampled with a seed (the rest greedy)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=5.0)
     args = ap.parse_args()
@@ -146,8 +161,9 @@ def main() -> int:
     model = str(default_model_dir())
     from phalanx.models.loader import read_model_config
     vocab = read_model_config(model).vocab_size
-    prompts = make_prompts(args.requests, vocab, random.Random(args.seed))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    rng = random.Random(args.seed)
+    prompts = make_prompts(args.requests, vocab, rng)
+    params = make_params(args.requests, args.max_tokens, args.sampled, rng)
     expected = oracle(model, prompts, params)
     rows = []
     for i, name in enumerate(names):
@@ -159,10 +175,10 @@ def main() -> int:
         json.dump({"meta": {"python": platform.python_version(), "args": vars(args)},
                    "rows": [asdict(r) for r in rows]}, f, indent=1)
     print(f"\nwrote {out}")
-    print("| layout | requests | tokens | faults | recoveries | identical | index errors | s |")
+    print("| layout | requests (sampled) | tokens | faults | recoveries | identical | index errors | s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.layout} | {r.requests} | {r.tokens} | {r.faults_armed} | {r.recoveries} "
+        print(f"| {r.layout} | {r.requests} ({r.sampled}) | {r.tokens} | {r.faults_armed} | {r.recoveries} "
               f"| {r.identical}/{r.requests} | {r.index_errors} | {r.seconds:.1f} |")
     ok = all(r.identical == r.requests and r.index_errors == 0 for r in rows)
     return 0 if ok else 1

@@ -1,6 +1,7 @@
 """bench/chaos.py as a test: a colocated DP×EP group and the disaggregated layout each
 lose a rank twice in a row (the second fault is armed on the re-formed group) while
-serving; every request completes with the single-rank engine's tokens, each token once."""
+serving; every request, greedy or seeded-sampled, completes with the single-rank
+engine's tokens, each token once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import sys
 
 import pytest
 
-from phalanx.engine.sampling_params import SamplingParams
 from phalanx.models.loader import read_model_config
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
@@ -28,8 +28,10 @@ def _ray(local_ray):
 
 @pytest.fixture(scope="module")
 def workload(tiny_model):
-    prompts = chaos.make_prompts(12, read_model_config(tiny_model).vocab_size, random.Random(3))
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    rng = random.Random(3)
+    prompts = chaos.make_prompts(12, read_model_config(tiny_model).vocab_size, rng)
+    params = chaos.make_params(12, 20, 0.5, rng)
+    assert 0 < sum(not p.greedy for p in params) < 12  # both kinds
     return prompts, params, chaos.oracle(tiny_model, prompts, params)
 
 
