@@ -37,6 +37,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks; experts spread over all")
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds any collective may take before the group fails")
+    p.add_argument("--max-recoveries", type=int, default=5,
+                   help="times a group that loses a rank is re-formed before failing (0: never)")
     add_disagg_arguments(p)
 
 
@@ -81,6 +83,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds any collective or KV transfer may take before a group fails")
+    p.add_argument("--max-recoveries", type=int, default=5,
+                   help="times a group that loses a rank is re-formed (its requests resumed) "
+                        "before the server fails them (0: never)")
     p.add_argument("--routing-policy", default=None,
                    help="routing policy over DP groups (default: prefix_aware)")
 
@@ -100,7 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, tp=args.tp, dp=args.dp, page_size=args.page_size, num_pages=args.num_pages,
               device=args.device, collective_timeout_s=args.collective_timeout,
-              **disagg_kwargs(args))
+              max_recoveries=args.max_recoveries, **disagg_kwargs(args))
     try:
         return _run_generate(llm, args, params)
     finally:

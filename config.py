@@ -185,9 +185,12 @@ class ParallelConfig:
     tp: int = 1
     dp: int = 1
     collective_timeout_s: float = 30.0  # every collective and rendezvous ends within this
+    max_recoveries: int = 5  # groups re-formed after rank failures before giving up (0: none)
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        _require(isinstance(self.max_recoveries, int) and self.max_recoveries >= 0,
+                 "max_recoveries", f"must be an integer >= 0, got {self.max_recoveries!r}")
         _require(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
         _require(self.collective_timeout_s > 0, "collective_timeout_s",
                  f"must be positive, got {self.collective_timeout_s}")

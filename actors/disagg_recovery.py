@@ -25,7 +25,6 @@ from .supervisor import GroupFailure, settle
 log = get_logger(__name__)
 
 ACTOR_ERRORS = (RankFailure, RayActorError)
-MAX_DECODE_RECOVERIES = 5  # per client: past this a failing decode group is given up
 
 
 class DecodeLost(RuntimeError):
@@ -92,7 +91,7 @@ class DisaggRecovery:
         deaths = group.wait_for_failure(min(group.deadline_s + 5.0, 30.0))
         log.warning("decode_recovery", epoch=group.epoch, error=str(error)[:200],
                     deaths=[(d.rank, d.reason[:120]) for d in deaths])
-        if self.decode_recoveries >= MAX_DECODE_RECOVERIES:
+        if self.decode_recoveries >= self.config.parallel.max_recoveries:
             raise GroupFailure(group.epoch, deaths) from error
         group.shutdown()
         settle(ref for ref, tag in self._pending.items() if tag[0] == "decode")

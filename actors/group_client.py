@@ -31,7 +31,6 @@ from .resume import resume_from
 log = get_logger(__name__)
 
 POLL_S = 0.05
-MAX_RECOVERIES = 5  # per client: past this a failing group is given up
 VIEW_TIMEOUT_S = 10.0  # stats / held prefixes / node ids: answered off the step loop
 
 
@@ -63,11 +62,12 @@ class _Live:
 
 class GroupClient:
     """Submit / poll / abort over the leaders of one group; `close()` stops it.
-    `recoveries`: groups re-formed so far; `max_recoveries`: the most it re-forms."""
+    `recoveries`: groups re-formed so far; `max_recoveries` (default: the config's): the
+    most it re-forms."""
 
     def __init__(self, config: EngineConfig, tp: int, dp: int, deadline_s: float,
                  ray_address: Optional[str] = None, actor_cls=None,
-                 max_recoveries: int = MAX_RECOVERIES) -> None:
+                 max_recoveries: Optional[int] = None) -> None:
         ensure_ray(num_cpus=max(8, 2 * tp * dp), address=ray_address)
         self.supervisor = GroupSupervisor(config, tp, dp, deadline_s, actor_cls=actor_cls)
         self.supervisor.form()
@@ -77,7 +77,9 @@ class GroupClient:
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
         self._pending: dict = {}  # outstanding poll call -> leader index
-        self.recoveries, self.max_recoveries = 0, max_recoveries
+        self.recoveries = 0
+        self.max_recoveries = (config.parallel.max_recoveries if max_recoveries is None
+                               else max_recoveries)
         self._held = HeldReports()
 
     @property

@@ -104,8 +104,9 @@ class _ShapeOnlyComm:
 
 def test_rank_killed_mid_all_to_all_fails_fast(tiny_model):
     deadline = 5.0
-    llm = LLM(tiny_model, dp=3, page_size=8, num_pages=256, collective_timeout_s=deadline)
-    llm.group.max_recoveries = 0  # the fail-fast path: no re-formed group
+    # max_recoveries=0: the fail-fast path, no re-formed group
+    llm = LLM(tiny_model, dp=3, page_size=8, num_pages=256, collective_timeout_s=deadline,
+              max_recoveries=0)
     try:
         victim = llm.group.supervisor.actors[2]
         # exit at the 40th MoE dispatch (real or dummy): peers are inside the all-to-all
