@@ -68,11 +68,16 @@ class DisaggRecovery:
             self._queue.appendleft(req.request_id)
 
     def _recover_prefill(self, index: int) -> None:
-        """Replace a failed prefill instance (new epoch) and prefill its requests again."""
+        """Replace a failed prefill instance (new epoch) and prefill its requests again.
+        Past `max_recoveries` replacements per instance (over all instances) the layout
+        gives up: `GroupFailure`."""
         group = self.prefill[index]
         deaths = group.deaths()
         log.warning("prefill_recovery", instance=index, epoch=group.epoch,
                     deaths=[(d.rank, d.reason[:120]) for d in deaths])
+        if self.recoveries >= self.config.parallel.max_recoveries * len(self.prefill):
+            raise GroupFailure(group.epoch, deaths or group.wait_for_failure(
+                min(group.deadline_s + 5.0, 30.0)))
         group.shutdown()
         settle(ref for ref, tag in self._pending.items() if tag[0] == "prefill" and tag[1] == index)
         self._pending = {ref: tag for ref, tag in self._pending.items()

@@ -71,6 +71,23 @@ def test_prefill_rank_killed_mid_transfer(tiny_model, oracle):
         llm.close()
 
 
+def test_prefill_rank_killed_without_recovery_budget_fails_fast(tiny_model, oracle):
+    """max_recoveries=0: a prefill rank's death is final, the caller gets GroupFailure
+    naming the dead rank (not a hang, not a re-formed instance)."""
+    from phalanx.actors.supervisor import GroupFailure
+
+    prompts, _ = oracle
+    llm = LLM(tiny_model, prefill_tp=2, decode_dp=2, page_size=4, max_recoveries=0, **KW)
+    try:
+        ray.get(llm.group.prefill[0].actors[1].arm_fault.remote("kv_send", 10))
+        with pytest.raises(GroupFailure) as info:
+            _generate(llm, prompts)
+        assert 1 in info.value.dead_ranks, info.value
+        assert llm.group.recoveries == 0
+    finally:
+        llm.close()
+
+
 def test_cli_disaggregated_layout(tiny_model, capsys):
     """`phalanx generate --prefill-tp 1 --decode-dp 2` gives the single-rank tokens."""
     import json
