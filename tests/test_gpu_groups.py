@@ -2,8 +2,9 @@
 
 Greedy tokens of the TP and DP×EP layouts on two GPUs equal the CPU engine's; a rank
 killed while its peer is inside an NCCL all-to-all makes the survivor leave it within the
-deadline through our own wait loop (NCCL itself never returns), and the caller gets a
-`GroupFailure`. Needs two CUDA devices (the GPU machine's `nvidia-h200-x2`).
+deadline through our own wait loop (NCCL itself never returns): with recovery off the
+caller gets a `GroupFailure`, with it on the group is re-formed and the requests finish
+with the CPU tokens. Needs two CUDA devices (the GPU machine's `nvidia-h200-x2`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp):
 def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model):
     deadline = 5.0
     llm = LLM(tiny_model, dp=2, device="cuda", dtype="bfloat16", page_size=8, num_pages=256,
-              collective_timeout_s=deadline)
+              collective_timeout_s=deadline, max_recoveries=0)  # the fail-fast path
     try:
         victim = llm.group.supervisor.actors[1]
         ray.get(victim.arm_fault.remote("moe_dispatch", 40))
@@ -75,6 +76,32 @@ def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model):
         assert "CollectiveError" in survivor[0] and "epoch 1" in survivor[0], survivor
         print(f"caller got GroupFailure after {elapsed:.2f}s: {failure}")
         assert elapsed < deadline + 15, f"caller waited {elapsed:.1f}s"
+    finally:
+        llm.close()
+
+
+def test_gpu_rank_killed_mid_all_to_all_recovers(tiny_model, cpu_tokens):
+    """The same fault with recovery on: the survivor leaves the NCCL all-to-all at the
+    deadline, the group is re-formed on the two GPUs under epoch 2, and every request
+    resumes: the CPU engine's tokens, each once."""
+    prompts, expected = cpu_tokens
+    llm = LLM(tiny_model, dp=2, device="cuda", dtype="float32", collective_timeout_s=5, **KW)
+    try:
+        ray.get(llm.group.supervisor.actors[1].arm_fault.remote("moe_dispatch", 25))
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        rids = llm._submit([list(p) for p in prompts], [params] * len(prompts))
+        seen: dict[str, list[int]] = {}
+        pending = set(rids)
+        while pending:
+            for out in llm._poll():
+                got = seen.setdefault(out.request_id, [])
+                assert out.index == len(got), (out.request_id, out.index, len(got))
+                got.extend(out.new_token_ids)
+                if out.finished:
+                    pending.discard(out.request_id)
+        for i, rid in enumerate(rids):
+            assert seen[rid] == expected[i], f"prompt {i}"
+        assert llm.group.recoveries == 1 and llm.group.epoch == 2
     finally:
         llm.close()
 
