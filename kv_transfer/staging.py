@@ -21,13 +21,15 @@ import concurrent.futures
 import contextlib
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
 from . import messages as m
-from .slab_copy import SlabIndex
+
+if TYPE_CHECKING:
+    from .slab_copy import SlabIndex
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -229,11 +231,12 @@ class _Template:
             off = np.concatenate(([0], np.cumsum(slots[a:b] // g)))
             self.runs.append((a, b, g, torch.from_numpy(rows).to(pools.device), off, rows))
         self.granules = sorted({run[2] for run in self.runs})
-        self._slabs: Optional[SlabIndex] = None
+        self._slabs: Optional["SlabIndex"] = None
 
-    def slabs(self, pools: _Pools) -> SlabIndex:
+    def slabs(self, pools: _Pools) -> "SlabIndex":
         """This template's `SlabIndex` on the pools' device (built on first use)."""
         if self._slabs is None:
+            from .slab_copy import SlabIndex  # triton: only where the slab kernel runs
             self._slabs = SlabIndex([(a, b, g, host, off) for a, b, g, _, off, host in self.runs],
                                     self.rows, pools.head_dim, pools.device)
         return self._slabs
