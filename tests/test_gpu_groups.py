@@ -18,6 +18,7 @@ import torch
 from phalanx import LLM, SamplingParams
 from phalanx.actors.supervisor import GroupFailure
 
+from test_groups import generate_indexed
 from test_hf_oracle import make_prompts
 
 pytestmark = [pytest.mark.gpu,
@@ -89,18 +90,8 @@ def test_gpu_rank_killed_mid_all_to_all_recovers(tiny_model, cpu_tokens):
     try:
         ray.get(llm.group.supervisor.actors[1].arm_fault.remote("moe_dispatch", 25))
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-        rids = llm._submit([list(p) for p in prompts], [params] * len(prompts))
-        seen: dict[str, list[int]] = {}
-        pending = set(rids)
-        while pending:
-            for out in llm._poll():
-                got = seen.setdefault(out.request_id, [])
-                assert out.index == len(got), (out.request_id, out.index, len(got))
-                got.extend(out.new_token_ids)
-                if out.finished:
-                    pending.discard(out.request_id)
-        for i, rid in enumerate(rids):
-            assert seen[rid] == expected[i], f"prompt {i}"
+        for i, tokens in enumerate(generate_indexed(llm, prompts, params)):
+            assert tokens == expected[i], f"prompt {i}"
         assert llm.group.recoveries == 1 and llm.group.epoch == 2
     finally:
         llm.close()

@@ -128,6 +128,22 @@ def test_rank_killed_mid_all_to_all_fails_fast(tiny_model):
         llm.close()
 
 
+def generate_indexed(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
+    """Each prompt's tokens as the caller sees them, asserting that every output's index
+    follows the previous one (each token once, none skipped)."""
+    rids = llm._submit([list(p) for p in prompts], [params] * len(prompts))
+    seen: dict[str, list[int]] = {rid: [] for rid in rids}
+    pending = set(rids)
+    while pending:
+        for out in llm._poll():
+            got = seen[out.request_id]
+            assert out.index == len(got), (out.request_id, out.index, len(got))
+            got.extend(out.new_token_ids)
+            if out.finished:
+                pending.discard(out.request_id)
+    return [seen[rid] for rid in rids]
+
+
 @pytest.mark.parametrize("tp, dp, point, count", [(1, 2, "moe_dispatch", 25), (2, 1, "step", 6)],
                          ids=["dp2-mid-all-to-all", "tp2-mid-step"])
 def test_rank_killed_group_recovers(tiny_model, oracle, tp, dp, point, count):
@@ -140,18 +156,8 @@ def test_rank_killed_group_recovers(tiny_model, oracle, tp, dp, point, count):
     try:
         ray.get(llm.group.supervisor.actors[1].arm_fault.remote(point, count))
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-        seen: dict[str, list[int]] = {}
-        rids = llm._submit([list(p) for p in prompts], [params] * len(prompts))
-        pending = set(rids)
-        while pending:
-            for out in llm._poll():
-                got = seen.setdefault(out.request_id, [])
-                assert out.index == len(got), (out.request_id, out.index, len(got))
-                got.extend(out.new_token_ids)
-                if out.finished:
-                    pending.discard(out.request_id)
-        for i, rid in enumerate(rids):
-            assert seen[rid] == expected[i], f"prompt {i}"
+        for i, tokens in enumerate(generate_indexed(llm, prompts, params)):
+            assert tokens == expected[i], f"prompt {i}"
         assert llm.group.recoveries == 1 and llm.group.epoch == 2
     finally:
         llm.close()
