@@ -18,7 +18,7 @@ import torch
 from phalanx import LLM, SamplingParams
 from phalanx.actors.supervisor import GroupFailure
 
-from test_groups import generate_indexed
+from test_groups import check_one_recovery
 from test_hf_oracle import make_prompts
 
 pytestmark = [pytest.mark.gpu,
@@ -88,11 +88,7 @@ def test_gpu_rank_killed_mid_all_to_all_recovers(tiny_model, cpu_tokens):
     prompts, expected = cpu_tokens
     llm = LLM(tiny_model, dp=2, device="cuda", dtype="float32", collective_timeout_s=5, **KW)
     try:
-        ray.get(llm.group.supervisor.actors[1].arm_fault.remote("moe_dispatch", 25))
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-        for i, tokens in enumerate(generate_indexed(llm, prompts, params)):
-            assert tokens == expected[i], f"prompt {i}"
-        assert llm.group.recoveries == 1 and llm.group.epoch == 2
+        check_one_recovery(llm, "moe_dispatch", 25, prompts, expected)
     finally:
         llm.close()
 
