@@ -247,6 +247,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs on GPU
     cuda_graph_max_batch: int = 128
+    # Launch the next decode step before returning the current step's tokens, so the
+    # host's bookkeeping runs while the device computes (same tokens either way).
+    overlap_steps: bool = True
 
     def __post_init__(self) -> None:
         limit = self.model.max_position_embeddings
@@ -257,6 +260,8 @@ class EngineConfig:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"{self.dtype!r} is not one of auto, float32, bfloat16, float16")
         _require(self.cuda_graph_max_batch >= 0, "cuda_graph_max_batch", "must be >= 0")
+        _require(isinstance(self.overlap_steps, bool), "overlap_steps",
+                 f"must be True or False, got {self.overlap_steps!r}")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -21,10 +21,11 @@ from ..models.parallel import ExpertParallel, ModelComm
 from ..models.qwen3_moe import CausalLM
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
-from .model_runner import ModelRunner, allocate_kv_cache, num_pages_for_memory, torch_dtype
+from .model_runner import (BatchInputs, ModelRunner, allocate_kv_cache, num_pages_for_memory,
+                           torch_dtype)
 from .outputs import StepOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import FinishedSequence, ScheduledBatch, Scheduler
 from .sequence import Sequence
 
 log = get_logger(__name__)
@@ -57,6 +58,8 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        self.overlap = config.overlap_steps
+        self._ahead: Optional[tuple[ScheduledBatch, BatchInputs, torch.Tensor]] = None  # launched, not sampled
 
     # -- admission -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
@@ -144,19 +147,63 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._ahead is not None or self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduled batch; return the tokens each request gained."""
+        """Run one scheduled batch; return the tokens each request gained.
+
+        With `overlap_steps`, a steady decode step launches the next one (the same
+        sequences, one token further) before returning, so the caller's and the
+        scheduler's host work runs while the device computes it; the next call collects
+        it. The tokens are the same either way; a request added meanwhile joins one step
+        later, one aborted meanwhile gets nothing from the launched step."""
+        while True:
+            work = self._take_ahead() or self._launch_scheduled()
+            if work is None:
+                return []
+            batch, inputs, logits = work
+            live = [(seq, n) for seq, n in batch.items if not seq.is_finished]
+            sampled = self.runner.sample(inputs, logits)
+            if len(live) == len(batch.items):
+                break
+            # Aborted while the step was in flight: drop their rows and launch nothing
+            # ahead from these inputs (their rows no longer match the batch).
+            batch, inputs = ScheduledBatch(live), None
+            sampled = {seq.request_id: sampled[seq.request_id] for seq, _ in live
+                       if seq.request_id in sampled}
+            if live:
+                break
+        finished = self._advance(batch, sampled)
+        if self.overlap and inputs is not None and inputs.decode_only and not finished:
+            self._launch_ahead(batch, inputs)
+        return self._outputs(sampled, finished)
+
+    def _take_ahead(self):
+        work, self._ahead = self._ahead, None
+        return work
+
+    def _launch_scheduled(self):
         batch = self.scheduler.schedule()
         if not batch:
-            return []
-        sampled = self.runner.execute(batch)
-        return self.step_outputs(batch, sampled)
+            return None
+        inputs = self.runner.prepare(batch)
+        return batch, inputs, self.runner.forward(inputs)
 
-    def step_outputs(self, batch, sampled: dict[str, int]) -> list[StepOutput]:
+    def _launch_ahead(self, batch: ScheduledBatch, inputs: BatchInputs) -> None:
+        following = self.scheduler.continue_decode(batch)
+        if following is not None:
+            nxt = self.runner.prepare_next(inputs, following)
+            self._ahead = (following, nxt, self.runner.forward(nxt))
+
+    def step_outputs(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[StepOutput]:
         """Advance the scheduler with a step's sampled tokens; one output per token."""
-        finished = {f.sequence.request_id: f for f in self.scheduler.update(batch, sampled)}
+        return self._outputs(sampled, self._advance(batch, sampled))
+
+    def _advance(self, batch: ScheduledBatch, sampled: dict[str, int]) -> dict[str, FinishedSequence]:
+        return {f.sequence.request_id: f for f in self.scheduler.update(batch, sampled)}
+
+    def _outputs(self, sampled: dict[str, int], finished: dict[str, FinishedSequence]
+                 ) -> list[StepOutput]:
         outputs = []
         for rid, token in sampled.items():
             done = finished.get(rid)

@@ -6,7 +6,7 @@ head_dim]` (HND per page), so a head range of a page is one contiguous slab.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -92,6 +92,9 @@ class BatchInputs:
     max_query_len: int
     max_seq_len: int
     sampled: list[Sequence]
+    # The numpy arrays `host` was filled from (staging buffers are reused, these are
+    # not), so the next decode step can be derived from them.
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_logits(self) -> int:
@@ -153,13 +156,41 @@ class ModelRunner:
             if end == seq.num_tokens:
                 logits_idx.append(t - 1)
                 sampled.append(seq)
-        put = self.staging.put
-        host = {"input_ids": put("input_ids", ids), "positions": put("positions", positions),
-                "slot_mapping": put("slot_mapping", slots), "query_start_loc": put("qsl", starts),
-                "seq_lens": put("seq_lens", seq_lens), "block_tables": put("block_tables", tables),
-                "logits_indices": put("logits_indices", np.asarray(logits_idx, dtype=np.int64)),
-                "row_keys": torch.from_numpy(row_keys)}
-        return BatchInputs(host, int(max(n for _, n in batch.items)), int(seq_lens.max()), sampled)
+        arrays = dict(input_ids=ids, positions=positions, slot_mapping=slots,
+                      query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
+                      logits_indices=np.asarray(logits_idx, dtype=np.int64), row_keys=row_keys)
+        return self._stage(arrays, int(max(n for _, n in batch.items)), sampled)
+
+    def _stage(self, arrays: dict[str, np.ndarray], max_query_len: int,
+               sampled: list[Sequence]) -> BatchInputs:
+        host = {k: torch.from_numpy(v) if k == "row_keys" else self.staging.put(k, v)
+                for k, v in arrays.items()}
+        return BatchInputs(host, max_query_len, int(arrays["seq_lens"].max()), sampled, arrays)
+
+    def prepare_next(self, prev: BatchInputs, batch: ScheduledBatch) -> BatchInputs:
+        """`prepare(batch)` for the decode step right after `prev` over the same
+        sequences (each one token further, pages already grown), derived from `prev`'s
+        arrays: O(batch) numpy work instead of rebuilding every block table row."""
+        ps, a = self.page_size, prev.arrays
+        seqs = [seq for seq, _ in batch.items]
+        if not prev.decode_only or len(seqs) != len(prev.sampled):
+            raise ValueError("prepare_next continues a decode-only step over the same sequences")
+        positions = a["positions"] + 1
+        tables = a["block_tables"]
+        width = max(len(seq.pages) for seq in seqs)
+        if width > tables.shape[1]:
+            tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+        else:
+            tables = tables.copy()
+        page_idx = positions // ps
+        for row in np.flatnonzero(positions % ps == 0):  # these rows start a new page
+            tables[row, page_idx[row]] = seqs[row].pages[page_idx[row]]
+        rows = np.arange(len(seqs))
+        arrays = dict(a, positions=positions, block_tables=tables, seq_lens=a["seq_lens"] + 1,
+                      input_ids=np.fromiter((seq.token_id(seq.num_computed_tokens) for seq in seqs),
+                                            dtype=np.int64, count=len(seqs)),
+                      slot_mapping=tables[rows, page_idx].astype(np.int64) * ps + positions % ps)
+        return self._stage(arrays, 1, seqs)
 
     def _run_eager(self, inputs: BatchInputs, layer_done=None) -> torch.Tensor:
         dev = {k: v.to(self.device, non_blocking=True) for k, v in inputs.host.items()

@@ -155,6 +155,28 @@ class Scheduler:
             budget = self._admit(budget, batch)
         return batch
 
+    def continue_decode(self, batch: ScheduledBatch) -> Optional[ScheduledBatch]:
+        """The next step's batch when `schedule()` would return `batch` again with every
+        sequence one token further: `batch` (already `update`d) was all decode, nothing
+        finished or was preempted, nothing waits, and the pages for one more token each
+        are free; those pages are then allocated. None otherwise (schedule normally)."""
+        items = batch.items
+        if (batch.preempted or self.waiting or self.prefilled
+                or len(self.running) != len(items) or len(items) > self.max_num_batched_tokens):
+            return None
+        need = 0
+        for (seq, n), running in zip(items, self.running):
+            if seq is not running or n != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+                return None
+            need += self._pages_for(seq, 1)
+        if need > self.pool.num_free_pages:
+            return None
+        for seq, _ in items:
+            grow = self._pages_for(seq, 1)
+            if grow:
+                seq.pages.extend(self.pool.allocate(grow))
+        return ScheduledBatch([(seq, 1) for seq, _ in items])
+
     def _pages_for(self, seq: Sequence, n: int) -> int:
         need = -(-(seq.num_computed_tokens + n) // self.pool.page_size)
         return max(0, need - len(seq.pages))

@@ -95,6 +95,7 @@ class Run:
     sampled: list[dict[str, int]] = field(default_factory=list)
     steps: int = 0
     num_preemptions: int = 0
+    lookaheads: int = 0
     model: Optional[FakeModel] = None
 
 
@@ -122,11 +123,14 @@ def check_state(sched: Scheduler) -> None:
 
 def drive(sched: Scheduler, requests, *, next_token=history_token, max_steps: int = 10_000,
           on_step: Optional[Callable[[int, Scheduler, Run], None]] = None,
-          model: Optional[FakeModel] = None) -> Run:
+          model: Optional[FakeModel] = None, lookahead: bool = False) -> Run:
     """Run requests to completion. `requests`: (arrival step, request id, prompt, params).
-    Pass the `model` of an earlier run on the same scheduler to keep its KV contents."""
+    Pass the `model` of an earlier run on the same scheduler to keep its KV contents.
+    `lookahead`: as the engine with overlapped steps, take the next batch from
+    `continue_decode` right after each update (requests arriving meanwhile wait)."""
     model = model or FakeModel(sched.pool, next_token)
     run = Run(model=model)
+    ahead = None
     pending = sorted(requests, key=lambda r: r[0])
     step = 0
     while pending or sched.has_unfinished():
@@ -141,7 +145,7 @@ def drive(sched: Scheduler, requests, *, next_token=history_token, max_steps: in
             step += 1
             continue
         running_before = {id(s) for s in sched.running}
-        batch = sched.schedule()
+        batch, ahead = ahead or sched.schedule(), None
         # Progress: unfinished work always yields a non-empty batch.
         assert batch, f"step {step}: empty batch with {sched.num_waiting} waiting"
         assert batch.num_tokens <= sched.max_num_batched_tokens
@@ -169,6 +173,10 @@ def drive(sched: Scheduler, requests, *, next_token=history_token, max_steps: in
             run.reasons[fin.sequence.request_id] = fin.reason
         check_state(sched)
         model.check_cached_pages()
+        if lookahead:
+            ahead = sched.continue_decode(batch)
+            if ahead is not None:
+                run.lookaheads += 1
         step += 1
         assert step < max_steps, "no progress"
     run.steps = step
@@ -613,3 +621,45 @@ def test_random_workloads_match_reference(w):
         event("prefix-cache hits")
     if any(r == "stop" for r in run.reasons.values()):
         event("stopped early")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_with_lookahead_match_reference(w):
+    """Batches taken from `continue_decode` (the engine's overlapped steps) give the
+    reference tokens, keep every invariant, and leave no page behind."""
+    sched = Scheduler(BlockPool(w["num_pages"], w["page_size"], w["caching"]), w["max_num_seqs"],
+                      w["budget"], w["max_model_len"], w["eos"])
+    run = drive(sched, w["reqs"], lookahead=True)
+    check_against_reference(run, w["reqs"], w["eos"], w["max_model_len"])
+    if run.lookaheads:
+        event("looked ahead")
+
+
+def test_continue_decode_only_for_steady_decode():
+    sched = make(num_pages=6, page_size=4, max_num_seqs=4)
+    a = Sequence("a", prompt_of(1, 3), greedy(20), arrival=0)
+    sched.add(a)
+    batch = sched.schedule()
+    sched.update(batch, {"a": 5})  # prompt done, first token out
+    assert sched.continue_decode(batch) is None  # the batch was the prompt (3 tokens)
+    batch = sched.schedule()
+    assert batch.items == [(a, 1)] and len(a.pages) == 1
+    sched.update(batch, {"a": 6})
+    nxt = sched.continue_decode(batch)
+    assert nxt.items == [(a, 1)] and len(a.pages) == 2  # grown for position 4
+    sched.update(nxt, {"a": 7})
+    sched.add(Sequence("b", prompt_of(2, 3), greedy(4), arrival=1))
+    assert sched.continue_decode(nxt) is None  # b waits: schedule normally
+
+
+def test_continue_decode_needs_free_pages():
+    sched = make(num_pages=2, page_size=4, max_num_seqs=4, caching=False)
+    a = Sequence("a", prompt_of(1, 7), greedy(20), arrival=0)
+    sched.add(a)
+    batch = sched.schedule()
+    sched.update(batch, {"a": 5})
+    batch = sched.schedule()
+    assert batch.items == [(a, 1)]
+    sched.update(batch, {"a": 6})  # 9 tokens: the 9th (position 8) needs a third page
+    assert sched.continue_decode(batch) is None and len(a.pages) == 2
