@@ -170,7 +170,7 @@ def graph_breakdown(engine: LLMEngine, batch: int, profile: bool) -> dict:
             us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
             if us:
                 kernels[ev.key[:60]] = kernels.get(ev.key[:60], 0.0) + us / 5
-        out["kernels_us"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+        out["kernels_us"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:20])
     return out
 
 

@@ -43,6 +43,16 @@ def check_rope(c: Ctx, rec):
         c.poison(); out = rope.apply(q, k, pos)
         ref = apply_rope_ref(q, k, pos, rope.cos_cache, rope.sin_cache)
         rec("rope", f"T={T}", c.torch.cat([o.flatten() for o in out]), c.torch.cat([o.flatten() for o in ref]))
+        # + KV write in the same launch: the pages end as write_kv_ref of its k leaves them
+        from phalanx.kernels.attention import write_kv_ref
+        v, page = c.randn(T, nkv, hd), 16
+        slots = c.torch.randperm(2 * T * page, generator=c.g, device=c.dev)[:T]
+        slots[0] = -1
+        caches = [c.randn(2 * T, nkv, page, hd) for _ in range(2)]
+        want = [x.clone() for x in caches]
+        _, kr = rope.apply_and_cache(q, k, pos, kv_write=(v, *caches, slots))
+        write_kv_ref(kr, v, *want, slots)
+        rec("rope", f"T={T} + kv write == write_kv_ref", all(c.torch.equal(a, b) for a, b in zip(caches, want)))
 
 
 def check_attn(c: Ctx, rec):
@@ -78,8 +88,13 @@ def check_decode(c: Ctx, rec):
             ref = at.decode_attention_ref(q, kc, vc, sl, tables, hd**-0.5)
             case = f"B={B} page={ps} max={max(lens)}"
             c.poison(); rec("decode", case, at.decode_attention(q, kc, vc, sl, tables, hd**-0.5), ref)
-            c.poison(); rec("decode", case + " part=64",
-                            decode_attention_triton(q, kc, vc, sl, tables, hd**-0.5, partition=64), ref)
+            outs = {}
+            for merge in (True, False):  # in-kernel merge by the last split, reduce kernel
+                c.poison()
+                outs[merge] = decode_attention_triton(q, kc, vc, sl, tables, hd**-0.5,
+                                                      partition=64, merge=merge)
+                rec("decode", case + f" part=64 merge={merge}", outs[merge], ref)
+            rec("decode", case + " merge == reduce", torch.equal(outs[True], outs[False]))
 
 
 def check_split(c: Ctx, rec):
@@ -112,6 +127,33 @@ def check_prefill(c: Ctx, rec):
             q = c.randn(int(meta.query_start_loc[-1]), nq, hd)
             ref = at.prefill_attention_ref(q, kc, vc, meta, hd**-0.5)
             c.poison(); rec("prefill", f"{specs} page={ps}", at.prefill_attention(q, kc, vc, meta, hd**-0.5), ref)
+
+
+def check_router(c: Ctx, rec):
+    """Router projection + routing in one launch vs F.linear + route_ref. In float32 the
+    ids must match exactly; in the cache dtype (bf16) the logits may differ from
+    cuBLAS's by a rounding, which can swap near-tied experts, so the check there is
+    the weights' error and the share of tokens with the same ids (reported, >= 0.9)."""
+    import torch.nn.functional as F
+
+    from phalanx.kernels import moe
+    from phalanx.kernels.gpu.route import router_topk_triton
+
+    torch, ne, topk = c.torch, (8 if c.small else 128), (2 if c.small else 8)
+    hid = 64 if c.small else HID
+    for T in [1, 5, 33] if c.small else [1, 4, 16, 64]:
+        for dtype in {torch.float32, c.dtype}:
+            x = c.randn(T, hid).to(dtype)
+            gate = (c.randn(ne, hid) / hid**0.5).to(dtype)
+            c.poison(); w, ids = router_topk_triton(x, gate, topk, True)
+            rw, rids = moe.route_ref(F.linear(x, gate), topk, True, x.dtype)
+            case = f"T={T} {str(dtype).split('.')[-1]}"
+            if dtype == torch.float32:
+                rec("router", case + " ids", torch.equal(ids, rids))
+                rec("router", case + " weights", w, rw)
+            else:
+                same = (ids == rids).all(dim=1).float().mean().item()
+                rec("router", case + f" ids same for {same:.2f} of tokens", same >= 0.9)
 
 
 def check_moe(c: Ctx, rec):
@@ -155,7 +197,9 @@ def check_moe_paths(c: Ctx, rec):
             c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot",
                                                          cfg={"split": False})
             rec("moe", case + " small-dot-loop", out, ref)
-            for split in (True, False):
-                c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot",
-                                                             cfg={**(same_tiles or {}), "split": split})
-                rec("moe", case + f" small-dot split={split} bits == general", c.torch.equal(out, gen))
+            for split, merge in ((True, True), (True, False), (False, False)):
+                c.poison(); out = fused_experts_small_triton(
+                    x, w, ids, w13l, w2l, emap, mode="dot",
+                    cfg={**(same_tiles or {}), "split": split, "merge": merge})
+                rec("moe", case + f" small-dot split={split} merge={merge} bits == general",
+                    c.torch.equal(out, gen))

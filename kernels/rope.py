@@ -95,6 +95,16 @@ class RotaryEmbedding:
         by the context length on admission). Runs the Triton kernel when
         :func:`~phalanx.kernels.backend.use_triton` says so.
         """
+        return self.apply_and_cache(q, k, positions, q_norm, k_norm, eps)
+
+    def apply_and_cache(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+        q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+        eps: float = 1e-6, kv_write: tuple | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`apply`, then with ``kv_write = (v, k_cache, v_cache, slot_mapping)``
+        the rotated k and ``v`` stored at their KV slots as
+        :func:`~phalanx.kernels.attention.write_kv` does (one launch on GPU)."""
         if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
             raise ValueError(f"head_dim mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, expected {self.head_dim}")
         if (q_norm is None) != (k_norm is None):
@@ -103,11 +113,17 @@ class RotaryEmbedding:
             from .gpu.rope import caches_on, rope_triton
 
             cos, sin = caches_on(self, q.device)
-            return rope_triton(q, k, positions, cos, sin, q_norm, k_norm, eps)
+            return rope_triton(q, k, positions, cos, sin, q_norm, k_norm, eps, kv_write)
         if positions.numel() > 0:
             lo, hi = int(positions.min()), int(positions.max())
             if hi >= self.max_position or lo < 0:
                 raise ValueError(f"positions must be in [0, {self.max_position}), got range [{lo}, {hi}]")
         if q_norm is not None:
             q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-        return apply_rope_ref(q, k, positions, self.cos_cache, self.sin_cache)
+        q, k = apply_rope_ref(q, k, positions, self.cos_cache, self.sin_cache)
+        if kv_write is not None:
+            from .attention import write_kv
+
+            v, k_cache, v_cache, slots = kv_write
+            write_kv(k, v, k_cache, v_cache, slots)
+        return q, k

@@ -22,8 +22,8 @@ from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..kernels.activation import silu_and_mul
-from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
-from ..kernels.moe import fused_experts, make_expert_map, route
+from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention
+from ..kernels.moe import fused_experts, make_expert_map, router_topk
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.rope import RotaryEmbedding
 from .parallel import ExpertParallel, LocalComm, ModelComm
@@ -61,8 +61,8 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rope.apply(q, k, positions, self.q_norm, self.k_norm, self.eps)
-        write_kv(k, v, cache[0], cache[1], meta.slot_mapping)
+        q, _ = rope.apply_and_cache(q, k, positions, self.q_norm, self.k_norm, self.eps,
+                                    kv_write=(v, cache[0], cache[1], meta.slot_mapping))
         if meta.is_decode_only:
             out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
         else:
@@ -109,7 +109,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output, already summed over the TP group."""
-        weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
+        weights, ids = router_topk(x, self.gate, self.top_k, self.renormalize)
         if self.ep is None:
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map)
         else:

@@ -77,6 +77,7 @@ def check_silu_and_mul(g: torch.Generator) -> float:
 
 
 def check_rope(g: torch.Generator) -> float:
+    from phalanx.kernels.attention import write_kv_ref
     from phalanx.kernels.norm import rms_norm_ref
     from phalanx.kernels.rope import RotaryEmbedding, apply_rope_ref
 
@@ -96,6 +97,18 @@ def check_rope(g: torch.Generator) -> float:
         ref_q, ref_k = apply_rope_ref(rms_norm_ref(q, qw, 1e-6), rms_norm_ref(k, kw, 1e-6), pos,
                                       rope.cos_cache, rope.sin_cache)
         errs += [_rel(out_q, ref_q), _rel(out_k, ref_k)]
+        # rope + KV write in one launch: the cache ends as rope-then-write_kv_ref leaves it
+        v = qkv[:, (nq + nk) * hd:].view(T, nk, hd)
+        for page_size in (1, 4):
+            slots = torch.randperm(3 * T * page_size, generator=g)[:T]
+            slots[0] = -1  # padding: nothing stored
+            caches = [torch.randn(3 * T, nk, page_size, hd, generator=g) for _ in range(2)]
+            want = [c.clone() for c in caches]
+            out_q, out_k = rope.apply_and_cache(q, k, pos, qw, kw, 1e-6, kv_write=(v, *caches, slots))
+            write_kv_ref(out_k, v, *want, slots)
+            assert torch.equal(out_k, rope.apply(q, k, pos, qw, kw, 1e-6)[1])
+            assert all(torch.equal(a, b) for a, b in zip(caches, want)), "rope KV write != write_kv_ref"
+            errs.append(_rel(out_q, ref_q))
     return max(errs)
 
 
@@ -144,8 +157,14 @@ def check_decode_attention(g: torch.Generator) -> float:
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         ref = decode_attention_ref(q, kc, vc, seq_lens, tables, hd**-0.5)
         errs.append(_rel(decode_attention(q, kc, vc, seq_lens, tables, hd**-0.5), ref))
-        # Short partitions: many splits per sequence through the reduce kernel.
-        errs.append(_rel(decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16), ref))
+        # Short partitions: many splits per sequence, merged by the split kernel's last
+        # program and by the reduce kernel.
+        merged, reduced = (decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5,
+                                                   partition=16, merge=m) for m in (True, False))
+        assert torch.equal(merged, reduced), "the in-kernel merge differs from the reduce kernel"
+        errs.append(_rel(merged, ref))
+    from phalanx.kernels.gpu.arrivals import all_zero
+    assert all_zero(), "a merge left its arrival count set"
     return max(errs)
 
 
@@ -261,11 +280,17 @@ def check_fused_experts_paths(g: torch.Generator) -> float:
                 ref = fused_experts_ref(x, w, ids, w13, w2, emap)
                 outs = {"general": fused_experts_triton(x, w, ids, w13, w2, emap, path="general"),
                         "small": fused_experts_triton(x, w, ids, w13, w2, emap, path="small"),
-                        "small-gemv": fused_experts_small_triton(x, w, ids, w13, w2, emap, mode="gemv")}
+                        "small-gemv": fused_experts_small_triton(x, w, ids, w13, w2, emap, mode="gemv"),
+                        "small-combine": fused_experts_small_triton(x, w, ids, w13, w2, emap,
+                                                                    cfg={"merge": False})}
+                assert torch.equal(outs["small"], outs["small-combine"]), \
+                    "slot sum merged in the down kernel != the combine kernel's"
                 for name, out in outs.items():
                     errs[(name, T, k, use_map)] = _rel(out, ref)
     bad = {key: e for key, e in errs.items() if not e < MOE_PATH_TOL}
     assert not bad, f"(path, T, k, map) over {MOE_PATH_TOL}: {bad}"
+    from phalanx.kernels.gpu.arrivals import all_zero
+    assert all_zero(), "a merge left its arrival count set"
     return max(errs.values())
 
 
@@ -409,6 +434,25 @@ def check_route(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_router_topk(g: torch.Generator) -> float:
+    """Router projection fused with routing (one launch) equals F.linear + route_ref:
+    ids exactly, across token blocks (T > 16), partial expert blocks, odd hidden dims."""
+    from phalanx.kernels.gpu.arrivals import all_zero
+    from phalanx.kernels.moe import router_topk, router_topk_ref
+
+    errs = []
+    for T, E, H, k, renorm in [(1, 128, 64, 8, True), (3, 60, 40, 3, False), (20, 16, 300, 4, True),
+                               (0, 8, 16, 2, True)]:
+        x, gate = torch.randn(T, H, generator=g), torch.randn(E, H, generator=g) / H**0.5
+        w, ids = router_topk(x, gate, k, renorm)
+        rw, rids = router_topk_ref(x, gate, k, renorm)
+        assert torch.equal(ids, rids), (T, E, ids, rids)
+        if T:
+            errs.append(_rel(w, rw))
+    assert all_zero(), "a merge left its arrival count set"
+    return max(errs)
+
+
 def check_dispatch(g: torch.Generator) -> float:
     """Under force_triton(True) every public function reaches its Triton version."""
     import importlib
@@ -423,7 +467,7 @@ def check_dispatch(g: torch.Generator) -> float:
     calls: list[str] = []
     targets = {"norm": ["rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton"],
                "attention": ["write_kv_triton", "decode_attention_triton", "prefill_attention_triton"],
-               "moe": ["fused_experts_triton"], "rope": ["rope_triton"], "linear": ["skinny_linear_triton"]}
+               "moe": ["fused_experts_triton"], "route": ["router_topk_triton"], "rope": ["rope_triton"], "linear": ["skinny_linear_triton"]}
     for mod_name, fns in targets.items():
         mod = importlib.import_module(f"phalanx.kernels.gpu.{mod_name}")
         for fn in fns:
@@ -445,6 +489,7 @@ def check_dispatch(g: torch.Generator) -> float:
     attention.prefill_attention(q, kc, vc, meta, 0.25)
     moe.fused_experts(x, torch.rand(2, 1, generator=g), torch.tensor([[0], [1]]),
                       torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 4, generator=g))
+    moe.router_topk(x, torch.randn(4, 8, generator=g), 2, True)
     from phalanx.kernels.linear import linear
 
     linear(x, torch.randn(4, 8, generator=g))

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import arrival_counts
 from .attention import dot_precision
 
 __all__ = ["fused_experts_small_triton", "small_config", "SMALL_MODES"]
@@ -171,36 +172,51 @@ def _small_down_kernel(
 
 @triton.jit
 def _small_down_pair_kernel(
-    inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, pair_out_ptr,
-    HID, I, E, si_p, sw_e, sw_n, so_p,
-    HAS_MAP: tl.constexpr, ROWS: tl.constexpr,
+    inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, pair_out_ptr, out_ptr, arrived_ptr,
+    HID, I, E, K_TOP, si_p, sw_e, sw_n, so_p,
+    HAS_MAP: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     # "dot" mode with the slots spread over programs: pair_out[p, tile] =
-    # round(round(w2[e] @ inter[p]) * weight[p]); non-local pairs write nothing.
+    # round(round(w2[e] @ inter[p]) * weight[p]); non-local pairs write nothing. With
+    # MERGE every pair of a token arrives at the token's tile counter (arrivals.py) and
+    # the last one writes out[t, tile]: the slot sum of _small_combine_kernel.
     p = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     e = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
-    if (e < 0) | (e >= E):
-        return
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < HID
-    kk = tl.arange(0, BLOCK_K)
     ty = pair_out_ptr.dtype.element_ty
-    r = tl.arange(0, ROWS)
-    r0 = (r == 0)[:, None]
-    wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
-    w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
-    a_row = inter_ptr + p * si_p
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + kk
-        km = k < I
-        a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
-        w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
-        acc = tl.dot(a, w, acc=acc, input_precision=PREC)
-    h = (acc.to(ty).to(tl.float32) * wt).to(ty)
-    tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
+    if (e >= 0) & (e < E):
+        kk = tl.arange(0, BLOCK_K)
+        r = tl.arange(0, ROWS)
+        r0 = (r == 0)[:, None]
+        wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
+        w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
+        a_row = inter_ptr + p * si_p
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + kk
+            km = k < I
+            a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
+            w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+            acc = tl.dot(a, w, acc=acc, input_precision=PREC)
+        h = (acc.to(ty).to(tl.float32) * wt).to(ty)
+        tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
+    if MERGE:
+        tl.debug_barrier()
+        t = p // K_TOP
+        slot = arrived_ptr + t * tl.num_programs(1) + nb
+        if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == K_TOP - 1:
+            tl.store(slot, 0)
+            acc_t = tl.zeros([BLOCK_N], tl.float32)
+            for j in range(0, K_TOP):
+                ej = _local_expert(ids_ptr, emap_ptr, t * K_TOP + j, HAS_MAP)
+                lim = tl.where((ej >= 0) & (ej < E), HID, 0)
+                v = tl.load(pair_out_ptr + (t * K_TOP + j) * so_p + n, mask=n < lim, other=0.0,
+                            cache_modifier=".cg")
+                acc_t += v.to(tl.float32)
+            tl.store(out_ptr + t * HID + n, acc_t.to(out_ptr.dtype.element_ty), mask=nm)
 
 
 @triton.jit
@@ -223,8 +239,9 @@ def _small_combine_kernel(pair_out_ptr, ids_ptr, emap_ptr, out_ptr, HID, K_TOP, 
 # its 64 for more programs at T=1 (gate_up 8 pairs * 768/32 = 192, down 2048/16 = 128).
 # "gemv": [16, 256] weight tiles, 16 rows of 512 contiguous bytes (bf16) per load.
 _CONFIGS = {
-    # split: the down projection runs one program per (pair, H-tile) and a third launch
-    # sums each token's slots (8x the programs of the per-token loop at T=1).
+    # split: the down projection runs one program per (pair, H-tile) (8x the programs of
+    # the per-token loop at T=1); the last pair of a token's tile sums its slots (merge;
+    # merge=False: a third launch does).
     # H200 graph replay at T=1 (Qwen3-30B-A3B shape): N 64/64 26.9 us, 32/16 28.7, 16/16 30.6;
     # per-token loop instead of split 38.5. 64/128 are also the general path's tiles.
     "dot": dict(N1=64, K1=128, N2=64, K2=128, warps=4, stages=3, split=True),
@@ -245,7 +262,7 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages). Any T
     works (the work grows as T * k: meant for T * k <= ``SMALL_MAX_PAIRS``). Local expert
     ids outside ``[0, E)`` count as not held. Two kernel launches (three with the "dot"
-    mode's ``split``), no host sync.
+    mode's ``split`` and ``merge=False``), no host sync.
     """
     if mode not in SMALL_MODES:
         raise ValueError(f"mode must be one of {SMALL_MODES}, got {mode!r}")
@@ -285,17 +302,23 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
 
 
 def _down_split(inter, ids, emap, weights, w2, out, c, meta, k_top) -> None:
-    """Down projection per (pair, H-tile) into a pair buffer, then the slot sum."""
+    """Down projection per (pair, H-tile) into a pair buffer and the slot sum: merged in
+    the same launch (``merge``, the default) or by a combine kernel."""
     P, inter_dim = inter.shape
     T, hid = out.shape
     E = w2.shape[0]
     pair_out = out.new_empty((P, hid))
-    _small_down_pair_kernel[(P, triton.cdiv(hid, c["N2"]))](
-        inter, ids, emap, weights, w2, pair_out,
-        hid, inter_dim, E, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], BLOCK_N=c["N2"], BLOCK_K=c["K2"],
+    tiles = triton.cdiv(hid, c["N2"])
+    merge = c.get("merge", True)
+    arrived = arrival_counts("moe_down", T * tiles, out.device) if merge else ids
+    _small_down_pair_kernel[(P, tiles)](
+        inter, ids, emap, weights, w2, pair_out, out, arrived,
+        hid, inter_dim, E, k_top, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
+        HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], MERGE=merge, BLOCK_N=c["N2"], BLOCK_K=c["K2"],
         PREC=meta["PREC"], num_warps=meta["num_warps"], num_stages=meta["num_stages"],
     )
+    if merge:
+        return
     block = min(1024, triton.next_power_of_2(hid))
     _small_combine_kernel[(T, triton.cdiv(hid, block))](
         pair_out, ids, emap, out, hid, k_top, E, HAS_MAP=meta["HAS_MAP"], BLOCK=block, num_warps=4,

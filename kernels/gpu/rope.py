@@ -15,12 +15,13 @@ __all__ = ["rope_triton", "caches_on"]
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, w_ptr, eps, sh, NH, HALF, c, s, d, dm,
+def _rotate_heads(x_ptr, w_ptr, eps, sh, NH, HALF, c, s, d, dm,
                   BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
     # x_ptr: this token's first head; heads sh elements apart, head_dim contiguous.
-    # o_ptr: contiguous [NH, 2*HALF] output of this token. c, s: [BLOCK_D2] float32.
-    # HAS_NORM: RMS-norm each head first (float32 math, rounded to the activation
-    # dtype, then times the weight, rounded again: the reference's order).
+    # c, s: [BLOCK_D2] float32. Returns the rotated halves (o1, o2) [BLOCK_H, BLOCK_D2]
+    # in the activation dtype and the head-row mask. HAS_NORM: RMS-norm each head
+    # first (float32 math, rounded to the activation dtype, then times the weight,
+    # rounded again: the reference's order).
     h = tl.arange(0, BLOCK_H)
     m = (h < NH)[:, None] & dm[None, :]
     src = x_ptr + h[:, None] * sh + d[None, :]
@@ -39,28 +40,48 @@ def _rotate_heads(x_ptr, o_ptr, w_ptr, eps, sh, NH, HALF, c, s, d, dm,
     ss = s.to(ty).to(tl.float32)[None, :]
     o1 = (x1 * cc).to(ty).to(tl.float32) - (x2 * ss).to(ty).to(tl.float32)
     o2 = (x2 * cc).to(ty).to(tl.float32) + (x1 * ss).to(ty).to(tl.float32)
-    dst = o_ptr + h[:, None] * (2 * HALF) + d[None, :]
-    tl.store(dst, o1.to(ty), mask=m)
-    tl.store(dst + HALF, o2.to(ty), mask=m)
+    return o1.to(ty), o2.to(ty), m
+
+
+@triton.jit
+def _store_heads(o_ptr, sh, o1, o2, m, d, HALF, BLOCK_H: tl.constexpr):
+    dst = o_ptr + tl.arange(0, BLOCK_H)[:, None] * sh + d[None, :]
+    tl.store(dst, o1.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(dst + HALF, o2.to(o_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps,
     sqt, sqh, skt, skh, NQ, NK, HALF,
+    v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, kcp, kch, kct, vcp, vch, vct, PAGE,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D2: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
+    # One program per token. WRITE_KV: also store the rotated k and the token's v at its
+    # KV slot (write_kv's contract: page-major HND pages, slot < 0 = padding, no store).
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D2)
     dm = d < HALF
     c = tl.load(cos_ptr + pos * HALF + d, mask=dm, other=0.0)
     s = tl.load(sin_ptr + pos * HALF + d, mask=dm, other=0.0)
-    _rotate_heads(q_ptr + t * sqt, qo_ptr + t * NQ * 2 * HALF, qw_ptr, eps, sqh, NQ, HALF, c, s, d, dm,
-                  BLOCK_HQ, HAS_NORM)
-    _rotate_heads(k_ptr + t * skt, ko_ptr + t * NK * 2 * HALF, kw_ptr, eps, skh, NK, HALF, c, s, d, dm,
-                  BLOCK_HK, HAS_NORM)
+    q1, q2, qm = _rotate_heads(q_ptr + t * sqt, qw_ptr, eps, sqh, NQ, HALF, c, s, d, dm,
+                               BLOCK_HQ, HAS_NORM)
+    _store_heads(qo_ptr + t * NQ * 2 * HALF, 2 * HALF, q1, q2, qm, d, HALF, BLOCK_HQ)
+    k1, k2, km = _rotate_heads(k_ptr + t * skt, kw_ptr, eps, skh, NK, HALF, c, s, d, dm,
+                               BLOCK_HK, HAS_NORM)
+    _store_heads(ko_ptr + t * NK * 2 * HALF, 2 * HALF, k1, k2, km, d, HALF, BLOCK_HK)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        hh = tl.arange(0, BLOCK_HK)
+        live = (hh < tl.where(slot >= 0, NK, 0))[:, None] & dm[None, :]
+        page, off = slot // PAGE, slot % PAGE
+        _store_heads(kc_ptr + page * kcp + off * kct, kch, k1, k2, live, d, HALF, BLOCK_HK)
+        v_src = v_ptr + t * svt + hh[:, None] * svh + d[None, :]
+        v1 = tl.load(v_src, mask=live, other=0.0)
+        v2 = tl.load(v_src + HALF, mask=live, other=0.0)
+        _store_heads(vc_ptr + page * vcp + off * vct, vch, v1, v2, live, d, HALF, BLOCK_HK)
 
 
 def caches_on(rope, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,12 +98,15 @@ def rope_triton(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     cos_cache: torch.Tensor, sin_cache: torch.Tensor,
     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+    kv_write: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, NQ, D] and k [T, NK, D] (strided views fine; D contiguous),
     RMS-norming each head first when ``q_norm``/``k_norm`` [D] are given.
 
     ``positions`` int [T], in range (the caller checks); caches float32 contiguous
     [max_position, D // 2] on the same device. Returns new contiguous tensors.
+    ``kv_write = (v, k_cache, v_cache, slot_mapping)``: in the same launch, store the
+    rotated k and v [T, NK, D] at their slots (see ``write_kv_ref``).
     """
     T, nq, hd = q.shape
     nk = k.shape[1]
@@ -94,12 +118,20 @@ def rope_triton(
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
+    if kv_write is not None:
+        v, kc, vc, slots = kv_write
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        cache_args = (v, kc, vc, slots, v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
+                      kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), kc.shape[2])
+    else:
+        cache_args = (k, k, k, positions) + (0,) * 9
     half = hd // 2
     _rope_kernel[(T,)](
         q, k, q_out, k_out, positions, cos_cache, sin_cache,
         q_norm if q_norm is not None else q, k_norm if k_norm is not None else k, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), nq, nk, half,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), nq, nk, half, *cache_args,
         BLOCK_HQ=triton.next_power_of_2(nq), BLOCK_HK=triton.next_power_of_2(nk),
-        BLOCK_D2=triton.next_power_of_2(half), HAS_NORM=q_norm is not None, num_warps=4,
+        BLOCK_D2=triton.next_power_of_2(half), HAS_NORM=q_norm is not None,
+        WRITE_KV=kv_write is not None, num_warps=4,
     )
     return q_out, k_out
