@@ -189,7 +189,8 @@ def host_profile(engine: LLMEngine, steps: int) -> list[str]:
     return [line for line in buf.getvalue().splitlines() if line.strip()][-13:]
 
 
-def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int) -> tuple[float, dict]:
+def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int,
+                   profile: bool = True) -> tuple[float, dict]:
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     rids = [f"d{batch}-{i}" for i in range(batch)]
@@ -205,8 +206,8 @@ def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int) -> tuple
         engine.step()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t
-    detail = graph_breakdown(engine, batch, profile=batch in (1, 64))
-    if batch in (1, 64):
+    detail = graph_breakdown(engine, batch, profile=profile and batch in (1, 64))
+    if profile and batch in (1, 64):
         detail["host_profile"] = host_profile(engine, steps=10)
     detail["step_ms"] = dt / steps * 1e3
     for rid in rids:
@@ -239,6 +240,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--compare-overlap", action="store_true",
+                    help="also run batch 1 and 64 with overlapped steps off (rows 'decode-serial')")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     hf_cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
@@ -258,6 +261,15 @@ def main() -> None:
         rows.append(dict(kind="decode", batch=b, tok_s=tok_s, floor_tok_s=b / floor_s,
                          frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
                          vs_hf=tok_s / hf_rates[b] if b in hf_rates else None, **detail))
+    if args.compare_overlap:
+        engine.overlap = False
+        for b in (b for b in batches if b in (1, 64)):
+            tok_s, detail = phalanx_decode(engine, b, args.ctx, args.steps, profile=False)
+            floor_s = decode_bytes(cfg, b, args.ctx + args.steps // 2) / ceil["copy_bytes_per_s"]
+            rows.append(dict(kind="decode-serial", batch=b, tok_s=tok_s, floor_tok_s=b / floor_s,
+                             frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
+                             vs_hf=tok_s / hf_rates[b] if b in hf_rates else None, **detail))
+        engine.overlap = True
     pf = phalanx_prefill(engine, 8, 2048)
     pf_floor = 8 * 2048 / (prefill_flops(cfg, 8, 2048) / ceil["matmul_flops_per_s"])
     rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
@@ -274,13 +286,13 @@ def main() -> None:
             print("\n".join(r.get("host_profile", [])))
     print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
           f"{args.layers} layers, ctx {args.ctx}, {engine.num_pages} KV pages")
-    print(f"{'what':8} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} "
+    print(f"{'what':13} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} "
           f"{'x HF':>6} {'step ms':>8} {'GPU ms':>7}")
     for r in rows:
         hf_s = f"{r['hf_tok_s']:9.0f}" if r["hf_tok_s"] else f"{'-':>9}"
         vs = f"{r['vs_hf']:6.1f}" if r["vs_hf"] else f"{'-':>6}"
         step = f"{r['step_ms']:8.2f} {r['replay_ms']:7.2f}" if "step_ms" in r else ""
-        print(f"{r['kind']:8} {r['batch']:5d} {r['tok_s']:10.0f} {r['floor_tok_s']:12.0f} "
+        print(f"{r['kind']:13} {r['batch']:5d} {r['tok_s']:10.0f} {r['floor_tok_s']:12.0f} "
               f"{r['frac']:9.2f} {hf_s} {vs} {step}")
 
 

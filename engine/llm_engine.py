@@ -21,8 +21,8 @@ from ..models.parallel import ExpertParallel, ModelComm
 from ..models.qwen3_moe import CausalLM
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
-from .model_runner import (BatchInputs, ModelRunner, allocate_kv_cache, num_pages_for_memory,
-                           torch_dtype)
+from .model_runner import (BatchInputs, ModelRunner, PendingTokens, allocate_kv_cache,
+                           num_pages_for_memory, torch_dtype)
 from .outputs import StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import FinishedSequence, ScheduledBatch, Scheduler
@@ -147,36 +147,51 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------
     def has_unfinished(self) -> bool:
+        if self._ahead is not None and all(seq.is_finished for seq, _ in self._ahead[0].items):
+            self._ahead = None  # launched for requests that all finished since: no output
         return self._ahead is not None or self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; return the tokens each request gained.
 
-        With `overlap_steps`, a steady decode step launches the next one (the same
+        With `overlap_steps` a steady decode step launches the next one (the same
         sequences, one token further) before returning, so the caller's and the
-        scheduler's host work runs while the device computes it; the next call collects
-        it. The tokens are the same either way; a request added meanwhile joins one step
-        later, one aborted meanwhile gets nothing from the launched step."""
+        scheduler's host work runs while the device computes; the next call collects
+        it. An all-greedy step launches it even before its own tokens are read back (the
+        next step takes them on the device), so the device never waits for the host.
+        The tokens are the same either way; a request added meanwhile joins one step
+        later; a request that finished or was aborted meanwhile gets nothing from the
+        launched step."""
         while True:
             work = self._take_ahead() or self._launch_scheduled()
             if work is None:
                 return []
             batch, inputs, logits = work
             live = [(seq, n) for seq, n in batch.items if not seq.is_finished]
-            sampled = self.runner.sample(inputs, logits)
+            if len(live) == len(batch.items) and self._greedy_continuation(batch, inputs):
+                pending = self.runner.greedy_tokens(inputs, logits)
+                self._launch_ahead(batch, inputs, pending)
+                sampled = pending.result()
+            else:
+                sampled = self.runner.sample(inputs, logits)
             if len(live) == len(batch.items):
                 break
-            # Aborted while the step was in flight: drop their rows and launch nothing
-            # ahead from these inputs (their rows no longer match the batch).
+            # Finished or aborted while the step was in flight: drop their rows and
+            # launch nothing from these inputs (their rows no longer match the batch).
             batch, inputs = ScheduledBatch(live), None
             sampled = {seq.request_id: sampled[seq.request_id] for seq, _ in live
                        if seq.request_id in sampled}
             if live:
                 break
         finished = self._advance(batch, sampled)
-        if self.overlap and inputs is not None and inputs.decode_only and not finished:
+        if (self.overlap and self._ahead is None and inputs is not None and inputs.decode_only
+                and not finished):
             self._launch_ahead(batch, inputs)
         return self._outputs(sampled, finished)
+
+    def _greedy_continuation(self, batch: ScheduledBatch, inputs: BatchInputs) -> bool:
+        return (self.overlap and inputs.decode_only
+                and all(seq.params.greedy for seq, _ in batch.items))
 
     def _take_ahead(self):
         work, self._ahead = self._ahead, None
@@ -189,10 +204,15 @@ class LLMEngine:
         inputs = self.runner.prepare(batch)
         return batch, inputs, self.runner.forward(inputs)
 
-    def _launch_ahead(self, batch: ScheduledBatch, inputs: BatchInputs) -> None:
-        following = self.scheduler.continue_decode(batch)
+    def _launch_ahead(self, batch: ScheduledBatch, inputs: BatchInputs,
+                      pending: Optional[PendingTokens] = None) -> None:
+        """Launch the step after `batch` if it is the same sequences one token further:
+        after `batch`'s update, or before it with `pending` (its tokens still on the
+        device)."""
+        following = self.scheduler.continue_decode(batch, in_flight=pending is not None)
         if following is not None:
-            nxt = self.runner.prepare_next(inputs, following)
+            ids = None if pending is None else pending.device
+            nxt = self.runner.prepare_next(inputs, following, input_ids=ids)
             self._ahead = (following, nxt, self.runner.forward(nxt))
 
     def step_outputs(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[StepOutput]:

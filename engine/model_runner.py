@@ -7,6 +7,7 @@ head_dim]` (HND per page), so a head range of a page is one contiguous slab.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -63,8 +64,10 @@ def num_pages_for_memory(model: CausalLM, cache: CacheConfig, dtype: torch.dtype
 class HostStaging:
     """Reusable host buffers for step inputs, pinned on GPU machines so copies are async.
 
-    Reuse is safe: every step ends in a device sync (the sampled tokens are read back)
-    before the next step refills the buffers."""
+    The runner keeps two and alternates per step: a step's copies are queued behind the
+    step before it, so refilling the buffers of step n+1 must wait only for step n-1's
+    copies, which are done once step n-1's tokens were read back (they preceded its
+    forward); that always happened before step n+1 is prepared."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -106,6 +109,22 @@ class BatchInputs:
         return self.max_query_len == 1 and self.num_logits == self.host["input_ids"].shape[0]
 
 
+@dataclass(slots=True)
+class PendingTokens:
+    """Greedy tokens of a launched step: `device` on the device at once, `host` once
+    `event` (None on CPU) has completed."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    event: Optional[torch.cuda.Event]
+    request_ids: list[str]
+
+    def result(self) -> dict[str, int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.request_ids, self.host.tolist()))
+
+
 class ModelRunner:
     """Builds batch metadata, runs the model, samples the sequences that reached their end."""
 
@@ -115,7 +134,8 @@ class ModelRunner:
         self.caches = caches
         self.page_size = page_size
         self.device = device
-        self.staging = HostStaging(pin=device.type == "cuda")
+        self._stagings = [HostStaging(pin=device.type == "cuda") for _ in range(2)]
+        self._steps = 0
         self.graphs = None
         if device.type == "cuda" and cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(model, caches, cuda_graph_max_batch, max_model_len,
@@ -163,14 +183,19 @@ class ModelRunner:
 
     def _stage(self, arrays: dict[str, np.ndarray], max_query_len: int,
                sampled: list[Sequence]) -> BatchInputs:
-        host = {k: torch.from_numpy(v) if k == "row_keys" else self.staging.put(k, v)
+        staging = self._stagings[self._steps % 2]
+        self._steps += 1
+        host = {k: torch.from_numpy(v) if k == "row_keys" else staging.put(k, v)
                 for k, v in arrays.items()}
         return BatchInputs(host, max_query_len, int(arrays["seq_lens"].max()), sampled, arrays)
 
-    def prepare_next(self, prev: BatchInputs, batch: ScheduledBatch) -> BatchInputs:
+    def prepare_next(self, prev: BatchInputs, batch: ScheduledBatch,
+                     input_ids: Optional[torch.Tensor] = None) -> BatchInputs:
         """`prepare(batch)` for the decode step right after `prev` over the same
         sequences (each one token further, pages already grown), derived from `prev`'s
-        arrays: O(batch) numpy work instead of rebuilding every block table row."""
+        arrays: O(batch) numpy work instead of rebuilding every block table row.
+        `input_ids`: the tokens `prev` sampled, still on the device (not read back yet:
+        the step is queued behind `prev` and takes them from there)."""
         ps, a = self.page_size, prev.arrays
         seqs = [seq for seq, _ in batch.items]
         if not prev.decode_only or len(seqs) != len(prev.sampled):
@@ -186,11 +211,31 @@ class ModelRunner:
         for row in np.flatnonzero(positions % ps == 0):  # these rows start a new page
             tables[row, page_idx[row]] = seqs[row].pages[page_idx[row]]
         rows = np.arange(len(seqs))
+        if input_ids is None:
+            ids = np.fromiter((seq.token_id(seq.num_computed_tokens) for seq in seqs),
+                              dtype=np.int64, count=len(seqs))
+        else:
+            ids = np.zeros(len(seqs), dtype=np.int64)  # placeholder: the ids stay on the device
         arrays = dict(a, positions=positions, block_tables=tables, seq_lens=a["seq_lens"] + 1,
-                      input_ids=np.fromiter((seq.token_id(seq.num_computed_tokens) for seq in seqs),
-                                            dtype=np.int64, count=len(seqs)),
+                      input_ids=ids,
                       slot_mapping=tables[rows, page_idx].astype(np.int64) * ps + positions % ps)
-        return self._stage(arrays, 1, seqs)
+        inputs = self._stage(arrays, 1, seqs)
+        if input_ids is not None:
+            inputs.host["input_ids"] = input_ids
+        return inputs
+
+    def greedy_tokens(self, inputs: BatchInputs, logits: torch.Tensor) -> "PendingTokens":
+        """Start reading back the arg-max token of every sampled row (all greedy): the
+        device tensor feeds a step queued behind this one, the host copy is waited on
+        with `PendingTokens.result()` (which does not wait for that later step)."""
+        ids = torch.argmax(logits, dim=-1)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(ids, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingTokens(ids, host, event, [s.request_id for s in inputs.sampled])
 
     def _run_eager(self, inputs: BatchInputs, layer_done=None) -> torch.Tensor:
         dev = {k: v.to(self.device, non_blocking=True) for k, v in inputs.host.items()

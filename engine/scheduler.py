@@ -155,11 +155,17 @@ class Scheduler:
             budget = self._admit(budget, batch)
         return batch
 
-    def continue_decode(self, batch: ScheduledBatch) -> Optional[ScheduledBatch]:
+    def continue_decode(self, batch: ScheduledBatch, in_flight: bool = False
+                        ) -> Optional[ScheduledBatch]:
         """The next step's batch when `schedule()` would return `batch` again with every
         sequence one token further: `batch` (already `update`d) was all decode, nothing
         finished or was preempted, nothing waits, and the pages for one more token each
-        are free; those pages are then allocated. None otherwise (schedule normally)."""
+        are free; those pages are then allocated. None otherwise (schedule normally).
+
+        `in_flight`: `batch`'s own tokens are not in yet (not `update`d); every sequence
+        is assumed to go on, with pages grown for the token after the one in flight. A
+        sequence that then finishes has its row of the returned batch ignored."""
+        ahead = 2 if in_flight else 1
         items = batch.items
         if (batch.preempted or self.waiting or self.prefilled
                 or len(self.running) != len(items) or len(items) > self.max_num_batched_tokens):
@@ -168,11 +174,11 @@ class Scheduler:
         for (seq, n), running in zip(items, self.running):
             if seq is not running or n != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
                 return None
-            need += self._pages_for(seq, 1)
+            need += self._pages_for(seq, ahead)
         if need > self.pool.num_free_pages:
             return None
         for seq, _ in items:
-            grow = self._pages_for(seq, 1)
+            grow = self._pages_for(seq, ahead)
             if grow:
                 seq.pages.extend(self.pool.allocate(grow))
         return ScheduledBatch([(seq, 1) for seq, _ in items])

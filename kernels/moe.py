@@ -57,9 +57,6 @@ def route(
     return route_ref(router_logits, top_k, renormalize, out_dtype)
 
 
-# Up to this many tokens the router projection and the routing run as one Triton launch
-# (decode); past it the projection is a GEMM (cuBLAS) and the routing its own launch.
-ROUTER_FUSED_MAX_TOKENS = 64
 
 
 def router_topk_ref(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
@@ -69,12 +66,17 @@ def router_topk_ref(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize
     return route_ref(F.linear(x, gate), top_k, renormalize, x.dtype)
 
 
+# Up to this many tokens (of at most 8192 features) the router projection and the
+# routing are one Triton launch (its routing runs token after token in one program);
+# past it the projection is a GEMM (cuBLAS) and the routing its own launch.
+ROUTER_FUSED_MAX_TOKENS = 4
+
+
 def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k] x.dtype, ids [T, k] int64)`` of tokens ``x`` [T, H] under the
-    router ``gate`` [E, H]; see :func:`router_topk_ref`. One Triton launch for decode
-    batches (at most ``ROUTER_FUSED_MAX_TOKENS`` tokens)."""
-    if use_triton(x) and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
+    router ``gate`` [E, H]; see :func:`router_topk_ref`."""
+    if use_triton(x) and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS and x.shape[1] <= 8192:
         from .gpu.route import router_topk_triton
 
         return router_topk_triton(x, gate, top_k, renormalize)

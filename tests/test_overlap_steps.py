@@ -92,7 +92,8 @@ def test_abort_while_a_step_is_in_flight(tiny_model):
         engine.step()
     engine.abort_request("x")
     engine.abort_request("y")
-    assert engine.has_unfinished() and engine.step() == [] and not engine.has_unfinished()
+    assert engine._ahead is not None  # launched for x and y, both aborted since
+    assert not engine.has_unfinished() and engine.step() == [] and engine._ahead is None
     ref = _run(_engine(tiny_model, overlap=False), {0: [("z", prompt, params)]})[0]
     assert _run(engine, {0: [("z", prompt, params)]})[0] == ref
 
@@ -115,3 +116,24 @@ def test_overlap_is_validated(tiny_model):
     assert cfg.overlap_steps is True
     with pytest.raises(ValueError, match="overlap_steps"):
         dataclasses.replace(cfg, overlap_steps="yes")
+
+
+def test_greedy_steps_launch_before_their_tokens_are_read(tiny_model):
+    """All-greedy steps launch the next step with the tokens still on the device; a
+    request that stops on a token meanwhile keeps exactly its tokens, the others too."""
+    prompts = _prompts(4, seed=11)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    base, _ = _run(_engine(tiny_model, overlap=False),
+                   {0: [(f"r{i}", p, greedy) for i, p in enumerate(prompts)]})
+    stop = base["r1"][4]
+    want = dict(base, r1=base["r1"][:base["r1"].index(stop) + 1])
+    stopping = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+    arrivals = {0: [(f"r{i}", p, stopping if i == 1 else greedy) for i, p in enumerate(prompts)]}
+    engine = _engine(tiny_model, overlap=True)
+    fed = []
+    real = engine.runner.greedy_tokens
+    engine.runner.greedy_tokens = lambda *a: (fed.append(1), real(*a))[1]
+    got, ahead = _run(engine, arrivals)
+    assert got == want and len(got["r1"]) < 12
+    assert len(fed) >= 5 and ahead >= 5
+    assert _run(_engine(tiny_model, overlap=False), arrivals)[0] == want

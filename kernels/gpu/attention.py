@@ -254,9 +254,14 @@ def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim
     return part
 
 
-# Up to this many splits per sequence the split kernel's last program merges them (one
-# launch); past it a reduce kernel does, one program per (head, sequence).
-MERGE_MAX_SPLITS = 32
+# The split kernel's last program per (sequence, kv head) merges the splits (one launch)
+# when there are at most MERGE_MAX_GROUPS such groups and MERGE_MAX_SPLITS splits of the
+# table; otherwise a reduce kernel does, one program per (head, sequence). One H200,
+# ctx 1k: at 64 sequences (256 groups) merging in place was ~1 µs per layer slower than
+# the reduce kernel (the merge runs after the slowest split); few groups are
+# launch-latency bound, where saving the second launch pays.
+MERGE_MAX_GROUPS = 64
+MERGE_MAX_SPLITS = 256
 
 
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: float,
@@ -266,7 +271,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
     q [S, H, D]; caches [P, KVH, page, D]; seq_lens int32 [S] (>= 1); block_tables
     int32 [S, max_pages]. ``partition`` (positions per split, a multiple of the KV tile)
     overrides the heuristic (tests use it to force several splits); ``merge`` forces
-    the in-kernel merge on or off (default: on up to MERGE_MAX_SPLITS splits).
+    the in-kernel merge on or off (default: see MERGE_MAX_GROUPS).
     """
     S, H, D = q.shape
     _, KVH, page, _ = k_cache.shape
@@ -288,7 +293,9 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
         part_o = out.new_empty((S, H, n_split, D), dtype=torch.float32)
         part_lse = out.new_empty((S, H, n_split), dtype=torch.float32)
     block_d = triton.next_power_of_2(D)
-    merge = not direct and (n_split <= MERGE_MAX_SPLITS if merge is None else merge)
+    if merge is None:
+        merge = S * KVH <= MERGE_MAX_GROUPS and n_split <= MERGE_MAX_SPLITS
+    merge = merge and not direct
     arrived = arrival_counts("decode_attention", S * KVH, q.device) if merge else seq_lens
     _decode_split_kernel[(n_split, KVH, S)](
         q, k_cache, v_cache, seq_lens, block_tables, part_o, part_lse, out,

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..moe import ROUTER_FUSED_MAX_TOKENS
 from .arrivals import arrival_counts
-from .attention import dot_precision
 
 __all__ = ["route_triton", "router_topk_triton"]
 
@@ -72,62 +72,55 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 @triton.jit
 def _router_topk_kernel(x_ptr, gate_ptr, logits_ptr, w_ptr, ids_ptr, arrived_ptr,
                         T, E, HID, sx_t, sg_e,
-                        K: tl.constexpr, ROWS: tl.constexpr, BLOCK_EP: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        RENORM: tl.constexpr, PREC: tl.constexpr):
-    # Program (token block, expert block): logits[ROWS tokens, BLOCK_EP experts] =
-    # x @ gate^T (float32 sum, rounded to the logits dtype as a linear's output), then
-    # an arrival at the token block's counter (arrivals.py); the last expert block to
-    # arrive routes the block's tokens from the full logits rows.
-    tb = tl.program_id(0)
-    eb = tl.program_id(1)
-    rows = tb * ROWS + tl.arange(0, ROWS)
-    rm = rows < T
+                        K: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+    # Program eb: logits[t, BLOCK_EP experts] of every token t (a GEMV per token over
+    # the whole hidden dim: float32 sum, rounded to the logits dtype as a linear's
+    # output), then an arrival at the launch's counter (arrivals.py); the last expert
+    # block to arrive routes every token from the full logits rows. Meant for a few
+    # tokens (decode): the routing runs token after token in that one program.
+    eb = tl.program_id(0)
     ex = eb * BLOCK_EP + tl.arange(0, BLOCK_EP)
     exm = ex < E
     h = tl.arange(0, BLOCK_H)
-    acc = tl.zeros([ROWS, BLOCK_EP], tl.float32)
-    for h0 in range(0, HID, BLOCK_H):
-        hh = h0 + h
-        hm = hh < HID
-        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_t + hh[None, :],
-                    mask=rm[:, None] & hm[None, :], other=0.0)
-        g = tl.load(gate_ptr + ex[None, :].to(tl.int64) * sg_e + hh[:, None],
-                    mask=hm[:, None] & exm[None, :], other=0.0)  # [BLOCK_H, BLOCK_EP]
-        acc = tl.dot(a, g, acc=acc, input_precision=PREC)
-    tl.store(logits_ptr + rows[:, None] * E + ex[None, :], acc.to(logits_ptr.dtype.element_ty),
-             mask=rm[:, None] & exm[None, :])
+    hm = h < HID
+    g = tl.load(gate_ptr + ex[:, None].to(tl.int64) * sg_e + h[None, :],
+                mask=exm[:, None] & hm[None, :], other=0.0).to(tl.float32)  # [BLOCK_EP, BLOCK_H]
+    for t in range(0, T):
+        xr = tl.load(x_ptr + t * sx_t + h, mask=hm, other=0.0).to(tl.float32)
+        logit = tl.sum(g * xr[None, :], axis=1)
+        tl.store(logits_ptr + t * E + ex, logit.to(logits_ptr.dtype.element_ty), mask=exm)
     tl.debug_barrier()
-    slot = arrived_ptr + tb
-    if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-        tl.store(slot, 0)
-        for r in range(0, ROWS):
-            t = (tb * ROWS + r).to(tl.int64)
-            if t < T:
-                _topk_row(logits_ptr + t * E, w_ptr + t * K, ids_ptr + t * K, E,
-                          K, BLOCK_E, BLOCK_K, RENORM)
+    if tl.atomic_add(arrived_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(arrived_ptr, 0)
+        for t in range(0, T):  # T <= ROUTER_FUSED_MAX_TOKENS: int32 offsets
+            _topk_row(logits_ptr + t * E, w_ptr + t * K, ids_ptr + t * K, E,
+                      K, BLOCK_E, BLOCK_K, RENORM)
 
 
 def router_topk_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route(F.linear(x, gate), top_k, renormalize, x.dtype)`` in one launch:
-    x [T, H], gate [E, H] -> (weights [T, k] x.dtype, ids [T, k] int64)."""
+    x [T, H], gate [E, H] -> (weights [T, k] x.dtype, ids [T, k] int64); T at most
+    ``ROUTER_FUSED_MAX_TOKENS``, H at most 8192."""
     T, hid = x.shape
     E = gate.shape[0]
+    if T > ROUTER_FUSED_MAX_TOKENS or hid > 8192:
+        raise ValueError(f"router_topk_triton takes <= {ROUTER_FUSED_MAX_TOKENS} tokens of "
+                         f"<= 8192 features, got {tuple(x.shape)}")
     weights = x.new_empty((T, top_k))
     ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     if T == 0:
         return weights, ids
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate = gate if gate.stride(-1) == 1 else gate.contiguous()
-    rows, block_ep = 16, 16
+    block_ep = 4
     logits = x.new_empty((T, E))
-    grid = (triton.cdiv(T, rows), triton.cdiv(E, block_ep))
-    arrived = arrival_counts("router_topk", grid[0], x.device)
-    _router_topk_kernel[grid](
-        x, gate, logits, weights, ids, arrived, T, E, hid, x.stride(0), gate.stride(0),
-        K=top_k, ROWS=rows, BLOCK_EP=block_ep, BLOCK_H=256, BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, PREC=dot_precision(x.dtype),
-        num_warps=4,
+    _router_topk_kernel[(triton.cdiv(E, block_ep),)](
+        x, gate, logits, weights, ids, arrival_counts("router_topk", 1, x.device),
+        T, E, hid, x.stride(0), gate.stride(0),
+        K=top_k, BLOCK_EP=block_ep, BLOCK_H=triton.next_power_of_2(hid),
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
+        RENORM=renormalize, num_warps=4,
     )
     return weights, ids
