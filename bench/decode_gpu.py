@@ -139,7 +139,8 @@ def hf_decode_tok_s(hf, batch: int, ctx: int, steps: int) -> float:
 def make_engine(cfg: ModelConfig, model, max_batch: int) -> LLMEngine:
     config = EngineConfig(
         model_path="<in-memory>", model=cfg, device="cuda",
-        cache=CacheConfig(page_size=16, num_pages=0, gpu_memory_utilization=0.92),
+        cache=CacheConfig(page_size=16, num_pages=0, gpu_memory_utilization=0.92,
+                          enable_prefix_caching=False),  # repeated prompts recompute: same tokens
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=16384,
                                   max_model_len=4096),
         cuda_graph_max_batch=max_batch)
@@ -210,6 +211,9 @@ def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int,
     if profile and batch in (1, 64):
         detail["host_profile"] = host_profile(engine, steps=10)
     detail["step_ms"] = dt / steps * 1e3
+    # Greedy tokens of every request (prompts are seeded by batch): runs of the same
+    # batch size, overlapped or not, must produce the same ones.
+    detail["tokens"] = [list(engine.sequences[rid].output_token_ids) for rid in rids]
     for rid in rids:
         engine.abort_request(rid)
     return batch * steps / dt, detail
@@ -270,6 +274,14 @@ def main() -> None:
                              frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
                              vs_hf=tok_s / hf_rates[b] if b in hf_rates else None, **detail))
         engine.overlap = True
+        for r in rows:
+            if r["kind"] == "decode-serial":
+                over = next(o for o in rows if o["kind"] == "decode" and o["batch"] == r["batch"])
+                n = min(len(a) for a in r["tokens"] + over["tokens"])
+                r["tokens_equal_overlapped"] = all(a[:n] == b[:n] for a, b in zip(r["tokens"], over["tokens"]))
+                r["distinct_tokens"] = len({t for a in r["tokens"] for t in a})
+                print(f"batch {r['batch']}: overlapped vs serial greedy tokens equal "
+                      f"(first {n}): {r['tokens_equal_overlapped']}; distinct tokens {r['distinct_tokens']}")
     pf = phalanx_prefill(engine, 8, 2048)
     pf_floor = 8 * 2048 / (prefill_flops(cfg, 8, 2048) / ceil["matmul_flops_per_s"])
     rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,

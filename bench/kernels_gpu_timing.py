@@ -108,10 +108,10 @@ def time_router(c: Ctx, row):
     ne = 128
     for T in [1, 2, 4]:
         x, gate = c.randn(T, HID), c.randn(ne, HID) / HID**0.5
-        row("router", f"T={T} E={ne}",
-            lambda: router_topk_triton(x, gate, TOPK, True),
-            lambda: route_triton(F.linear(x, gate), TOPK, True, x.dtype),
-            nbytes=(ne * HID + T * HID) * 2)
+        ref = lambda: route_triton(F.linear(x, gate), TOPK, True, x.dtype)  # noqa: E731
+        kw = dict(nbytes=(ne * HID + T * HID) * 2)
+        row("router", f"T={T} E={ne} fused", lambda: router_topk_triton(x, gate, TOPK, True), ref, **kw)
+        row("router", f"T={T} E={ne} linear+route", ref, ref, **kw)  # its graph time, the baseline
 
 
 def time_moe_paths(c: Ctx, row):

@@ -66,9 +66,9 @@ def router_topk_ref(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize
     return route_ref(F.linear(x, gate), top_k, renormalize, x.dtype)
 
 
-# Up to this many tokens (of at most 8192 features) the router projection and the
-# routing are one Triton launch (its routing runs token after token in one program);
-# past it the projection is a GEMM (cuBLAS) and the routing its own launch.
+# Up to this many tokens the router projection and the routing are one Triton launch
+# (its routing runs token after token in one program); past it the projection is a
+# GEMM (cuBLAS) and the routing its own launch.
 ROUTER_FUSED_MAX_TOKENS = 4
 
 
@@ -76,7 +76,7 @@ def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bo
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k] x.dtype, ids [T, k] int64)`` of tokens ``x`` [T, H] under the
     router ``gate`` [E, H]; see :func:`router_topk_ref`."""
-    if use_triton(x) and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS and x.shape[1] <= 8192:
+    if use_triton(x) and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
         from .gpu.route import router_topk_triton
 
         return router_topk_triton(x, gate, top_k, renormalize)

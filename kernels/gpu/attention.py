@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .arrivals import arrival_counts
-
 __all__ = ["write_kv_triton", "decode_attention_triton", "prefill_attention_triton"]
 
 _LOG2E = 1.4426950408889634
@@ -124,16 +122,14 @@ def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, seq_lens_ptr, bt_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     sq_s, sq_h, s_kp, s_kh, s_kt, s_vp, s_vh, s_vt, s_bt,
     sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h,
-    arrived_ptr, scale_log2, G, HD, PAGE, PART,
+    scale_log2, G, HD, PAGE, PART,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, MERGE: tl.constexpr, PREC: tl.constexpr,
+    DIRECT: tl.constexpr, PREC: tl.constexpr,
 ):
     # Program (split, kv_head, seq): the G query heads of kv_head over KV positions
     # [split*PART, min((split+1)*PART, seq_len)). DIRECT (one split) writes the final
     # output; otherwise the normalized partial output [S, H, NSPLIT, D] (float32) and
-    # its log2-sum-exp [S, H, NSPLIT], merged by _decode_reduce_kernel or, with MERGE,
-    # by the last of the (seq, kv_head)'s programs to finish (arrived_ptr[S, KVH]
-    # counts them; that program resets it to 0, so the buffer is reusable as is).
+    # its log2-sum-exp [S, H, NSPLIT] for _decode_reduce_kernel.
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2).to(tl.int64)
@@ -168,38 +164,6 @@ def _decode_split_kernel(
     else:
         tl.store(part_o_ptr + s * sp_s + heads[:, None] * sp_h + split * sp_n + d[None, :], o, mask=om)
         tl.store(part_lse_ptr + s * sl_s + heads * sl_h + split, m_i + tl.log2(l_i), mask=gm)
-        if MERGE:
-            # Every thread's partial stores precede the release of the arrival count;
-            # the last arrival acquires them (read past L1) and merges.
-            tl.debug_barrier()
-            slot = arrived_ptr + s * tl.num_programs(1) + kvh
-            n_splits = tl.cdiv(seq_len, PART)
-            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                tl.store(slot, 0)
-                _merge_partials(part_o_ptr + s * sp_s + heads[:, None] * sp_h + d[None, :],
-                                part_lse_ptr + s * sl_s + heads * sl_h, out_ptr + s * so_s
-                                + heads[:, None] * so_h + d[None, :], om, gm, n_splits, sp_n,
-                                BLOCK_G, BLOCK_D)
-
-
-@triton.jit
-def _merge_partials(o_ptrs, lse_ptrs, out_ptrs, om, gm, n_splits, sp_n,
-                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows' partials merged in split order: the same arithmetic, element for element,
-    as _decode_reduce_kernel."""
-    m = tl.load(lse_ptrs, mask=gm, other=0.0, cache_modifier=".cg")
-    l_sum = m * 0.0
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for i in range(0, n_splits):
-        lse = tl.load(lse_ptrs + i, mask=gm, other=0.0, cache_modifier=".cg")
-        o = tl.load(o_ptrs + i * sp_n, mask=om, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * a[:, None] + w[:, None] * o
-        l_sum = l_sum * a + w
-        m = m_new
-    tl.store(out_ptrs, (acc / l_sum[:, None]).to(out_ptrs.dtype.element_ty), mask=om)
 
 
 @triton.jit
@@ -254,24 +218,13 @@ def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim
     return part
 
 
-# The split kernel's last program per (sequence, kv head) merges the splits (one launch)
-# when there are at most MERGE_MAX_GROUPS such groups and MERGE_MAX_SPLITS splits of the
-# table; otherwise a reduce kernel does, one program per (head, sequence). One H200,
-# ctx 1k: at 64 sequences (256 groups) merging in place was ~1 µs per layer slower than
-# the reduce kernel (the merge runs after the slowest split); few groups are
-# launch-latency bound, where saving the second launch pays.
-MERGE_MAX_GROUPS = 64
-MERGE_MAX_SPLITS = 256
-
-
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: float,
-                            partition: int | None = None, merge: bool | None = None) -> torch.Tensor:
+                            partition: int | None = None) -> torch.Tensor:
     """Split-K paged decode attention; see ``decode_attention_ref``.
 
     q [S, H, D]; caches [P, KVH, page, D]; seq_lens int32 [S] (>= 1); block_tables
     int32 [S, max_pages]. ``partition`` (positions per split, a multiple of the KV tile)
-    overrides the heuristic (tests use it to force several splits); ``merge`` forces
-    the in-kernel merge on or off (default: see MERGE_MAX_GROUPS).
+    overrides the heuristic (tests use it to force several splits).
     """
     S, H, D = q.shape
     _, KVH, page, _ = k_cache.shape
@@ -293,20 +246,16 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
         part_o = out.new_empty((S, H, n_split, D), dtype=torch.float32)
         part_lse = out.new_empty((S, H, n_split), dtype=torch.float32)
     block_d = triton.next_power_of_2(D)
-    if merge is None:
-        merge = S * KVH <= MERGE_MAX_GROUPS and n_split <= MERGE_MAX_SPLITS
-    merge = merge and not direct
-    arrived = arrival_counts("decode_attention", S * KVH, q.device) if merge else seq_lens
     _decode_split_kernel[(n_split, KVH, S)](
         q, k_cache, v_cache, seq_lens, block_tables, part_o, part_lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), arrived, scale * _LOG2E, G, D, page, part,
+        out.stride(0), out.stride(1), scale * _LOG2E, G, D, page, part,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DIRECT=direct, MERGE=merge, PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        DIRECT=direct, PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
     )
-    if not direct and not merge:
+    if not direct:
         _decode_reduce_kernel[(H, S)](
             part_o, part_lse, seq_lens, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),

@@ -74,21 +74,26 @@ def _router_topk_kernel(x_ptr, gate_ptr, logits_ptr, w_ptr, ids_ptr, arrived_ptr
                         T, E, HID, sx_t, sg_e,
                         K: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
-    # Program eb: logits[t, BLOCK_EP experts] of every token t (a GEMV per token over
-    # the whole hidden dim: float32 sum, rounded to the logits dtype as a linear's
-    # output), then an arrival at the launch's counter (arrivals.py); the last expert
-    # block to arrive routes every token from the full logits rows. Meant for a few
-    # tokens (decode): the routing runs token after token in that one program.
+    # Program eb (one warp): logits[t, BLOCK_EP experts] of every token t, a GEMV over
+    # the hidden dim in BLOCK_H chunks (float32 sum, rounded to the logits dtype as a
+    # linear's output); then an arrival at the launch's counter (arrivals.py). The last
+    # expert block to arrive routes every token from the full logits rows, token after
+    # token (T is small: decode). One warp per program keeps the top-k's reductions
+    # within a warp, as in _route_kernel.
     eb = tl.program_id(0)
     ex = eb * BLOCK_EP + tl.arange(0, BLOCK_EP)
     exm = ex < E
     h = tl.arange(0, BLOCK_H)
-    hm = h < HID
-    g = tl.load(gate_ptr + ex[:, None].to(tl.int64) * sg_e + h[None, :],
-                mask=exm[:, None] & hm[None, :], other=0.0).to(tl.float32)  # [BLOCK_EP, BLOCK_H]
+    g_rows = gate_ptr + ex[:, None].to(tl.int64) * sg_e
     for t in range(0, T):
-        xr = tl.load(x_ptr + t * sx_t + h, mask=hm, other=0.0).to(tl.float32)
-        logit = tl.sum(g * xr[None, :], axis=1)
+        acc = tl.zeros([BLOCK_EP, BLOCK_H], tl.float32)
+        for h0 in range(0, HID, BLOCK_H):
+            hh = h0 + h
+            hm = hh < HID
+            g = tl.load(g_rows + hh[None, :], mask=exm[:, None] & hm[None, :], other=0.0)
+            xr = tl.load(x_ptr + t * sx_t + hh, mask=hm, other=0.0)
+            acc += g.to(tl.float32) * xr.to(tl.float32)[None, :]
+        logit = tl.sum(acc, axis=1)
         tl.store(logits_ptr + t * E + ex, logit.to(logits_ptr.dtype.element_ty), mask=exm)
     tl.debug_barrier()
     if tl.atomic_add(arrived_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
@@ -102,25 +107,25 @@ def router_topk_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormal
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route(F.linear(x, gate), top_k, renormalize, x.dtype)`` in one launch:
     x [T, H], gate [E, H] -> (weights [T, k] x.dtype, ids [T, k] int64); T at most
-    ``ROUTER_FUSED_MAX_TOKENS``, H at most 8192."""
+    ``ROUTER_FUSED_MAX_TOKENS``."""
     T, hid = x.shape
     E = gate.shape[0]
-    if T > ROUTER_FUSED_MAX_TOKENS or hid > 8192:
-        raise ValueError(f"router_topk_triton takes <= {ROUTER_FUSED_MAX_TOKENS} tokens of "
-                         f"<= 8192 features, got {tuple(x.shape)}")
+    if T > ROUTER_FUSED_MAX_TOKENS:
+        raise ValueError(f"router_topk_triton takes <= {ROUTER_FUSED_MAX_TOKENS} tokens, "
+                         f"got {T}")
     weights = x.new_empty((T, top_k))
     ids = torch.empty((T, top_k), dtype=torch.int64, device=x.device)
     if T == 0:
         return weights, ids
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate = gate if gate.stride(-1) == 1 else gate.contiguous()
-    block_ep = 4
+    block_ep = 2
     logits = x.new_empty((T, E))
     _router_topk_kernel[(triton.cdiv(E, block_ep),)](
         x, gate, logits, weights, ids, arrival_counts("router_topk", 1, x.device),
         T, E, hid, x.stride(0), gate.stride(0),
-        K=top_k, BLOCK_EP=block_ep, BLOCK_H=triton.next_power_of_2(hid),
+        K=top_k, BLOCK_EP=block_ep, BLOCK_H=min(512, triton.next_power_of_2(hid)),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
-        RENORM=renormalize, num_warps=4,
+        RENORM=renormalize, num_warps=1,
     )
     return weights, ids
