@@ -46,7 +46,7 @@ from kernels_gpu_inputs import Ctx  # noqa: E402
 
 BW, PEAK = 4.0e12, 7.7e14  # B/s (device-to-device copy), bf16 dense FLOP/s
 TOL = 1e-2
-GROUPS = ["decode", "moe", "router", "prefill", "attn", "norm", "rope", "linear", "split"]
+GROUPS = ["decode", "moe", "prefill", "attn", "norm", "rope", "linear", "split"]
 
 
 def _import_phalanx():

@@ -99,21 +99,6 @@ MOE_SMALL_SWEEP = {
 }
 
 
-def time_router(c: Ctx, row):
-    """Router projection + routing: one fused launch vs cuBLAS linear + the route kernel."""
-    import torch.nn.functional as F
-
-    from phalanx.kernels.gpu.route import route_triton, router_topk_triton
-
-    ne = 128
-    for T in [1, 2, 4]:
-        x, gate = c.randn(T, HID), c.randn(ne, HID) / HID**0.5
-        ref = lambda: route_triton(F.linear(x, gate), TOPK, True, x.dtype)  # noqa: E731
-        kw = dict(nbytes=(ne * HID + T * HID) * 2)
-        row("router", f"T={T} E={ne} fused", lambda: router_topk_triton(x, gate, TOPK, True), ref, **kw)
-        row("router", f"T={T} E={ne} linear+route", ref, ref, **kw)  # its graph time, the baseline
-
-
 def time_moe_paths(c: Ctx, row):
     """Both fused_experts paths forced at T = 1, 2, 4, 8 (the dispatch threshold is
     kernels.gpu.moe.SMALL_MAX_PAIRS pairs, T = 4 at top-8), then small-path tiles at T=1."""

@@ -57,12 +57,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, sharing one memory pool."""
+        """Capture every size, largest first, sharing one memory pool.
+
+        The largest and the smallest size run first (twice) outside capture: that
+        compiles every kernel the graphs use (some paths depend on the batch size, e.g.
+        the MoE small path) and creates the buffers they keep across launches, which
+        must not come from the graphs' shared pool (see kernels/gpu/arrivals.py)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: compile kernels, create handles
-                self._forward(self.sizes[-1])
+            for _ in range(2):
+                for size in sorted({self.sizes[-1], self.sizes[0]}, reverse=True):
+                    self._forward(size)
         torch.cuda.current_stream().wait_stream(stream)
         pool = None
         for size in reversed(self.sizes):

@@ -13,8 +13,6 @@ from .backend import use_triton
 __all__ = [
     "route",
     "route_ref",
-    "router_topk",
-    "router_topk_ref",
     "fused_experts",
     "fused_experts_ref",
     "make_expert_map",
@@ -55,32 +53,6 @@ def route(
 
         return route_triton(router_logits, top_k, renormalize, out_dtype)
     return route_ref(router_logits, top_k, renormalize, out_dtype)
-
-
-
-
-def router_topk_ref(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router projection then :func:`route_ref`: logits ``F.linear(x, gate)`` in
-    ``x.dtype`` (HF's router linear), weights returned in ``x.dtype``."""
-    return route_ref(F.linear(x, gate), top_k, renormalize, x.dtype)
-
-
-# Up to this many tokens the router projection and the routing are one Triton launch
-# (its routing runs token after token in one program); past it the projection is a
-# GEMM (cuBLAS) and the routing its own launch.
-ROUTER_FUSED_MAX_TOKENS = 4
-
-
-def router_topk(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [T, k] x.dtype, ids [T, k] int64)`` of tokens ``x`` [T, H] under the
-    router ``gate`` [E, H]; see :func:`router_topk_ref`."""
-    if use_triton(x) and x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:
-        from .gpu.route import router_topk_triton
-
-        return router_topk_triton(x, gate, top_k, renormalize)
-    return route(F.linear(x, gate), top_k, renormalize, x.dtype)
 
 
 def make_expert_map(

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..kernels.activation import silu_and_mul
 from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention
-from ..kernels.moe import fused_experts, make_expert_map, router_topk
+from ..kernels.moe import fused_experts, make_expert_map, route
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.rope import RotaryEmbedding
 from .parallel import ExpertParallel, LocalComm, ModelComm
@@ -109,7 +109,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output, already summed over the TP group."""
-        weights, ids = router_topk(x, self.gate, self.top_k, self.renormalize)
+        weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
         if self.ep is None:
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map)
         else:

@@ -56,3 +56,17 @@ def test_kv_pool_sized_from_free_memory(tiny_model):
     page_bytes = 4 * 2 * 2 * 16 * 16 * 2  # layers x (K, V) x kv_heads x page_size x head_dim x bf16
     assert llm.engine.num_pages * page_bytes > 0.3 * total, "about half the device for the KV cache"
     assert free > 0.3 * total, "and no more than that"
+
+
+def test_small_batch_after_larger_graphs_keeps_its_tokens(tiny_model):
+    """The CUDA graphs share one memory pool; replaying the larger ones must not disturb
+    what the small ones keep across launches (the MoE small path's arrival counters)."""
+    llm = LLM(tiny_model, device="cuda", dtype="bfloat16", page_size=16, num_pages=2000,
+              max_num_seqs=16)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(50, 90))
+    alone = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+    others = [list(range(i, i + 20 + 3 * i)) for i in range(16)]
+    llm.generate(prompt_token_ids=others, sampling_params=params)
+    again = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+    assert again == alone
