@@ -6,11 +6,13 @@ about half the HBM bandwidth there (bench/NOTES.md). :func:`linear` sends such c
 :func:`phalanx.kernels.gpu.linear.skinny_linear_triton` and everything else (prefill,
 big batches, CPU tensors, odd dtypes or layouts) to ``F.linear``.
 
-Not yet wired into the model: on the H200 (graph replay, 48-layer Qwen3-30B-A3B shape,
-batch 1) the default tiles made the step slower than cuBLAS (1220 vs ~1050 µs/step for
-qkv + o + router); the sweep's best tiles (qkv 64/128, o 16/256 split 2, router 16/256
-split 8) reach 6.7 + 8.5 + 3.5 µs against cuBLAS's ~21.8 µs/layer in the model. Adopt
-them and switch the model once a decode run confirms the gain (bench/NOTES.md).
+Not wired into the model: on the H200 (graph replay, 48-layer Qwen3-30B-A3B shape) the
+default tiles made the batch-1 step slower than cuBLAS (1220 vs ~1050 µs/step for qkv +
+o + router); with the sweep's best tiles (qkv 64/128, o 16/256 split 2, router 16/256
+split 8) the model gained 1% at batch 1 (1020 vs 1043 µs/step, replay 3.45 vs 3.49 ms)
+and lost 1.4% at batch 16 (bench/NOTES.md, v6), so it stays on ``F.linear``. What
+would make it pay: programmatic dependent launch with the weight tile loaded before the
+wait on the previous kernel (bench/pdl_gpu.py), which cuBLAS cannot do.
 """
 
 from __future__ import annotations
