@@ -26,6 +26,8 @@ import torch.distributed as dist
 __all__ = ["CollectiveError", "GroupComm"]
 
 _R = TypeVar("_R")
+# Deadline of an epoch's first NCCL collective, which sets up the connections (seconds).
+NCCL_CONNECT_S = 60.0
 
 
 class CollectiveError(RuntimeError):
@@ -115,6 +117,8 @@ class GroupComm:
                         tp_group = group
             comm = cls(rank, world_size, tp_size, epoch, deadline_s, tp_group, nccl)
             comm._agree_on_epoch()
+            if nccl:
+                comm._connect_nccl()
         except Exception as e:
             if created:  # never tear down a default group that someone else owns
                 cls._destroy_default_bounded(deadline_s)
@@ -131,6 +135,17 @@ class GroupComm:
         if hi != self.epoch or lo != self.epoch:
             self._broken = f"epoch mismatch: ranks joined with epochs in [{lo}, {hi}]"
             raise CollectiveError("init", self.epoch, self.rank, self._broken)
+
+    def _connect_nccl(self) -> None:
+        """Set up the epoch's NCCL communicators now, under the connect deadline: NCCL
+        connects a group on its first collective, which would otherwise be the first
+        step's and count against the collective deadline (a re-formed group's first MoE
+        all-to-all once missed its 5 s that way on two H200s, after the previous epoch's
+        ranks had just been torn down)."""
+        deadline = max(self.deadline_s, NCCL_CONNECT_S)
+        for group in [None] + ([self._tp_group] if self._tp_group is not None else []):
+            t = torch.zeros(1, device="cuda")
+            self._run("init", dist.all_reduce, t, group=group, _deadline_s=deadline)
 
     def destroy(self) -> bool:
         """Tear down this epoch's process groups; never hangs. Idempotent.
@@ -176,11 +191,12 @@ class GroupComm:
 
     # ---------------------------------------------------------------- collectives
 
-    def _run(self, name: str, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+    def _run(self, name: str, fn: Callable[..., _R], *args: Any,
+             _deadline_s: float | None = None, **kwargs: Any) -> _R:
         """Call torch.distributed collective ``name``; any failure breaks the comm.
 
         On a CUDA tensor (first argument) with NCCL, the collective is asynchronous and
-        :meth:`_wait` bounds it by the deadline."""
+        :meth:`_wait` bounds it by the deadline (``_deadline_s``, default the comm's)."""
         if self._broken is not None:
             raise CollectiveError(name, self.epoch, self.rank,
                                   f"communicator is broken ({self._broken})")
@@ -189,7 +205,7 @@ class GroupComm:
             if not on_gpu:
                 return fn(*args, **kwargs)
             work = fn(*args, async_op=True, **kwargs)
-            self._wait(name, work)
+            self._wait(name, work, _deadline_s or self.deadline_s)
             return None
         except CollectiveError:
             raise
@@ -197,13 +213,13 @@ class GroupComm:
             self._broken = f"{name}: {type(e).__name__}: {str(e)[:200]}"
             raise CollectiveError(name, self.epoch, self.rank, str(e)) from e
 
-    def _wait(self, name: str, work: Any) -> None:
+    def _wait(self, name: str, work: Any, deadline_s: float) -> None:
         """Poll an NCCL work until done or the deadline; past it, abort the epoch."""
-        deadline = time.monotonic() + self.deadline_s
+        deadline = time.monotonic() + deadline_s
         polls = 0
         while not work.is_completed():
             if time.monotonic() > deadline:
-                self._broken = f"{name}: no completion within {self.deadline_s:g} s"
+                self._broken = f"{name}: no completion within {deadline_s:g} s"
                 self._abort_nccl()
                 raise CollectiveError(name, self.epoch, self.rank, self._broken)
             polls += 1

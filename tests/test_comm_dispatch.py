@@ -249,3 +249,28 @@ def test_stalled_peer_times_out_at_deadline():
         print(f"rank {rank}: stalled peer -> CollectiveError after {r['raised_s']:.3f}s {r['err']}")
         assert r["err"] == ("all_to_all_single", 0, rank)
         assert DEADLINE_S - 0.5 < r["raised_s"] < DEADLINE_S + 7.0
+
+
+class _StuckWork:
+    """An NCCL work that never completes (a peer died inside the collective)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> None:  # never reached: the deadline fires first
+        raise AssertionError("waited on a stuck work")
+
+
+def test_nccl_wait_honours_its_deadline_and_breaks_the_comm():
+    """The NCCL wait loop gives up at the deadline it is given (the epoch's connect
+    deadline at init, the collective deadline otherwise), aborts the epoch and leaves
+    the communicator broken."""
+    comm = GroupComm(rank=0, world_size=2, tp_size=1, epoch=3, deadline_s=30.0, tp_group=None,
+                     nccl=True)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match="no completion within 0.2 s"):
+        comm._wait("all_to_all_single", _StuckWork(), 0.2)
+    assert 0.2 <= time.monotonic() - t0 < 5.0
+    assert comm.broken
+    with pytest.raises(CollectiveError, match="broken"):
+        comm.all_reduce_world_max(1)
