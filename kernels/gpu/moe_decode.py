@@ -118,6 +118,21 @@ def _small_gate_up_kernel(
 
 
 @triton.jit
+def _row_dot(a_row, w_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """"dot" mode down projection of one pair: row 0 of a [ROWS, BLOCK_N] float32 tile
+    is inter[p] @ w2[e][tile rows].T over I in BLOCK_K steps (rows 1.. are zeros)."""
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + kk
+        km = k < I
+        a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
+        w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+        acc = tl.dot(a, w, acc=acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _small_down_kernel(
     inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, out_ptr,
     K_TOP, HID, I, E, si_p, sw_e, sw_n, so_t,
@@ -146,13 +161,7 @@ def _small_down_kernel(
             w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n  # [BLOCK_N] row starts
             a_row = inter_ptr + p * si_p
             if DOT:
-                acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-                for k0 in range(0, I, BLOCK_K):
-                    k = k0 + kk
-                    km = k < I
-                    a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
-                    w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
-                    acc = tl.dot(a, w, acc=acc, input_precision=PREC)
+                acc = _row_dot(a_row, w_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC)
                 acc_t += (acc.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32)
             else:
                 acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -194,13 +203,7 @@ def _small_down_pair_kernel(
         wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
         w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
         a_row = inter_ptr + p * si_p
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + kk
-            km = k < I
-            a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
-            w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
-            acc = tl.dot(a, w, acc=acc, input_precision=PREC)
+        acc = _row_dot(a_row, w_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC)
         h = (acc.to(ty).to(tl.float32) * wt).to(ty)
         tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
     if MERGE:
