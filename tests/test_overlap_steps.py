@@ -137,3 +137,40 @@ def test_greedy_steps_launch_before_their_tokens_are_read(tiny_model):
     assert got == want and len(got["r1"]) < 12
     assert len(fed) >= 5 and ahead >= 5
     assert _run(_engine(tiny_model, overlap=False), arrivals)[0] == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workloads_overlapped_equal_serial(tiny_model, seed):
+    """Random arrivals, aborts, stop tokens, greedy and seeded sampling, and pools small
+    enough to preempt: with steps overlapped every request that is not aborted gets the
+    serial engine's tokens, and an aborted one a prefix of them."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = _prompts(10, seed=100 + seed)
+    arrivals: dict[int, list] = {}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=rng.choice([0.0, 0.0, 0.9]), top_p=0.9,
+                                seed=rng.randrange(1 << 30), max_tokens=rng.randint(1, 14),
+                                ignore_eos=True, stop_token_ids=[rng.randrange(2048)])
+        arrivals.setdefault(rng.choice([0, 0, rng.randint(1, 12)]), []).append((f"r{i}", prompt, params))
+    aborts = {rng.randint(2, 10): [f"r{rng.randrange(10)}"]}
+    num_pages = rng.choice([40, 512])
+    base, _ = _run(_engine(tiny_model, overlap=False, num_pages=512), arrivals)
+    # a stop token the serial run actually met, so that some request stops on one
+    rid = max(base, key=lambda r: len(base[r]))
+    if len(base[rid]) > 3:
+        for wl in arrivals.values():
+            for j, (r, p, sp) in enumerate(wl):
+                if r == rid:
+                    wl[j] = (r, p, dataclasses.replace(sp, stop_token_ids=[base[rid][2]]))
+        base, _ = _run(_engine(tiny_model, overlap=False, num_pages=512), arrivals)
+    over, ahead = _run(_engine(tiny_model, overlap=True, num_pages=num_pages), arrivals, aborts)
+    aborted = {r for rs in aborts.values() for r in rs}
+    for r, want in base.items():
+        got = over.get(r, [])
+        if r in aborted:
+            assert got == want[:len(got)], r
+        else:
+            assert got == want, r
+    assert ahead > 0
