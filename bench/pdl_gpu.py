@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--block-n", type=int, default=8)
     args = ap.parse_args()
+    if args.n != args.k or args.n % args.block_n:
+        ap.error("a chain needs square GEMVs (--n == --k) and --block-n dividing --n")
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = args.k ** -0.5
     ws = [torch.randn(args.n, args.k, device="cuda", generator=g).mul_(scale).bfloat16()
