@@ -267,8 +267,3 @@ class ModelRunner:
         tokens = sample(logits, [s.params for s in inputs.sampled],
                         [s.num_tokens for s in inputs.sampled])
         return {s.request_id: t for s, t in zip(inputs.sampled, tokens)}
-
-    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
-        """Run the batch; return the sampled token of each sequence that reached its end."""
-        inputs = self.prepare(batch)
-        return self.sample(inputs, self.forward(inputs))
