@@ -154,11 +154,11 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one scheduled batch; return the tokens each request gained.
 
-        With `overlap_steps` a steady decode step launches the next one (the same
-        sequences, one token further) before returning, so the caller's and the
-        scheduler's host work runs while the device computes; the next call collects
-        it. An all-greedy step launches it even before its own tokens are read back (the
-        next step takes them on the device), so the device never waits for the host.
+        With `overlap_steps` a step launches the next one before returning, so the
+        caller's and the scheduler's host work runs while the device computes; the next
+        call collects it. An all-greedy decode step launches it (the same sequences, one
+        token further) even before its own tokens are read back (the next step takes
+        them on the device), so the device never waits for the host.
         The tokens are the same either way; a request added meanwhile joins one step
         later; a request that finished or was aborted meanwhile gets nothing from the
         launched step."""
@@ -184,10 +184,19 @@ class LLMEngine:
             if live:
                 break
         finished = self._advance(batch, sampled)
-        if (self.overlap and self._ahead is None and inputs is not None and inputs.decode_only
-                and not finished):
-            self._launch_ahead(batch, inputs)
+        if self.overlap and self._ahead is None:
+            self._launch_following(batch, inputs, finished)
         return self._outputs(sampled, finished)
+
+    def _launch_following(self, batch: ScheduledBatch, inputs: Optional[BatchInputs],
+                          finished: dict) -> None:
+        """After `batch`'s update: launch the next step now. The same sequences one token
+        further are derived from `inputs` (O(batch)); anything else (admissions,
+        prefill chunks, a batch that lost members) is scheduled and prepared in full."""
+        if inputs is not None and inputs.decode_only and not finished:
+            self._launch_ahead(batch, inputs)
+        if self._ahead is None:
+            self._ahead = self._launch_scheduled()
 
     def _greedy_continuation(self, batch: ScheduledBatch, inputs: BatchInputs) -> bool:
         return (self.overlap and inputs.decode_only

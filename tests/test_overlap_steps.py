@@ -174,3 +174,21 @@ def test_random_workloads_overlapped_equal_serial(tiny_model, seed):
         else:
             assert got == want, r
     assert ahead > 0
+
+
+def test_prefill_chunks_and_admissions_are_launched_ahead(tiny_model):
+    """Not only steady decode: a step launches whatever the scheduler gives next (here
+    the rest of a chunked prefill, then a newly admitted request's prompt), and the
+    tokens still equal the serial engine's."""
+    prompt = list(range(100, 190))  # 90 tokens: two chunks of the 64-token budget
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = _engine(tiny_model, overlap=True)
+    engine.add_request("a", prompt, params)
+    assert engine.step() == []  # first chunk; the second is launched before returning
+    ahead_batch = engine._ahead[0]
+    assert [(s.request_id, n) for s, n in ahead_batch.items] == [("a", 26)]
+    engine.add_request("b", prompt[:30], params)  # joins the step after the launched one
+    got, _ = _run(engine, {})
+    want, _ = _run(_engine(tiny_model, overlap=False),
+                   {0: [("a", prompt, params)], 2: [("b", prompt[:30], params)]})
+    assert got == want
