@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,6 +26,7 @@ from .rank_actor import MAX_CONCURRENCY, RemoteRank
 log = get_logger(__name__)
 
 START_TIMEOUT_S = 300.0
+FORM_ATTEMPTS = 3  # formations tried when the rendezvous port was taken meanwhile
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,7 +76,23 @@ class GroupSupervisor:
         return self.actors[::self.tp]
 
     def form(self) -> None:
-        """Start every rank of a new epoch; returns once all have met and loaded."""
+        """Start every rank of a new epoch; returns once all have met and loaded.
+
+        The rendezvous port is picked free by rank 0's actor and bound later by the
+        process group's store, so another socket can take it in between (seen in CI:
+        EADDRINUSE while re-forming). Such a formation is torn down and tried again
+        under the next epoch with a new port, up to FORM_ATTEMPTS times."""
+        for attempt in range(1, FORM_ATTEMPTS + 1):
+            try:
+                self._form_once()
+                return
+            except RayTaskError as e:
+                if attempt == FORM_ATTEMPTS or not _port_taken(e):
+                    raise
+                log.warning("rendezvous_port_taken", epoch=self.epoch, attempt=attempt)
+                self.shutdown()
+
+    def _form_once(self) -> None:
         self.epoch += 1
         gpu = self.config.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
@@ -137,6 +154,11 @@ class GroupSupervisor:
     def failure(self, timeout_s: float = 0.0) -> Optional[GroupFailure]:
         deaths = self.deaths(timeout_s)
         return GroupFailure(self.epoch, deaths) if deaths else None
+
+
+def _port_taken(error: Exception) -> bool:
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def settle(refs, timeout_s: float = 2.0) -> None:

@@ -13,7 +13,10 @@ import pytest
 import ray
 
 from phalanx import LLM, SamplingParams
-from phalanx.actors.supervisor import GroupFailure
+from phalanx.actors.rank_actor import RankActor
+from phalanx.actors.supervisor import GroupFailure, GroupSupervisor
+from phalanx.kernels.comm import CollectiveError
+from phalanx.llm import engine_config
 from phalanx.engine.rank_engine import RankSpec, shard_for
 from phalanx.models.loader import read_model_config
 from phalanx.models.qwen3_moe import CausalLM
@@ -167,3 +170,28 @@ def test_rank_killed_group_recovers(tiny_model, oracle, tp, dp, point, count):
         check_one_recovery(llm, point, count, prompts, expected)
     finally:
         llm.close()
+
+
+class _PortTakenOnce(RankActor):
+    """A rank whose first formation fails as when another socket took the rendezvous
+    port between its pick and the store's bind."""
+
+    def start(self) -> dict:
+        if self.spec.epoch == 1:
+            raise CollectiveError("init", 1, self.spec.rank, "The server socket has failed to "
+                                  "listen on any local network address. code: -98, name: EADDRINUSE")
+        return super().start()
+
+
+def test_formation_retried_when_the_rendezvous_port_was_taken(tiny_model):
+    import sys
+
+    from ray import cloudpickle
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    sup = GroupSupervisor(engine_config(tiny_model), tp=1, dp=1, deadline_s=5.0,
+                          actor_cls=ray.remote(_PortTakenOnce))
+    try:
+        sup.form()
+        assert sup.epoch == 2 and ray.get(sup.actors[0].ping.remote(), timeout=30) == 0
+    finally:
+        sup.shutdown()
