@@ -212,14 +212,7 @@ def _small_down_pair_kernel(
         slot = arrived_ptr + t * tl.num_programs(1) + nb
         if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == K_TOP - 1:
             tl.store(slot, 0)
-            acc_t = tl.zeros([BLOCK_N], tl.float32)
-            for j in range(0, K_TOP):
-                ej = _local_expert(ids_ptr, emap_ptr, t * K_TOP + j, HAS_MAP)
-                lim = tl.where((ej >= 0) & (ej < E), HID, 0)
-                v = tl.load(pair_out_ptr + (t * K_TOP + j) * so_p + n, mask=n < lim, other=0.0,
-                            cache_modifier=".cg")
-                acc_t += v.to(tl.float32)
-            tl.store(out_ptr + t * HID + n, acc_t.to(out_ptr.dtype.element_ty), mask=nm)
+            _slot_sum(pair_out_ptr, ids_ptr, emap_ptr, out_ptr, t, n, HID, K_TOP, E, HAS_MAP, BLOCK_N)
 
 
 @triton.jit
@@ -228,11 +221,21 @@ def _small_combine_kernel(pair_out_ptr, ids_ptr, emap_ptr, out_ptr, HID, K_TOP, 
     # out[t] = float32 sum, in slot order, of the token's local pair rows; one rounding.
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _slot_sum(pair_out_ptr, ids_ptr, emap_ptr, out_ptr, t, cols, HID, K_TOP, E, HAS_MAP, BLOCK)
+
+
+@triton.jit
+def _slot_sum(pair_out_ptr, ids_ptr, emap_ptr, out_ptr, t, cols, HID, K_TOP, E,
+              HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, cols] = float32 sum, in slot order, of the token's local rows of the
+    contiguous [P, HID] pair buffer; one rounding. Reads past L1: in the merging down
+    kernel other programs of the same launch wrote the rows."""
     acc = tl.zeros([BLOCK], tl.float32)
     for j in range(0, K_TOP):
         e = _local_expert(ids_ptr, emap_ptr, t * K_TOP + j, HAS_MAP)
         lim = tl.where((e >= 0) & (e < E), HID, 0)
-        v = tl.load(pair_out_ptr + (t * K_TOP + j) * HID + cols, mask=cols < lim, other=0.0)
+        v = tl.load(pair_out_ptr + (t * K_TOP + j) * HID + cols, mask=cols < lim, other=0.0,
+                    cache_modifier=".cg")
         acc += v.to(tl.float32)
     tl.store(out_ptr + t * HID + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HID)
 
