@@ -2,13 +2,17 @@
 the ucxx transport, against raw ucxx send/recv of the same bytes in the same run.
 
     python bench/kv_transfer.py [--device cpu|cuda] [--tokens 2048,8192] [--reps 3]
-                                [--layouts 1-1,2-1] [--staging 3] [--payload-mib 32]
+                                [--layouts 1-1,2-1] [--pages runs,shuffled] [--no-direct]
+                                [--staging 3] [--payload-mib 32]
                                 [--tls ...] [--ucx-env K=V,...] [--no-nccl]
                                 [--payload-only] [--trace] [--progress-mode M] [--profile]
 
 Shape: Qwen3-30B-A3B-like KV, 48 layers, 4 KV heads, head_dim 128, 2-byte elements
-(int16 stands in for bf16 on CPU; bf16 on GPU), page 16 on both sides, pages of the
-request shuffled in both pools. Layout `P-D`: prefill TP=P (P sender processes, one per
+(int16 stands in for bf16 on CPU; bf16 on GPU), page 16 on both sides. The request's
+pages in both pools are `--pages`: `runs` (consecutive, as a fresh pool hands them out:
+whole pages that are spans of both pools move in place, without staging) and/or
+`shuffled` (random: every page-run goes through the staging buffers; `--no-direct`
+forces staging for runs too). Layout `P-D`: prefill TP=P (P sender processes, one per
 rank) -> one decode rank with TP=D=1 (one receiver process). Every process pins torch to
 one thread. The spawned processes get UCX_TLS=--tls (default cpu: tcp,sm,self; cuda:
 cuda_copy,cuda_ipc,tcp,sm,self) and on cpu, by default, 512 KiB tcp segments (--ucx-env;
@@ -39,7 +43,8 @@ Per (layout, tokens), in the same processes and over the same UCX worker:
   NCCL send/recv between the same processes' GPUs (one buffer per sender, 1-byte reply).
 Time: from a start instant all senders wait for (CLOCK_MONOTONIC, shared on one host)
 to the last sender's end; best of `--reps` after one warm-up. The receiver checks the
-landed slot counts after every run. Planning is done before timing (reported apart).
+landed slot counts after every run, and after each request size both sides hash the
+request's slots (`intact`: what landed equals what was sent, bit for bit). Planning is done before timing (reported apart).
 Prints a table last and writes JSON to $OUT/kv_transfer.json (or ./kv_transfer.json).
 Code: this file parses the command line, runs the processes and reports; the processes
 are in kv_transfer_receiver.py and kv_transfer_sender.py (shared pieces in
@@ -59,7 +64,7 @@ import torch
 
 import kv_transfer_gpu as gpu
 from kv_transfer_receiver import receiver_main
-from kv_transfer_request import HEAD_DIM, KV_HEADS, LAYERS, PAGE
+from kv_transfer_request import HEAD_DIM, KV_HEADS, LAYERS, PAGE, PAGE_ORDERS
 from kv_transfer_sender import sender_main
 
 START_DELAY_S = 0.3
@@ -96,6 +101,16 @@ def _run(procs, rx_pipe, tx_pipes, what: str, rid: str, tokens: int) -> dict:
             "receiver_cpu_s": rx_cpu}
 
 
+def _intact(procs, rx_pipe, tx_pipes, tokens: int) -> bool:
+    """Whether the receiver's slots of the request hold, bit for bit, what each sender's
+    slots hold (digests in payload order; every mode wrote the same values)."""
+    rx_pipe.send(("digest", tokens))
+    for pipe in tx_pipes:
+        pipe.send(("digest", tokens))
+    landed = _reply(rx_pipe, procs)
+    return landed == [_reply(pipe, procs) for pipe in tx_pipes]
+
+
 def _reply(pipe, procs, timeout_s: float = 300.0):
     if not pipe.poll(timeout_s):
         dead = [p.exitcode for p in procs]
@@ -103,7 +118,7 @@ def _reply(pipe, procs, timeout_s: float = 300.0):
     return pipe.recv()
 
 
-def bench_layout(p: int, tokens_list: list[int], args) -> list[dict]:
+def bench_layout(p: int, pages: str, tokens_list: list[int], args) -> list[dict]:
     ctx = mp.get_context("spawn")
     nccl = args.device == "cuda" and not args.no_nccl
     cfg = {"p": p, "max_tokens": max(tokens_list), "staging": args.staging, "tls": args.tls,
@@ -111,7 +126,8 @@ def bench_layout(p: int, tokens_list: list[int], args) -> list[dict]:
            "nccl_port": gpu.free_port() if nccl else 0, "payload_mib": args.payload_mib,
            "profile": args.profile, "progress": args.progress_mode,
            "payload_only": args.payload_only, "trace": args.trace,
-           "switch_interval": args.switch_interval}
+           "switch_interval": args.switch_interval, "pages": pages,
+           "direct": not args.no_direct}
     modes = MODES + (("nccl",) if nccl else ())
     rx_pipe, child = ctx.Pipe()
     procs = [ctx.Process(target=receiver_main, args=(child, cfg), daemon=True)]
@@ -138,8 +154,10 @@ def bench_layout(p: int, tokens_list: list[int], args) -> list[dict]:
                     run = _run(procs, rx_pipe, tx_pipes, what, f"r{n}", tokens)
                     if rep and (what not in best or run["seconds"] < best[what]["seconds"]):
                         best[what] = run
+            intact = _intact(procs, rx_pipe, tx_pipes, tokens)
             for what, run in best.items():
-                rows.append({"layout": f"tp{p}->tp1", "tokens": tokens, "what": what, **run,
+                rows.append({"layout": f"tp{p}->tp1", "pages": pages, "tokens": tokens,
+                             "what": what, "intact": intact, **run,
                              "gb_per_s": run["bytes"] / run["seconds"] / 1e9,
                              "of_raw": best["raw"]["seconds"] / run["seconds"]})
                 print(f"  {rows[-1]}", flush=True)
@@ -166,6 +184,10 @@ def _parse_args() -> argparse.Namespace:
                     help="where pools and raw buffers live (cuda: one GPU per process)")
     ap.add_argument("--tokens", default="2048,8192")
     ap.add_argument("--layouts", default="1-1,2-1", help="prefill TP - decode TP (1)")
+    ap.add_argument("--pages", default="runs,shuffled",
+                    help=f"the request's pages in both pools, any of {','.join(PAGE_ORDERS)}")
+    ap.add_argument("--no-direct", action="store_true",
+                    help="the receiver takes no payload in place (everything staged)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--staging", type=int, default=3, help="staging buffers per connection")
     ap.add_argument("--payload-mib", type=int, default=32,
@@ -200,7 +222,7 @@ def _meta(args, requested: list[int], senders: list[int]) -> dict:
     meta = {"host": platform.node(), "cpus": os.cpu_count(), "ucx": ucxx.__ucx_version__,
             "ucxx": ucxx.__version__, "torch": torch.__version__, "device": args.device,
             "tls": args.tls, "ucx_env": _ucx_env(args.ucx_env), "staging": args.staging,
-            "payload_mib": args.payload_mib, "reps": args.reps,
+            "payload_mib": args.payload_mib, "reps": args.reps, "direct": not args.no_direct,
             "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                       "page": PAGE, "dtype_bytes": 2,
                       "dtype": "bfloat16" if args.device == "cuda" else "int16"}}
@@ -211,10 +233,10 @@ def _meta(args, requested: list[int], senders: list[int]) -> dict:
 
 
 def _print_table(rows: list[dict]) -> None:
-    print("| layout | tokens | what | bytes | seconds | GB/s | of raw | CPU s tx/rx |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| layout | pages | tokens | intact | what | bytes | seconds | GB/s | of raw | CPU s tx/rx |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['tokens']} | {r['what']} | {r['bytes']} | "
+        print(f"| {r['layout']} | {r['pages']} | {r['tokens']} | {r['intact']} | {r['what']} | {r['bytes']} | "
               f"{r['seconds']:.4f} | {r['gb_per_s']:.2f} | {r['of_raw']:.2f} | "
               f"{r['sender_cpu_s']:.2f}/{r['receiver_cpu_s']:.2f} |")
 
@@ -231,9 +253,13 @@ def main() -> None:
     requested = senders
     if args.device == "cuda":
         senders = gpu.fitting_senders(senders)
+    orders = args.pages.split(",")
+    if not set(orders) <= set(PAGE_ORDERS):
+        raise SystemExit(f"--pages: any of {','.join(PAGE_ORDERS)}")
     rows = []
     for p in senders:
-        rows += bench_layout(p, tokens, args)
+        for order in orders:
+            rows += bench_layout(p, order, tokens, args)
     meta = _meta(args, requested, senders)
     path = os.path.join(os.environ.get("OUT", "."), "kv_transfer.json")
     with open(path, "w") as f:

@@ -1,10 +1,12 @@
 """What every spawned process of `bench/kv_transfer.py` shares: its environment (UCX
 variables, one torch thread, on cuda its GPU and the NCCL group), its KV pools and raw
-buffers, commands from the parent, CPU time, optional profiling, the start instant."""
+buffers, commands from the parent, CPU time, optional profiling, the start instant, and
+the digest of a request's slots (the check that what landed is what was sent)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import resource
 import sys
@@ -31,6 +33,23 @@ def make_pools(num_pages: int, heads: int, fill: bool, dev: torch.device):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return pools
+
+
+def digest(pools, tables: list, side: str) -> str:
+    """Hash of the slots `tables` name on `side`, in payload order (block by block): equal
+    on both sides exactly when every slot landed with its value."""
+    from phalanx.kv_transfer import messages as m
+    from phalanx.kv_transfer.staging import _Pools
+    view, h = _Pools(pools), hashlib.blake2b(digest_size=16)
+    for table in tables:
+        for template, blocks in m.templates_of(table):
+            tmpl = view.template(template, side)
+            for block in blocks:
+                out = torch.empty(tmpl.nbytes(block[None]), dtype=torch.uint8, device=view.device)
+                view.gather(tmpl, block[None], out)
+                view.sync()
+                h.update(out.cpu().numpy())
+    return h.hexdigest()
 
 
 def make_buf(nbytes: int, dev: torch.device):

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 import kv_transfer_gpu as gpu
-from kv_transfer_proc import cpu_seconds, make_buf, make_pools, profiled, recv_cmd, set_env
-from kv_transfer_request import KV_HEADS, PAGE, sender_shares
+from kv_transfer_proc import cpu_seconds, digest, make_buf, make_pools, profiled, recv_cmd, set_env
+from kv_transfer_request import KV_HEADS, PAGE, request_plan, sender_shares
 
 
 def receiver_main(pipe, args) -> None:
@@ -27,9 +27,10 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
     from phalanx.kv_transfer.transport import KVReceiver, ensure_ucx, shutdown_ucx
     ucxx = ensure_ucx(args["progress"])
     num_pages = -(-args["max_tokens"] // PAGE) + 8
-    rx = KVReceiver(make_pools(num_pages, KV_HEADS, False, dev), rank=0, epoch=1,
+    pools = make_pools(num_pages, KV_HEADS, False, dev)
+    rx = KVReceiver(pools, rank=0, epoch=1,
                     timeout_s=60.0, staging_buffers=args["staging"], progress_mode=args["progress"],
-                    max_payload_bytes=args["payload_mib"] << 20)
+                    max_payload_bytes=args["payload_mib"] << 20, direct=args["direct"])
     addr = await rx.start()
     raw_eps, nccl_bufs = [], {}
 
@@ -60,15 +61,19 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
             pipe.send(cpu_seconds())
             continue
         rid, tokens = cmd
+        if rid == "digest":  # per sender rank, its share as it landed here
+            tables = request_plan(args["p"], tokens, num_pages, args["pages"])[0]
+            pipe.send([digest(pools, [tables[(s, 0)]], "dst") for s in range(args["p"])])
+            continue
         if rid == "nccl":  # blocks this loop: nothing else is in flight meanwhile
             if tokens not in nccl_bufs:
-                shares = sender_shares(args["p"], tokens, num_pages)
+                shares = sender_shares(args["p"], tokens, num_pages, args["pages"])
                 nccl_bufs[tokens] = [make_buf(n, dev) for n in shares]
             gpu.nccl_recv(nccl_bufs[tokens])
             pipe.send("nccl")
             continue
         await rx.wait_request(rid, tokens, timeout_s=30.0)
-        rx.release(rid)
+        await rx.release(rid)
         pipe.send(rx.stats["bytes"])
     await rx.close()
     for ep in raw_eps:

@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 import kv_transfer_gpu as gpu
-from kv_transfer_proc import cpu_seconds, make_buf, make_pools, profiled, recv_cmd, set_env, sleep_until
-from kv_transfer_request import LAYERS, PAGE, kv_layouts, rank_batches
+from kv_transfer_proc import (cpu_seconds, digest, make_buf, make_pools, profiled, recv_cmd,
+                              set_env, sleep_until)
+from kv_transfer_request import LAYERS, PAGE, kv_layouts, rank_batches, request_plan
 
 
 def sender_main(pipe, rank: int, args) -> None:
@@ -30,7 +31,8 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
     src, _ = kv_layouts(args["p"], 1)
     heads = len(src.heads_of(rank))
     num_pages = -(-args["max_tokens"] // PAGE) + 8
-    tx = KVSender(make_pools(num_pages, heads, True, dev), rank=rank, epoch=1, timeout_s=60.0,
+    pools = make_pools(num_pages, heads, True, dev)
+    tx = KVSender(pools, rank=rank, epoch=1, timeout_s=60.0,
                   staging_buffers=args["staging"], progress_mode=args["progress"])
     addr, raw_addr = pipe.recv()
     await tx.connect(tuple(addr))
@@ -39,9 +41,13 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
     plans, wholes = {}, {}
     pipe.send("ready")
     while (cmd := await recv_cmd(pipe)) is not None:
+        if cmd[0] == "digest":
+            tables = request_plan(args["p"], cmd[1], num_pages, args["pages"])[0]
+            pipe.send(digest(pools, [tables[(rank, 0)]], "src"))
+            continue
         what, rid, tokens, start = cmd
         if tokens not in plans:
-            plans[tokens] = rank_batches(rank, args["p"], tokens, num_pages)
+            plans[tokens] = rank_batches(rank, args["p"], tokens, num_pages, args["pages"])
             wholes[tokens] = np.concatenate(plans[tokens][0])
         batches, plan_s, nbytes = plans[tokens]
         if what.startswith("raw") or what == "nccl":

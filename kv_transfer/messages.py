@@ -5,8 +5,10 @@ framed as one transport message: a little-endian u64 length, then the body (`fra
 the receiver can keep receives posted into fixed buffers (`MAX_CTRL_BYTES`). On one
 connection (a prefill rank -> a decode rank) the sender speaks first with `Hello` and the
 receiver answers `HelloAck` (with the payload capacity of its receive buffers); then each
-message is a `TransferRequest` plus a payload message of exactly `payload_bytes` raw
-bytes, answered by one `TransferAck` with the same `seq`. Every message carries the
+message is a `TransferRequest` plus its payload, answered by one `TransferAck` with the
+same `seq`: either one message of exactly `payload_bytes` raw bytes into a staging
+buffer, or (`direct`) one message per block, received straight into the pool span the
+block names (`spans`). Every message carries the
 epoch of the group that produced it; a receiver drops (never applies) messages of
 another epoch.
 
@@ -36,7 +38,7 @@ import numpy as np
 
 from .planner import Copy
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_CTRL_BYTES = 1 << 20   # a framed TransferRequest (header + copy table) fits in this
 MAX_REPLY_BYTES = 1 << 16  # a framed Hello, HelloAck or TransferAck fits in this
 KIND_CODES = {"k": 0, "v": 1}
@@ -65,13 +67,16 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
 class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
     """Receiver -> sender: accepted (ok) or rejected with `error`, then closed.
-    `max_payload_bytes`: the largest payload one TransferRequest may announce."""
+    `max_payload_bytes`: the largest payload one TransferRequest may announce.
+    `pool_shape`: the receiver's (num_pages, heads, page_size, head_dim) when it takes
+    payloads in place (`TransferRequest.direct`); () when it does not."""
 
     epoch: int
     receiver_rank: int
     ok: bool
     max_payload_bytes: int = 0
     error: str = ""
+    pool_shape: tuple[int, ...] = ()
 
 
 class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
@@ -80,7 +85,11 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     `seq` numbers the requests of one connection (from 1); [layer_start, layer_stop)
     spans the blocks' layers. `template` names a template of this connection; its table
     travels in `template_table` with the first message that uses it (b"" afterwards).
-    `blocks` is the int32 block table (`encode_blocks`)."""
+    `blocks` is the int32 block table (`encode_blocks`).
+
+    direct: every block is one span of the receiver's pools (`spans.SlabSpans`) and its
+    payload follows as its own transport message (TAG_DIRECT), block by block, received
+    in place; otherwise the payload is one message (TAG_PAYLOAD) into a staging buffer."""
 
     request_id: str
     epoch: int
@@ -91,6 +100,7 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     template_table: bytes
     blocks: bytes
     payload_bytes: int
+    direct: bool = False
 
 
 class TransferAck(msgspec.Struct, tag="ack", frozen=True):

@@ -5,18 +5,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
 from .staging import _Pools, _Template
-from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address,
+from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address,
                           TransportThread, _abort, _on_loop, _post_recv, _post_send, _reason,
                           _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
 
@@ -34,6 +36,7 @@ class _RecvConn:
         # template id -> (request id, template); LRU, dropped with their request
         self.templates: OrderedDict[int, tuple[str, _Template]] = OrderedDict()
         self.requests: set[str] = set()
+        self.scratch: Optional[torch.Tensor] = None  # drains refused direct payloads
         self.broken = ""
         self.tasks: list[asyncio.Task] = []
 
@@ -42,34 +45,37 @@ class KVReceiver:
     """Decode side: listens on (host, port) (0: any free port) and writes incoming
     batches into its pools (per layer (k, v) of `[num_pages, kv_heads_local, page_size,
     head_dim]`). `wait_request` reports when a request's KV has landed. Per connection it
-    keeps `staging_buffers` receives of up to `max_payload_bytes` posted.
+    keeps `staging_buffers` receives of up to `max_payload_bytes` posted. direct: tell
+    senders the pools' shape, so that blocks that are spans of them are received in
+    place (no staging buffer, no scatter).
 
     on_landed(request_id, layers, epoch): called on the loop after a message is written,
     before its ack is sent. gated: accept only request ids announced with `expect` (and
     not yet `release`d), so a late write of an abandoned transfer can never land in pages
-    that were given back; others get a negative ack. `stats`: counters (connections accepted and lost, messages
-    and bytes written, messages dropped for their epoch or rejected). Async API: use on
-    one loop (module docstring)."""
+    that were given back; others get a negative ack. `stats`: counters (connections
+    accepted and lost, messages and bytes written, of which received in place, messages
+    dropped for their epoch or rejected). Async API: use on one loop (module docstring)."""
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
                  epoch: int, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 10.0, staging_buffers: int = 3,
                  max_payload_bytes: int = 32 << 20, progress_mode: str = "thread",
                  on_landed: Optional[Callable[[str, range, int], None]] = None,
-                 gated: bool = False) -> None:
+                 gated: bool = False, direct: bool = True) -> None:
         self._pools = _Pools(pools)
         self._expected: Optional[set[str]] = set() if gated else None
         self.rank, self.epoch, self.host, self._port = rank, epoch, host, port
         self.timeout_s, self.max_payload_bytes = timeout_s, max_payload_bytes
         self._staging_buffers, self._progress_mode = max(1, staging_buffers), progress_mode
-        self.on_landed = on_landed
+        self.on_landed, self.direct = on_landed, direct
+        self._inflight: dict[str, set[asyncio.Future]] = defaultdict(set)  # in-place receives
         self._listener: Any = None
         self._conns: set[_RecvConn] = set()
         self._rows: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self._failed: dict[str, tuple[str, str]] = {}
         self._wakeup = asyncio.Event()
-        self.stats = {"connections": 0, "messages": 0, "bytes": 0, "dropped_epoch": 0,
-                      "rejected": 0, "conn_lost": 0}
+        self.stats = {"connections": 0, "messages": 0, "bytes": 0, "direct": 0,
+                      "dropped_epoch": 0, "rejected": 0, "conn_lost": 0}
 
     @property
     def address(self) -> Address:
@@ -93,13 +99,18 @@ class KVReceiver:
         if self._expected is not None:
             self._expected.add(request_id)
 
-    def release(self, request_id: str) -> None:
+    async def release(self, request_id: str) -> None:
         """Forget a request's landing state (after it is admitted or aborted) and close
-        its gate: later messages for it are refused. Returns once no copy into the pools
-        is running (the caller may give the request's pages back)."""
-        self._pools.sync()
+        its gate: later messages for it are refused. Returns once no copy or in-place
+        receive into its pages is running (the caller may give them back): in-place
+        receives end by completing, or fail at their deadline, which breaks their
+        connection."""
         if self._expected is not None:
             self._expected.discard(request_id)
+        inflight = self._inflight.pop(request_id, ())
+        if inflight:
+            await asyncio.gather(*inflight, return_exceptions=True)
+        self._pools.sync()
         self._rows.pop(request_id, None)
         for conn in self._conns:
             for tid in [t for t, (rid, _) in conn.templates.items() if rid == request_id]:
@@ -170,7 +181,8 @@ class KVReceiver:
         conn.peer = f"sender rank {getattr(hello, 'sender_rank', '?')}"
         error = self._check_hello(hello)
         await _send_msg(conn.ep, TAG_REPLY, m.HelloAck(
-            self.epoch, self.rank, not error, self.max_payload_bytes, error), self.timeout_s)
+            self.epoch, self.rank, not error, self.max_payload_bytes, error,
+            self._pools.shape if self.direct else ()), self.timeout_s)
         if error:  # let the sender read the refusal and hang up first
             try:
                 await asyncio.wait_for(_post_recv(conn.ep, TAG_CTRL, bytearray(8)),
@@ -178,43 +190,55 @@ class KVReceiver:
             except Exception:  # the hang-up (or our deadline)
                 pass
             raise ValueError(f"refused: {error}")
-        slots = [(bytearray(m.MAX_CTRL_BYTES),
-                  torch.empty(self.max_payload_bytes, dtype=torch.uint8, device=self._pools.device))
-                 for _ in range(self._staging_buffers)]
-        posted = [self._post(conn, slot) for slot in slots]
-        finishing: list[Optional[asyncio.Task]] = [None] * len(slots)
-        n = 0
+        ctrl: deque[tuple[bytearray, asyncio.Task]] = deque()
+        for _ in range(self._staging_buffers):
+            buf = bytearray(m.MAX_CTRL_BYTES)
+            ctrl.append((buf, _post_recv(conn.ep, TAG_CTRL, buf)))
+        staged: asyncio.Queue = asyncio.Queue()  # posted staging receives, in posting order
+        for _ in range(self._staging_buffers):
+            self._post_staging(conn, staged, torch.empty(
+                self.max_payload_bytes, dtype=torch.uint8, device=self._pools.device))
+        previous: Optional[asyncio.Task] = None
         while True:
-            k = n % len(slots)
-            if finishing[k] is not None:  # slot k's scatter is done and its receives reposted
-                await finishing[k]
-            ctrl_task, payload_task = posted[k]
-            await ctrl_task  # idle: no deadline
-            msg = m.unframe(slots[k][0], m.TO_RECEIVER)
+            buf, task = ctrl.popleft()
+            await task  # idle: no deadline
+            msg = m.unframe(buf, m.TO_RECEIVER)  # decoded into copies: repost at once
+            ctrl.append((buf, _post_recv(conn.ep, TAG_CTRL, buf)))
             if not isinstance(msg, m.TransferRequest):
                 raise ValueError(f"unexpected {type(msg).__name__}")
             if msg.epoch == self.epoch:
                 conn.requests.add(msg.request_id)
-            await asyncio.wait_for(payload_task, self.timeout_s)
-            error, landed, scattered = self._apply(msg, slots[k][1], conn.templates)
-            finishing[k] = asyncio.create_task(self._finish(
-                conn, msg, error, landed, scattered, slots[k], posted, k,
-                finishing[(k - 1) % len(slots)]))
-            n += 1
+            if msg.direct:
+                error, landed, done = await self._land_in_place(conn, msg)
+                repost = None
+            else:  # UCX fills staging receives in posting order, so take them in that order
+                payload, payload_task = await staged.get()
+                await asyncio.wait_for(payload_task, self.timeout_s)
+                error, landed, scattered = self._apply(msg, payload, conn.templates)
+                done = asyncio.ensure_future(self._pools.wait(scattered))
+                repost = functools.partial(self._post_staging, conn, staged, payload)
+            previous = asyncio.create_task(
+                self._finish(conn, msg, error, landed, done, repost, previous))
+
+    def _post_staging(self, conn: _RecvConn, staged: asyncio.Queue, buf: torch.Tensor) -> None:
+        staged.put_nowait((buf, _post_recv(conn.ep, TAG_PAYLOAD, _ucx_buf(buf))))
 
     async def _finish(self, conn: _RecvConn, msg: m.TransferRequest, error: str,
-                      landed: Optional[tuple[dict, dict]], scattered: Any, slot: tuple,
-                      posted: list, k: int, previous: Optional[asyncio.Task]) -> None:
-        """After message `msg`'s scatter (and the message before it) completed: count its
-        slots landed, repost its ring slot, acknowledge it."""
+                      landed: Optional[tuple[dict, dict]], done: Optional[asyncio.Future],
+                      repost: Optional[Callable[[], None]],
+                      previous: Optional[asyncio.Task]) -> None:
+        """After message `msg`'s payload is in its pages (`done`: the scatter or the
+        in-place receives) and the message before it finished: count its slots landed,
+        repost its staging receive, acknowledge it."""
         try:
-            await self._pools.wait(scattered)
+            if done is not None:
+                await done
             if previous is not None:
                 await previous
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._break(conn, f"copy failed: {e!r}")
+            self._break(conn, f"copy failed: {_reason(e)}")
             return
         if conn.broken:
             return
@@ -227,7 +251,8 @@ class KVReceiver:
             if self.on_landed is not None:
                 self.on_landed(msg.request_id, range(msg.layer_start, msg.layer_stop), msg.epoch)
             self._notify()
-        posted[k] = self._post(conn, slot)
+        if repost is not None:
+            repost()
         # The ack is posted, not awaited: waiting for its completion would add a
         # notifier round trip to every message (the sender's deadline covers it).
         ack = _post_send(conn.ep, TAG_REPLY, m.frame(m.TransferAck(
@@ -235,13 +260,60 @@ class KVReceiver:
             not error, error[:1000])))
         ack.add_done_callback(lambda t, conn=conn: self._ack_done(conn, t))
 
+    async def _land_in_place(self, conn: _RecvConn, msg: m.TransferRequest
+                             ) -> tuple[str, Optional[tuple[dict, dict]], Optional[asyncio.Future]]:
+        """Post the in-place receives of a direct message: ('', (the request's landed
+        rows, slots per layer), their completion); or, for another epoch's or an
+        unexpected request, receive its payload into scratch space: (why, None, None).
+        A direct message that is malformed (unknown template, blocks that are not spans
+        of the pools) leaves its payload's size unknown: ValueError, the connection ends."""
+        tmpl = self._template(msg, conn.templates)
+        blocks = m.decode_blocks(msg.blocks)
+        error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
+        spans = [] if error else [tmpl.spans.span(r0, r1) for _, _, r0, r1 in blocks.tolist()]
+        if error or None in spans or tmpl.nbytes(blocks) != msg.payload_bytes:
+            self.stats["rejected"] += 1
+            raise ValueError(f"direct message {msg.seq}: "
+                             f"{error or 'its blocks are not spans of the pools'}")
+        refusal = self._refusal(msg)
+        if refusal:
+            await self._drain(conn, msg, [b - a for a, b in spans])
+            return refusal, None, None
+        recvs = [_post_recv(conn.ep, TAG_DIRECT, _ucx_buf(self._pools.region(layer, kind, span)))
+                 for (layer, kind, _, _), span in zip(blocks.tolist(), spans)]
+        done = asyncio.ensure_future(self._received(conn, recvs))
+        inflight = self._inflight[msg.request_id]
+        inflight.add(done)
+        done.add_done_callback(inflight.discard)
+        self.stats["direct"] += 1
+        return "", (self._rows[msg.request_id], tmpl.landed(blocks)), done
+
+    async def _received(self, conn: _RecvConn, recvs: list[asyncio.Task]) -> None:
+        """Until every in-place receive completed; at the deadline or on an error the
+        connection is broken first (its endpoint aborted: nothing more lands)."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*recvs), self.timeout_s)
+        except BaseException as e:
+            self._break(conn, f"in-place receive failed: {_reason(e)}")
+            raise
+
+    async def _drain(self, conn: _RecvConn, msg: m.TransferRequest, sizes: list[int]) -> None:
+        """Receive a refused direct message's payload into scratch space (never the pools)."""
+        if msg.payload_bytes > self.max_payload_bytes:
+            raise ValueError(f"direct message {msg.seq} of {msg.payload_bytes} bytes exceeds "
+                             f"{self.max_payload_bytes}")
+        if conn.scratch is None:
+            conn.scratch = torch.empty(self.max_payload_bytes, dtype=torch.uint8,
+                                       device=self._pools.device)
+        ends = np.cumsum(sizes).tolist()
+        element = self._pools.row_bytes // self._pools.head_dim
+        recvs = [_post_recv(conn.ep, TAG_DIRECT, _ucx_buf(conn.scratch[a * element:b * element]))
+                 for a, b in zip([0] + ends[:-1], ends)]
+        await asyncio.wait_for(asyncio.gather(*recvs), self.timeout_s)
+
     def _ack_done(self, conn: _RecvConn, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             self._break(conn, f"ack send failed: {_reason(task.exception())}")
-
-    def _post(self, conn: _RecvConn, slot: tuple) -> tuple[asyncio.Task, asyncio.Task]:
-        return (_post_recv(conn.ep, TAG_CTRL, slot[0]),
-                _post_recv(conn.ep, TAG_PAYLOAD, _ucx_buf(slot[1])))
 
     def _apply(self, msg: m.TransferRequest, buf: torch.Tensor,
                templates: "OrderedDict[int, tuple[str, _Template]]"
@@ -258,12 +330,9 @@ class KVReceiver:
         except ValueError as e:
             self.stats["rejected"] += 1
             return str(e), None, None
-        if msg.epoch != self.epoch:
-            self.stats["dropped_epoch"] += 1
-            return f"stale epoch {msg.epoch}: receiver is at epoch {self.epoch}", None, None
-        if self._expected is not None and msg.request_id not in self._expected:
-            self.stats["rejected"] += 1
-            return f"request {msg.request_id!r} is not expected here", None, None
+        refusal = self._refusal(msg)
+        if refusal:
+            return refusal, None, None
         error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
         if not error and tmpl.nbytes(blocks) != msg.payload_bytes:
             error = f"payload of {msg.payload_bytes} bytes does not match the blocks"
@@ -272,6 +341,17 @@ class KVReceiver:
             return error, None, None
         by_layer, scattered = self._pools.scatter(tmpl, blocks, buf[:msg.payload_bytes])
         return "", (self._rows[msg.request_id], by_layer), scattered
+
+    def _refusal(self, msg: m.TransferRequest) -> str:
+        """Why a well-formed message is not written: another epoch, or a request the
+        gate is closed to ('' if it is written)."""
+        if msg.epoch != self.epoch:
+            self.stats["dropped_epoch"] += 1
+            return f"stale epoch {msg.epoch}: receiver is at epoch {self.epoch}"
+        if self._expected is not None and msg.request_id not in self._expected:
+            self.stats["rejected"] += 1
+            return f"request {msg.request_id!r} is not expected here"
+        return ""
 
     def _template(self, msg: m.TransferRequest, templates) -> _Template:
         """The message's template: defined by it (validated for the dst side) or known."""
@@ -341,7 +421,7 @@ class BlockingKVReceiver:
         self.thread.call(_on_loop(self.receiver.expect, request_id), _MARGIN_S)
 
     def release(self, request_id: str) -> None:
-        self.thread.call(_on_loop(self.receiver.release, request_id), _MARGIN_S)
+        self.thread.call(self.receiver.release(request_id), self.receiver.timeout_s + _MARGIN_S)
 
     def landed(self, request_id: str) -> dict[int, int]:
         return self.thread.call(_on_loop(self.receiver.landed, request_id), _MARGIN_S)

@@ -18,8 +18,9 @@ from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
 from .planner import Copy
+from .spans import SlabSpans
 from .staging import _Pools, _Template
-from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address,
+from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address,
                           TransportThread, _abort, _on_loop, _post_send, _reason,
                           _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
 
@@ -28,6 +29,10 @@ __all__ = ["BlockingKVSender", "Copies", "KVSender"]
 log = get_logger(__name__)
 Copies = Union[Sequence[Copy], np.ndarray]
 SENDER_TEMPLATES = 1024  # per connection; receivers keep RECEIVER_TEMPLATES >= this
+# A span of the receiver's pools at least this large is received in place, block by
+# block; smaller pieces travel together through a staging buffer (one message each
+# costs more than the copy it saves).
+IN_PLACE_MIN_BYTES = 256 << 10
 
 
 class _Batch:
@@ -45,13 +50,16 @@ class _SenderConn:
     def __init__(self, peer: str, ep: Any, hello: m.HelloAck, staging: int) -> None:
         self.peer, self.ep, self.receiver_rank = peer, ep, hello.receiver_rank
         self.capacity = hello.max_payload_bytes
+        self.dst_shape = tuple(hello.pool_shape)  # () : the receiver takes no direct payloads
         self.free: asyncio.Queue[torch.Tensor] = asyncio.Queue()  # staging buffers
         for _ in range(max(1, staging)):
             self.free.put_nowait(torch.empty(0, dtype=torch.uint8))
         self.seq = 0
-        # (batch, template id, template, block (layer, kind, r0, r1), payload bytes)
-        self.queue: deque[tuple[_Batch, int, _Template, tuple, int]] = deque()
-        self.templates: OrderedDict[tuple[str, bytes], tuple[int, _Template]] = OrderedDict()
+        # (batch, template id, template, block (layer, kind, r0, r1), payload bytes, direct)
+        self.queue: deque[tuple[_Batch, int, _Template, tuple, int, bool]] = deque()
+        # (request id, table) -> (template id, template, its spans in the receiver's pools)
+        self.templates: OrderedDict[tuple[str, bytes],
+                                    tuple[int, _Template, Optional[SlabSpans]]] = OrderedDict()
         self.defined: set[int] = set()  # template ids whose table the receiver was sent
         self.next_template = 0
         self.wake = asyncio.Event()
@@ -148,12 +156,13 @@ class KVSender:
         table = self._table(copies, conn)
         parts = []
         for template_table, blocks in m.templates_of(table):
-            tid, tmpl = self._template(conn, request_id, template_table)  # validated once
+            tid, tmpl, dst = self._template(conn, request_id, template_table)  # validated once
             error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
             if error:
                 raise ValueError(error)
             for block in blocks.tolist():
-                parts.extend((tid, tmpl, piece, n) for piece, n in tmpl.cut(block, conn.capacity))
+                parts.extend((tid, tmpl, *piece) for piece in self._pieces(conn, tmpl, dst, block))
+        parts.sort(key=lambda part: not part[-1])  # in-place parts first, order kept
         if ready is None:
             ready = self._pools.ready_event()
         batch = _Batch(request_id, self.epoch, len(parts), ready)
@@ -170,38 +179,72 @@ class KVSender:
         return ack
 
     def _template(self, conn: _SenderConn, request_id: str, table: np.ndarray
-                  ) -> tuple[int, _Template]:
-        """The connection's id for this request's template (new ones located once)."""
+                  ) -> tuple[int, _Template, Optional[SlabSpans]]:
+        """The connection's id for this request's template (new ones located once), the
+        template in this rank's pools and its spans in the receiver's (None when the
+        receiver takes no direct payloads)."""
         key = (request_id, table.tobytes())
         found = conn.templates.get(key)
         if found is not None:
             conn.templates.move_to_end(key)
             return found
-        found = (conn.next_template, self._pools.template(table, "src"))
+        tmpl = self._pools.template(table, "src")
+        dst = None  # copies outside the receiver's pools go staged: it rejects them
+        if conn.dst_shape and not m.check_copies(table, "dst", self._pools.num_layers,
+                                                 *conn.dst_shape[:3]):
+            dst = SlabSpans(table, "dst", *conn.dst_shape[1:])
+        found = (conn.next_template, tmpl, dst)
         conn.next_template += 1
         conn.templates[key] = found
         if len(conn.templates) > SENDER_TEMPLATES:  # the receiver keeps more: never stale
-            _, (old, _) = conn.templates.popitem(last=False)
+            _, (old, _, _) = conn.templates.popitem(last=False)
             conn.defined.discard(old)
         return found
 
+    def _pieces(self, conn: _SenderConn, tmpl: _Template, dst: Optional[SlabSpans],
+                block: tuple[int, int, int, int]) -> list[tuple[tuple, int, bool]]:
+        """`block` cut into message pieces: (block, payload bytes, direct), direct for the
+        runs of rows that are large spans of the receiver's pools."""
+        layer, kind, r0, r1 = block
+        least = IN_PLACE_MIN_BYTES // (self._pools.row_bytes // self._pools.head_dim)
+        runs = dst.split(r0, r1, least) if dst is not None else [(r0, r1, False)]
+        return [(piece, n, direct) for a, b, direct in runs
+                for piece, n in tmpl.cut((layer, kind, a, b), conn.capacity)]
+
     def _next_message(self, conn: _SenderConn) -> tuple[list[_Batch], int, _Template,
-                                                        np.ndarray, int]:
-        """The queue's head block and the following ones of the same request, epoch and
-        template, within the receiver's capacity: (batches, template id, template,
-        blocks, payload bytes)."""
-        batch, tid, tmpl, block, total = conn.queue.popleft()
+                                                        np.ndarray, int, bool]:
+        """The queue's head block and the following ones of the same request, epoch,
+        template and directness, within the receiver's capacity: (batches, template id,
+        template, blocks, payload bytes, direct)."""
+        batch, tid, tmpl, block, total, direct = conn.queue.popleft()
         batches, blocks = [batch], [block]
         while conn.queue and len(blocks) < m.MAX_BLOCKS:
-            nxt, ntid, _, nblock, nbytes = conn.queue[0]
-            if ((nxt.request_id, nxt.epoch, ntid) != (batch.request_id, batch.epoch, tid)
+            nxt, ntid, _, nblock, nbytes, ndirect = conn.queue[0]
+            if ((nxt.request_id, nxt.epoch, ntid, ndirect)
+                    != (batch.request_id, batch.epoch, tid, direct)
                     or total + nbytes > conn.capacity):
                 break
             conn.queue.popleft()
             batches.append(nxt)  # once per block: acks count a batch's parts down
             blocks.append(nblock)
             total += nbytes
-        return batches, tid, tmpl, np.array(blocks, dtype=np.int32), total
+        return batches, tid, tmpl, np.array(blocks, dtype=np.int32), total, direct
+
+    def _in_place(self, tmpl: _Template, blocks: np.ndarray, direct: bool
+                  ) -> Optional[list[torch.Tensor]]:
+        """The message's payload read straight from the pools, one region per transport
+        message (per block when direct, else the whole payload), or None when it must be
+        gathered: a direct message whose blocks are all spans of this rank's pools, or a
+        one-block message that is one."""
+        if not direct and len(blocks) != 1:
+            return None
+        regions = []
+        for layer, kind, r0, r1 in blocks.tolist():
+            span = tmpl.spans.span(r0, r1)
+            if span is None:
+                return None
+            regions.append(self._pools.region(layer, kind, span))
+        return regions
 
     async def _pump(self, conn: _SenderConn) -> None:
         """Gather and post queued parts in order. A message's gather is queued here and
@@ -214,41 +257,50 @@ class KVSender:
                 while not conn.queue:
                     conn.wake.clear()
                     await conn.wake.wait()
-                batches, tid, tmpl, blocks, nbytes = self._next_message(conn)
+                batches, tid, tmpl, blocks, nbytes, direct = self._next_message(conn)
                 conn.seq += 1
                 conn.pending[conn.seq] = batches  # from here on `_break` fails them
-                buf = await conn.free.get()
-                if buf.numel() < conn.capacity:  # sized once: UCX maps each buffer once
-                    buf = torch.empty(conn.capacity, dtype=torch.uint8, device=self._pools.device)
-                gathered = self._pools.gather(tmpl, blocks, buf[:nbytes],
-                                              ready=list({id(b): b.ready for b in batches}.values()))
+                ready = list({id(b): b.ready for b in batches}.values())
+                payload, buf = self._in_place(tmpl, blocks, direct), None
+                if payload is None:
+                    buf = await conn.free.get()
+                    if buf.numel() < conn.capacity:  # sized once: UCX maps each buffer once
+                        buf = torch.empty(conn.capacity, dtype=torch.uint8,
+                                          device=self._pools.device)
+                    ready = [self._pools.gather(tmpl, blocks, buf[:nbytes], ready=ready)]
+                    cuts = tmpl.bytes_cum[blocks[:, 3]] - tmpl.bytes_cum[blocks[:, 2]]
+                    ends = np.cumsum(cuts).tolist() if direct else [nbytes]
+                    payload = [buf[a:b] for a, b in zip([0] + ends[:-1], ends)]
                 layers = blocks[:, 0]
                 definition = b"" if tid in conn.defined else tmpl.table.tobytes()
                 conn.defined.add(tid)
                 msg = m.TransferRequest(batches[0].request_id, batches[0].epoch, conn.seq,
                                         int(layers.min()), int(layers.max()) + 1, tid,
-                                        definition, m.encode_blocks(blocks), nbytes)
+                                        definition, m.encode_blocks(blocks), nbytes, direct)
                 mine = asyncio.get_running_loop().create_future()
                 conn.tasks.append(asyncio.create_task(
-                    self._post(conn, msg, buf, gathered, posted, mine)))
+                    self._post(conn, msg, buf, payload, ready, posted, mine)))
                 posted = mine
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._break(conn, f"send failed: {e!r}")
 
-    async def _post(self, conn: _SenderConn, msg: m.TransferRequest, buf: torch.Tensor,
-                    gathered: Any, previous: Optional[asyncio.Future],
+    async def _post(self, conn: _SenderConn, msg: m.TransferRequest,
+                    buf: Optional[torch.Tensor], payload: list[torch.Tensor],
+                    ready: list[Any], previous: Optional[asyncio.Future],
                     posted: asyncio.Future) -> None:
-        """Once `msg`'s payload is gathered and the message before it is posted: post its
-        control message and payload; recycle the staging buffer once UCX is done with it
-        (never if a send failed)."""
+        """Once `msg`'s payload is ready (gathered into `buf`, or its pages written) and
+        the message before it is posted: post its control message and payload messages;
+        recycle the staging buffer once UCX is done with it (never if a send failed)."""
         try:
-            await self._pools.wait(gathered)
+            for event in ready:
+                await self._pools.wait(event)
             if previous is not None:
                 await previous
-            sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg)),
-                     _post_send(conn.ep, TAG_PAYLOAD, _ucx_buf(buf[:msg.payload_bytes]))]
+            tag = TAG_DIRECT if msg.direct else TAG_PAYLOAD
+            sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg))]
+            sends += [_post_send(conn.ep, tag, _ucx_buf(part)) for part in payload]
             posted.set_result(None)
             results = await asyncio.gather(*sends, return_exceptions=True)
         except asyncio.CancelledError:
@@ -265,7 +317,7 @@ class KVSender:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self._break(conn, f"send failed: {errors[0]!r}")
-        else:
+        elif buf is not None:
             conn.free.put_nowait(buf)
 
     async def _read_acks(self, conn: _SenderConn) -> None:

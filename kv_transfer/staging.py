@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import messages as m
+from .spans import SlabSpans
 
 if TYPE_CHECKING:
     from .slab_copy import SlabIndex
@@ -86,6 +87,16 @@ class _Pools:
             return None
         return torch.empty(0, dtype=self.dtype, device=self.device).set_(
             storage, first.storage_offset(), (total,))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(num_pages, heads, page_size, head_dim) of every pool."""
+        return (self.num_pages, self.heads, self.page_size, self.head_dim)
+
+    def region(self, layer: int, kind: int, span: tuple[int, int]) -> torch.Tensor:
+        """Elements [start, stop) of pool (layer, kind) as a uint8 view: a span that UCX
+        reads (sender) or writes (receiver) in place."""
+        return self.pools[layer][kind].view(-1)[span[0]:span[1]].view(torch.uint8)
 
     def ready_event(self) -> Optional["torch.cuda.Event"]:
         """An event on the calling thread's current stream (CUDA; None on CPU): a gather
@@ -206,18 +217,15 @@ class _Pools:
                         pool.view(as_int).numpy()[idx.numpy()] = rows.view(as_int).numpy()
                     else:
                         pool.index_copy_(0, idx, rows)
-        landed: dict[int, int] = defaultdict(int)
-        for layer, _, r0, r1 in blocks.tolist():
-            landed[layer] += int(tmpl.slots_cum[r1] - tmpl.slots_cum[r0])
-        return landed, self._record()
+        return tmpl.landed(blocks), self._record()
 
 
 class _Template:
     """A template (copy table, layer/kind unused) located in one side's pools: for each
     run of rows with one granule g, the pool rows (`[-1, g * head_dim]` view) of every
     slab in payload order (on the device and on the host), and per row its offset into
-    them; byte and slot prefix sums
-    per row, so a block [r0, r1) is sized and indexed in O(runs)."""
+    them; byte and slot prefix sums per row, so a block [r0, r1) is sized and indexed in
+    O(runs); its `spans` in this side's pools (which blocks move in place)."""
 
     def __init__(self, pools: _Pools, table: np.ndarray, side: str) -> None:
         self.table = np.ascontiguousarray(table, dtype=np.dtype("<i4"))
@@ -231,6 +239,7 @@ class _Template:
             off = np.concatenate(([0], np.cumsum(slots[a:b] // g)))
             self.runs.append((a, b, g, torch.from_numpy(rows).to(pools.device), off, rows))
         self.granules = sorted({run[2] for run in self.runs})
+        self.spans = SlabSpans(table, side, pools.heads, pools.page_size, pools.head_dim)
         self._slabs: Optional["SlabIndex"] = None
 
     def slabs(self, pools: _Pools) -> "SlabIndex":
@@ -243,6 +252,13 @@ class _Template:
 
     def nbytes(self, blocks: np.ndarray) -> int:
         return int((self.bytes_cum[blocks[:, 3]] - self.bytes_cum[blocks[:, 2]]).sum())
+
+    def landed(self, blocks: np.ndarray) -> dict[int, int]:
+        """Token slots (heads x tokens) that `blocks` write, per layer."""
+        out: dict[int, int] = defaultdict(int)
+        for layer, _, r0, r1 in blocks.tolist():
+            out[layer] += int(self.slots_cum[r1] - self.slots_cum[r0])
+        return out
 
     def cut(self, block: tuple[int, int, int, int], capacity: int) -> list[tuple[tuple, int]]:
         """`block` cut at row boundaries into pieces of at most `capacity` payload bytes:

@@ -16,12 +16,13 @@ import torch
 from ..log import get_logger
 from . import messages as m
 
-__all__ = ["Address", "TAG_CTRL", "TAG_PAYLOAD", "TAG_REPLY", "TransportThread",
-           "ensure_ucx", "shutdown_ucx"]
+__all__ = ["Address", "TAG_CTRL", "TAG_DIRECT", "TAG_PAYLOAD", "TAG_REPLY",
+           "TransportThread", "ensure_ucx", "shutdown_ucx"]
 
 log = get_logger(__name__)
 Address = tuple[str, int]
-TAG_CTRL, TAG_PAYLOAD, TAG_REPLY = 1, 2, 3
+# one tag per message kind: UCX matches the messages of one tag in posting order
+TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, TAG_DIRECT = 1, 2, 3, 4
 _ABORT_PERIOD_NS = 10**9
 
 _ucx_loop: Optional[asyncio.AbstractEventLoop] = None

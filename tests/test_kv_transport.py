@@ -42,6 +42,7 @@ class Case(NamedTuple):
     dst_page: int
     tokens: int = 45
     head_dim: int = 8
+    runs: bool = False  # the request's pages consecutive on both sides (else shuffled)
 
 
 CASES = {
@@ -50,7 +51,16 @@ CASES = {
     "tp4_kv2_to_tp1": Case(4, 1, 2, 4, 16),
     "tp1_to_tp1": Case(1, 1, 4, 16, 16),
     "big": Case(1, 1, 4, 16, 16, tokens=4096, head_dim=256),  # 32 MiB per layer
+    # consecutive pages, 295 KiB of whole pages per (layer, kind) and rank pair: spans of
+    # the receiver's pools (>= the sender's IN_PLACE_MIN_BYTES) are received in place
+    "tp1_to_tp1_runs": Case(1, 1, 4, 16, 16, tokens=603, head_dim=64, runs=True),
+    "tp1_to_tp2_runs": Case(1, 2, 4, 16, 16, tokens=603, head_dim=64, runs=True),
+    "tp2_to_tp1_runs": Case(2, 1, 4, 16, 16, tokens=603, head_dim=64, runs=True),
 }
+# per case, whether any message is received in place (the receiver's pools hold every
+# head of the copies' whole pages consecutively only when it holds no more heads than
+# each sender: tp2 -> tp1 interleaves two senders' heads in every page)
+IN_PLACE = {"tp1_to_tp1_runs": True, "tp1_to_tp2_runs": True, "tp2_to_tp1_runs": False}
 
 
 # ----------------------------------------------------------------------- actors
@@ -152,10 +162,15 @@ def _layouts(case: str) -> tuple[KVLayout, KVLayout]:
             KVLayout(c.dst_tp, c.kv_heads, c.dst_page, c.head_dim, LAYERS, 4))
 
 
-def _pages(layout: KVLayout, tokens: int, seed: int) -> tuple[int, list[int]]:
-    """(pool size, the request's page ids: a shuffled subset of the pool)."""
-    num_pages = layout.pages_for(tokens) + 3
-    ids = np.random.default_rng(seed).permutation(num_pages)[: layout.pages_for(tokens)]
+def _pages(layout: KVLayout, tokens: int, seed: int, runs: bool = False
+           ) -> tuple[int, list[int]]:
+    """(pool size, the request's page ids: a shuffled subset of the pool, or consecutive
+    pages from seed % 3 on)."""
+    need = layout.pages_for(tokens)
+    num_pages = need + 3
+    if runs:
+        return num_pages, list(range(seed % 3, seed % 3 + need))
+    ids = np.random.default_rng(seed).permutation(num_pages)[:need]
     return num_pages, [int(p) for p in ids]
 
 
@@ -170,7 +185,7 @@ def _side_pools(case: str, side: str, rank: int, fill: str) -> list[tuple[torch.
     """`side`'s pools of `rank` with the request's tokens in place; other slots are
     noise ('noise') or zero ('zero')."""
     layout, tokens = _layouts(case)[0 if side == "src" else 1], CASES[case].tokens
-    num_pages, ids = _pages(layout, tokens, 11 if side == "src" else 12)
+    num_pages, ids = _pages(layout, tokens, 11 if side == "src" else 12, CASES[case].runs)
     heads = list(layout.heads_of(rank))
     kv = _logical_kv(case)
     g = torch.Generator().manual_seed(100 + rank)
@@ -190,8 +205,9 @@ def _side_pools(case: str, side: str, rank: int, fill: str) -> list[tuple[torch.
 
 
 def _plan(case: str):
-    (src, dst), tokens = _layouts(case), CASES[case].tokens
-    return plan_request(src, dst, tokens, _pages(src, tokens, 11)[1], _pages(dst, tokens, 12)[1])
+    (src, dst), c = _layouts(case), CASES[case]
+    return plan_request(src, dst, c.tokens, _pages(src, c.tokens, 11, c.runs)[1],
+                        _pages(dst, c.tokens, 12, c.runs)[1])
 
 
 def _zero_pools(case: str, rank: int) -> list[tuple[torch.Tensor, ...]]:
@@ -329,11 +345,13 @@ def join_layer(state, case: str, rank: int = 0, tag: str = "", timeout_s: float 
 
 # ----------------------------------------------------------------------- tests
 
-@pytest.mark.parametrize("case", ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1"])
+@pytest.mark.parametrize("case", ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1", *IN_PLACE])
 def test_request_kv_lands_bit_exact(pair, case):
     """Planner + transport move a request's KV (2 layers, all batches in flight at once)
     across different TP degrees and page sizes; the decode pools equal the plan applied
-    in-process and the layout's definition, bit for bit, and nothing else is written."""
+    in-process and the layout's definition, bit for bit, and nothing else is written.
+    With consecutive pages, spans of the receiver's pools are received in place (sent
+    from the pools too when they are spans there) and the partial last page is staged."""
     prefill, decode = pair
     addrs = decode.call(make_receivers, case=case)
     prefill.call(make_senders, case=case, addrs=addrs)
@@ -342,6 +360,10 @@ def test_request_kv_lands_bit_exact(pair, case):
                         for l in range(LAYERS))
     result = decode.call(check_landed, case=case, request_id=f"req-{case}")
     assert result == {r: {"vs_plan": True, "vs_layout": True} for r in addrs}
+    stats = [decode.call(receiver_view, case=case, rank=r, request_id="")["stats"] for r in addrs]
+    assert all((s["direct"] > 0) == IN_PLACE.get(case, False) for s in stats), stats
+    if IN_PLACE.get(case):  # the partial last page and nothing else went staged
+        assert all(s["messages"] > s["direct"] for s in stats), stats
 
 
 def test_layers_stream_in_order(pair):
@@ -410,27 +432,32 @@ def test_receiver_hung_or_killed_fails_the_sender(pair, actors):
     assert elapsed < 10.0
 
 
-def test_other_epochs_are_dropped(pair):
+@pytest.mark.parametrize("case", ["tp1_to_tp1", "tp1_to_tp1_runs"])
+def test_other_epochs_are_dropped(pair, case):
     """After the decode side moves to epoch 2, a batch stamped epoch 1 is dropped (not
     written; negative ack -> TransferError), the connection stays usable, and the same
-    batch at epoch 2 lands. A sender of another epoch is refused at the handshake."""
+    batch at epoch 2 lands. A sender of another epoch is refused at the handshake. With
+    consecutive pages the dropped batch's in-place payload is received into scratch
+    space, never into the pools."""
     prefill, decode = pair
-    case = "tp1_to_tp1"
     addrs = decode.call(make_receivers, case=case, ranks=[0])  # fresh receiver, epoch 1
     prefill.call(make_senders, case=case, addrs=addrs, tag="e")
     assert prefill.call(send_layer, case=case, addr=addrs[0], request_id="ep", layer=0,
                         tag="e")[0]
+    first = decode.call(receiver_view, case=case, rank=0, request_id="ep")["stats"]
+    assert (first["direct"] > 0) == CASES[case].runs
     decode.call(set_receiver_epoch, case=case, rank=0, epoch=2)
     ok, kind, message, *_ = prefill.call(send_layer, case=case, addr=addrs[0], request_id="ep",
                                          layer=1, tag="e")
     assert (ok, kind) == (False, "TransferError") and "stale epoch 1" in message, message
     view = decode.call(receiver_view, case=case, rank=0, request_id="ep")
     assert view["layer_nonzero"] == [True, False]
-    assert view["stats"]["dropped_epoch"] == 1 and view["stats"]["messages"] == 1
+    assert view["stats"]["dropped_epoch"] >= 1 and view["stats"]["messages"] == first["messages"]
     assert prefill.call(send_layer, case=case, addr=addrs[0], request_id="ep", layer=1,
                         tag="e", epoch=2)[0]
     view = decode.call(receiver_view, case=case, rank=0, request_id="ep")
-    assert view["layer_nonzero"] == [True, True] and view["stats"]["messages"] == 2
+    assert view["layer_nonzero"] == [True, True]
+    assert view["stats"]["messages"] == 2 * first["messages"] and view["stats"]["conn_lost"] == 0
     with pytest.raises(RuntimeError, match="TransferError.*rejected"):
         prefill.call(make_senders, case=case, addrs=addrs, tag="old", epoch=1)
 
