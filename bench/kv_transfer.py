@@ -26,6 +26,9 @@ Every transfer is then device memory to device memory, raw baselines included.
 Per (layout, tokens), in the same processes and over the same UCX worker:
 - raw: each sender sends its share of the bytes as one buffer on its own endpoint and
   waits for a 1-byte reply once the receiver has it (no gather, no scatter);
+- raw_spans (pages `runs`, one sender): the request's (layer, kind) spans sent from the
+  sender's pools into the receiver's pools, all posted at once on both sides: the
+  in-place pattern without control messages or acks;
 - raw_layers: the same bytes as 48 messages (one per layer), all posted at once, the
   receiver keeping `--staging` receives posted (the transport's message pattern without
   planner, gather, scatter, control messages or acks);
@@ -128,7 +131,7 @@ def bench_layout(p: int, pages: str, tokens_list: list[int], args) -> list[dict]
            "payload_only": args.payload_only, "trace": args.trace,
            "switch_interval": args.switch_interval, "pages": pages,
            "direct": not args.no_direct}
-    modes = MODES + (("nccl",) if nccl else ())
+    modes = MODES + (("nccl",) if nccl else ()) + (("raw_spans",) if (p, pages) == (1, "runs") else ())
     rx_pipe, child = ctx.Pipe()
     procs = [ctx.Process(target=receiver_main, args=(child, cfg), daemon=True)]
     tx_pipes = []

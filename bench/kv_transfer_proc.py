@@ -52,6 +52,22 @@ def digest(pools, tables: list, side: str) -> str:
     return h.hexdigest()
 
 
+def pool_spans(pools, table, side: str) -> list:
+    """The regions (uint8 views of the pools, as ucxx takes them) of the blocks of `table`
+    that are spans of `side`'s pools, in payload order."""
+    from phalanx.kv_transfer import messages as m
+    from phalanx.kv_transfer.staging import _Pools
+    from phalanx.kv_transfer.ucx_runtime import _ucx_buf
+    view, out = _Pools(pools), []
+    for template, blocks in m.templates_of(table):
+        tmpl = view.template(template, side)
+        for layer, kind, r0, r1 in blocks.tolist():
+            span = tmpl.spans.span(r0, r1)
+            if span is not None:
+                out.append(_ucx_buf(view.region(layer, kind, span)))
+    return out
+
+
 def make_buf(nbytes: int, dev: torch.device):
     """A raw-mode byte buffer: numpy on CPU, a device tensor on CUDA (ucxx takes both)."""
     if dev.type == "cpu":

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 import kv_transfer_gpu as gpu
-from kv_transfer_proc import cpu_seconds, digest, make_buf, make_pools, profiled, recv_cmd, set_env
+from kv_transfer_proc import (cpu_seconds, digest, make_buf, make_pools, pool_spans, profiled,
+                              recv_cmd, set_env)
 from kv_transfer_request import KV_HEADS, PAGE, request_plan, sender_shares
 
 
@@ -34,14 +35,23 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
     addr = await rx.start()
     raw_eps, nccl_bufs = [], {}
 
-    async def raw_serve(ep):  # [count, size] then count messages; reply 1 byte
+    spans = {}
+
+    async def raw_serve(ep):  # [count, size, tokens] then count messages; reply 1 byte
         raw_eps.append(ep)
         bufs = [make_buf(0, dev)] * args["staging"]
-        head = np.empty(2, dtype="<u8")
+        head = np.empty(3, dtype="<u8")
         while True:
             try:
                 await ep.recv(head)
-                count, size = int(head[0]), int(head[1])
+                count, size, tokens = (int(x) for x in head)
+                if tokens:  # raw_spans: straight into the pools' spans, all posted
+                    regions = spans[tokens] = spans.get(tokens) or pool_spans(
+                        pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)], "dst")
+                    assert len(regions) == count
+                    await asyncio.gather(*(ep.recv(r) for r in regions))
+                    await ep.send(np.ones(1, dtype=np.uint8))
+                    continue
                 bufs = [b if len(b) >= size else make_buf(size, dev) for b in bufs]
                 window = asyncio.Semaphore(len(bufs))
 

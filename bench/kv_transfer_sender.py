@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 import kv_transfer_gpu as gpu
-from kv_transfer_proc import (cpu_seconds, digest, make_buf, make_pools, profiled, recv_cmd,
-                              set_env, sleep_until)
+from kv_transfer_proc import (cpu_seconds, digest, make_buf, make_pools, pool_spans, profiled,
+                              recv_cmd, set_env, sleep_until)
 from kv_transfer_request import LAYERS, PAGE, kv_layouts, rank_batches, request_plan
 
 
@@ -38,7 +38,7 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
     await tx.connect(tuple(addr))
     raw_ep = await ucxx.create_endpoint(*raw_addr)
     raw_buf, reply = make_buf(0, dev), np.empty(1, dtype=np.uint8)
-    plans, wholes = {}, {}
+    plans, wholes, spans = {}, {}, {}
     pipe.send("ready")
     while (cmd := await recv_cmd(pipe)) is not None:
         if cmd[0] == "digest":
@@ -60,10 +60,16 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
         cpu0 = cpu_seconds()
         if what == "nccl":
             gpu.nccl_send(raw_buf[:nbytes], args["p"])
+        elif what == "raw_spans":
+            regions = spans[tokens] = spans.get(tokens) or pool_spans(
+                pools, request_plan(args["p"], tokens, num_pages, args["pages"])[0][(rank, 0)], "src")
+            await raw_ep.send(np.array([len(regions), 0, tokens], dtype="<u8"))
+            await asyncio.gather(*(raw_ep.send(r) for r in regions))
+            await raw_ep.recv(reply)
         elif what.startswith("raw"):
             count = 1 if what == "raw" else LAYERS
             size = nbytes // count
-            await raw_ep.send(np.array([count, size], dtype="<u8"))
+            await raw_ep.send(np.array([count, size, 0], dtype="<u8"))
             await asyncio.gather(*(raw_ep.send(raw_buf[i * size:(i + 1) * size])
                                    for i in range(count)))
             await raw_ep.recv(reply)
