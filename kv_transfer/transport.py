@@ -8,7 +8,11 @@ messages of at most the receiver's capacity, gathers each message's source slabs
 one contiguous staging buffer (an index_select per (layer, kind) run), and posts the
 `TransferRequest` then the payload. The receiver keeps `staging_buffers` receives of
 both posted ahead (so data flows while it scatters the previous message), scatters the
-payload into its pools, then acks. `send_layer` returns once its batch is acked, i.e.
+payload into its pools, then acks. Blocks that are large spans of the receiver's pools
+(`spans`: whole consecutive pages holding the same heads on both sides) skip the
+staging: the message is `direct`, each block travels as its own transport message
+(from the sender's pools when it is a span there too) and the receiver, having read and
+checked the control message, receives it straight into the pool region. `send_layer` returns once its batch is acked, i.e.
 written; batches to one peer land in call order.
 
 Deadlines (ARCHITECTURE §5): every wait runs under `asyncio.wait_for`: `send_layer` until

@@ -565,3 +565,84 @@ def test_receiver_rejects_bad_batches_without_writing():
     assert "dst head range" in errors[0] and "does not match" in errors[1]
     assert "unknown template 7" in errors[2] and "stale epoch 1" in errors[3]
     assert stats["rejected"] == 3 and stats["dropped_epoch"] == 1 and untouched
+
+class _FakeEndpoint:
+    """Records posted receives; `deliver` fills them in posting order (as UCX matches)."""
+
+    def __init__(self) -> None:
+        self.posted: list = []  # (tag, buffer, future)
+
+    async def recv(self, buf, tag):
+        import asyncio
+        fut = asyncio.get_running_loop().create_future()
+        self.posted.append((tag, buf, fut))
+        await fut
+
+    def deliver(self, value: int) -> int:
+        n = 0
+        for _, buf, fut in self.posted:
+            if not fut.done():
+                np.asarray(buf)[...] = value
+                fut.set_result(None)
+                n += 1
+        return n
+
+    def abort(self, period=0) -> None:
+        pass
+
+
+def test_in_place_receives_land_and_release_waits_for_them():
+    """A direct message is received into the pool spans its blocks name (nothing else is
+    written); `release` of its request returns only once those receives completed. A
+    direct message of another epoch is received into scratch space: the pools stay as
+    they were."""
+    import asyncio
+    from phalanx.kv_transfer import messages as m
+    from phalanx.kv_transfer.receiver import KVReceiver, _RecvConn
+    from phalanx.kv_transfer.ucx_runtime import TAG_DIRECT
+
+    case = "tp1_to_tp1_runs"
+    ((template, blocks),) = m.templates_of(m.encode_copies(_plan(case).for_layer(0).copies))
+
+    async def run():
+        pools = _zero_pools(case, 0)
+        rx = KVReceiver(pools, rank=0, epoch=1, gated=True)
+        rx.expect("r")
+        tmpl = rx._pools.template(template, "dst")
+        whole = [(layer, kind, r0, b) for layer, kind, r0, r1 in blocks.tolist()
+                 for a, b, direct in tmpl.spans.split(r0, r1, 1) if direct and a == r0]
+        direct = np.array(whole, dtype=np.int32)
+        n = tmpl.nbytes(direct)
+        conn = _RecvConn(_FakeEndpoint())
+        msg = m.TransferRequest("r", 1, 1, 0, 1, 0, template.tobytes(), m.encode_blocks(direct),
+                                n, True)
+        error, landed, done = await rx._land_in_place(conn, msg)
+        while len(conn.ep.posted) < len(direct):
+            await asyncio.sleep(0.001)
+        assert error == "" and len(conn.ep.posted) == len(direct)
+        assert all(tag == TAG_DIRECT for tag, _, _ in conn.ep.posted)
+        releasing = asyncio.ensure_future(rx.release("r"))
+        await asyncio.sleep(0.05)
+        held = not releasing.done()
+        assert conn.ep.deliver(0x3F) == len(direct)
+        await asyncio.wait_for(releasing, 5)
+        await done
+        written = sum(int((t.view(torch.uint8) == 0x3F).sum()) for pair in pools for t in pair)
+        stale = m.TransferRequest("r", 7, 2, 0, 1, 0, b"", m.encode_blocks(direct), n, True)
+        rx.expect("r")
+        conn.templates[0] = ("r", tmpl)
+        before = [t.clone() for pair in pools for t in pair]
+        drain = asyncio.ensure_future(rx._land_in_place(conn, stale))
+        while len(conn.ep.posted) < 2 * len(direct):  # the drain's receives are posted
+            await asyncio.sleep(0.001)
+        conn.ep.deliver(0x55)
+        refusal, landed2, _ = await asyncio.wait_for(drain, 5)
+        after = [t for pair in pools for t in pair]
+        return (held, written, n, dict(landed[1]) == tmpl.landed(direct), refusal, landed2,
+                all(torch.equal(a, b) for a, b in zip(before, after)), rx.stats)
+
+    held, written, n, counted, refusal, landed2, untouched, stats = asyncio.run(run())
+    assert held, "release returned while in-place receives were still posted"
+    assert written == n and counted  # exactly the spans' bytes (zeros elsewhere)
+    assert "stale epoch 7" in refusal and landed2 is None and untouched
+    assert stats["direct"] == 1 and stats["dropped_epoch"] == 1
