@@ -186,6 +186,11 @@ class ParallelConfig:
     dp: int = 1
     collective_timeout_s: float = 30.0  # every collective and rendezvous ends within this
     max_recoveries: int = 5  # groups re-formed after rank failures before giving up (0: none)
+    # MoE all-to-all over a DP×EP world (`kernels.dispatch`): "exact" (uneven splits; the
+    # host reads the counts every layer) or "padded" (equal splits sized by the step's
+    # agreed token count, padding rows skipped by the experts; no counts exchange, no
+    # host read of them). Same tokens either way.
+    ep_exchange: str = "exact"
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
@@ -194,6 +199,8 @@ class ParallelConfig:
         _require(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
         _require(self.collective_timeout_s > 0, "collective_timeout_s",
                  f"must be positive, got {self.collective_timeout_s}")
+        _require(self.ep_exchange in ("exact", "padded"), "ep_exchange",
+                 f"{self.ep_exchange!r} is not 'exact' or 'padded'")
 
     @property
     def world_size(self) -> int:

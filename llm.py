@@ -39,7 +39,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   max_model_len: int = 0, device: str = "cpu", dtype: str = "auto",
                   seed: int = 0, enforce_eager: bool = False,
                   gpu_memory_utilization: float = 0.9,
-                  collective_timeout_s: float = 30.0, max_recoveries: int = 5) -> EngineConfig:
+                  collective_timeout_s: float = 30.0, max_recoveries: int = 5,
+                  ep_exchange: str = "exact") -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
     model). ValueError naming the argument for a folder that is not a model or a bad
     value."""
@@ -57,7 +58,7 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len),
         parallel=ParallelConfig(tp=tp, dp=dp, collective_timeout_s=collective_timeout_s,
-                                max_recoveries=max_recoveries),
+                                max_recoveries=max_recoveries, ep_exchange=ep_exchange),
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
 
 
@@ -74,19 +75,21 @@ class LLM:
                  ray_address: Optional[str] = None,
                  prefill_tp: Optional[int] = None, decode_dp: Optional[int] = None,
                  decode_tp: Optional[int] = None, prefill_instances: Optional[int] = None,
-                 prefill_page_size: Optional[int] = None) -> None:
+                 prefill_page_size: Optional[int] = None, ep_exchange: str = "exact") -> None:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
         prefill side's). `max_recoveries`: how many times a group that loses a rank is
-        re-formed (its requests resumed) before the call fails with `GroupFailure`."""
+        re-formed (its requests resumed) before the call fails with `GroupFailure`.
+        `ep_exchange`: the MoE all-to-all of DP×EP groups (`ParallelConfig`)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, device=device, dtype=dtype, seed=seed,
             enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
-            collective_timeout_s=collective_timeout_s, max_recoveries=max_recoveries)
+            collective_timeout_s=collective_timeout_s, max_recoveries=max_recoveries,
+            ep_exchange=ep_exchange)
         self.engine: Optional[LLMEngine] = None
         self.group = None
         disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)

@@ -91,6 +91,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-new", type=int, default=8)
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--no-graphs", action="store_true", help="skip the single-GPU CUDA-graph baseline")
+    ap.add_argument("--ep-exchange", choices=("exact", "padded"), default="exact",
+                    help="MoE all-to-all of the DPN x EPN ranks (ParallelConfig.ep_exchange)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=60.0)
     ap.add_argument("--timeout-s", type=float, default=540.0,
@@ -146,7 +148,7 @@ def make_opts(args, phases: list[str], rdv_dir: str) -> dict:
                 check_pass_dtype=args.check_pass_dtype, check_fallback=not args.no_check_fallback,
                 check_deadline_s=args.check_deadline_s,
                 max_new=args.max_new, phases=phases, graphs=not args.no_graphs, seed=args.seed,
-                deadline_s=args.deadline_s, t0=time.monotonic(),
+                deadline_s=args.deadline_s, t0=time.monotonic(), ep_exchange=args.ep_exchange,
                 rank_timeout_s=args.timeout_s * 2 / 3, rdv_dir=rdv_dir)
 
 

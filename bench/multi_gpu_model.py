@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from phalanx.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from phalanx.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                            SchedulerConfig)
 from phalanx.engine import plan as planmod
 from phalanx.engine.llm_engine import LLMEngine
 from phalanx.engine.rank_engine import RankEngine, RankSpec
@@ -128,9 +129,11 @@ def build_model(cfg: ModelConfig, shard: ModelShard, device: torch.device, dtype
 
 
 def engine_config(cfg: ModelConfig, device: str, dtype: str, max_batch: int, num_pages: int,
-                  eager: bool, max_model_len: int = 4096) -> EngineConfig:
+                  eager: bool, max_model_len: int = 4096, ep_exchange: str = "exact"
+                  ) -> EngineConfig:
     return EngineConfig(
         model_path="<in-memory>", model=cfg, device=device, dtype=dtype,
+        parallel=ParallelConfig(ep_exchange=ep_exchange),
         cache=CacheConfig(page_size=PAGE_SIZE, num_pages=num_pages),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=16384,
                                   max_model_len=min(max_model_len, cfg.max_position_embeddings)),
@@ -153,9 +156,10 @@ class Stepper:
         self.tokens: dict[str, list[int]] = {}
 
     @classmethod
-    def for_rank(cls, spec: RankSpec, comm, engine: LLMEngine) -> "Stepper":
+    def for_rank(cls, spec: RankSpec, comm, engine: LLMEngine, ep=None) -> "Stepper":
         re = RankEngine(spec)
         re.comm, re.engine = comm, engine
+        re.use_exchange(ep)
         return cls(engine, re)
 
     @property

@@ -123,13 +123,20 @@ def _moe_case(comm, moe, cfg, owner, b: int, opts: dict, dev: torch.device, time
         got.update(rx=rx.clone(), rids=rids.clone(), rw=rw.clone())
         return rx
 
+    disp = ep.dispatcher
+    padded = opts["ep_exchange"] == "padded"
+    disp.step_tokens = None  # the exact exchange's rows: the raw all-to-alls' buffers
     ep.moe(x, weights, ids, capture)
     buf = _a2a_buffers(comm, x, ids, owner, k, got["rx"].contiguous())
     nccl = lambda out, inp, o=None, i=None: dist.all_to_all_single(out, inp, o, i)  # noqa: E731
     ours = lambda out, inp, o=None, i=None: comm.all_to_all_single(out, inp, o, i)  # noqa: E731
-    row = dict(batch=b, **_wire_bytes(buf["ss"], buf["rs"], H * x.element_size(), rank))
+    row = dict(batch=b, exchange="padded" if padded else "exact",
+               **_wire_bytes(buf["ss"], buf["rs"], H * x.element_size(), rank))
+    disp.step_tokens = b if padded else None  # the ranks' batches are equal here
+
     row["moe_us"] = timer.median_us(lambda: ep.moe(x, weights, ids, moe._experts))
     row["dispatch_combine_us"] = timer.median_us(lambda: ep.moe(x, weights, ids, lambda rx, ri, rw: rx))
+    disp.step_tokens = None
     row["a2a_groupcomm_us"] = timer.median_us(_four_a2a(ours, buf, dev, False))
     row["a2a_nccl_sync_each_us"] = timer.median_us(_four_a2a(nccl, buf, dev, True))
     row["a2a_nccl_us"] = timer.median_us(_four_a2a(nccl, buf, dev, False))

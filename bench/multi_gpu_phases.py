@@ -64,14 +64,15 @@ def _rank_layout(rank: int, dev: torch.device, opts: dict, comm, tp: int, epoch:
     from phalanx.models.parallel import ExpertParallel
 
     spec = RankSpec(rank, tp, comm.world_size // tp, epoch, init, comm.deadline_s,
-                    mm.engine_config(cfg, opts["device"], dtype, batch, pages, eager=True))
+                    mm.engine_config(cfg, opts["device"], dtype, batch, pages, eager=True,
+                                     ep_exchange=opts["ep_exchange"]))
     shard, placement = shard_for(spec, cfg.num_experts)
     ep = None
     if placement is not None:
         ep = ExpertParallel(EPDispatcher(comm, cfg.num_experts, placement[0], placement[1]))
     model = mm.build_model(cfg, shard, dev, mm.DTYPES[dtype], opts["seed"], comm, ep)
     engine = LLMEngine(spec.config, shard, comm, ep, model=model)
-    return mm.Stepper.for_rank(spec, comm, engine)
+    return mm.Stepper.for_rank(spec, comm, engine, ep)
 
 
 def _rank_dp_ep(rank: int, world: int, opts: dict, dev: torch.device, layout) -> dict:

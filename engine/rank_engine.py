@@ -106,6 +106,7 @@ class RankEngine:
         self._done = threading.Event()
         self._faults: dict[str, int] = {}
         self._thread: Optional[threading.Thread] = None
+        self._padded: Optional[EPDispatcher] = None  # its padded exchange is sized per step
         self.steps = 0
 
     # -- life cycle ------------------------------------------------------------------
@@ -134,6 +135,7 @@ class RankEngine:
         if placement is not None:
             ep = ExpertParallel(EPDispatcher(self.comm, s.config.model.num_experts, placement[0],
                                              placement[1]), before_dispatch=self.fault_point)
+        self.use_exchange(ep)
         self.engine = LLMEngine(config, shard, self.comm, ep)
         self._thread = threading.Thread(target=self._run, name=f"rank{s.rank}-loop", daemon=True)
         self._thread.start()
@@ -141,6 +143,12 @@ class RankEngine:
         return {"rank": s.rank, "epoch": s.epoch, "pid": os.getpid(),
                 "num_params": sum(p.numel() for p in self.engine.model.parameters()),
                 "num_pages": self.engine.num_pages}
+
+    def use_exchange(self, ep: Optional[ExpertParallel]) -> None:
+        """Use the MoE exchange `ParallelConfig.ep_exchange` picks (padded: sized per
+        step from the token count the ranks agree on)."""
+        padded = self.spec.config.parallel.ep_exchange == "padded"
+        self._padded = ep.dispatcher if ep is not None and padded else None
 
     def stop(self) -> None:
         with self._lock:
@@ -291,10 +299,13 @@ class RankEngine:
                     inputs, status = runner.prepare(batch), planmod.WORK
         if s.tp > 1:
             status, inputs = self._share_plan(status, inputs)
+        tokens = 0 if inputs is None else int(inputs.host["input_ids"].shape[0])
         if s.dp > 1:
-            status = self.comm.all_reduce_world_max(status)
+            status, tokens = self.comm.all_reduce_world_max(status, tokens)
         if status != planmod.WORK:
             return status
+        if self._padded is not None:  # the most rows any rank's MoE layers dispatch
+            self._padded.step_tokens = -(-tokens // s.tp)
         if inputs is None:
             self.engine.model.dummy_forward()
             return status

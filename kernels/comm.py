@@ -266,11 +266,12 @@ class GroupComm:
         self._run("broadcast_tp", dist.broadcast, t, src=src, group=self._tp_group)
         return t
 
-    def all_reduce_world_max(self, value: int) -> int:
-        """Maximum of ``value`` over all ranks of the world (a CPU tensor: gloo)."""
-        t = torch.tensor([value], dtype=torch.int64)
+    def all_reduce_world_max(self, *values: int) -> int | list[int]:
+        """Element-wise maximum of ``values`` over all ranks of the world (a CPU tensor:
+        gloo); an int for one value, else a list."""
+        t = torch.tensor(values, dtype=torch.int64)
         self._run("all_reduce_world_max", dist.all_reduce, t, op=dist.ReduceOp.MAX)
-        return int(t[0])
+        return int(t[0]) if len(values) == 1 else t.tolist()
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Sequence[int] | None = None,

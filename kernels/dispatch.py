@@ -3,8 +3,15 @@
 Every rank holds full attention for its own tokens and only its experts. A MoE layer
 sends each (token, slot) pair to the rank that owns the slot's expert, that rank runs
 the expert (already weighted by the routing weight), and the results come back and are
-summed per token. The all-to-alls carry uneven splits: no rank pads its batch, and a
-rank with no tokens still takes part in every collective (a dummy step).
+summed per token. A rank with no tokens still takes part in every collective (a dummy
+step). Two exchanges, same results bit for bit:
+
+- exact (default): the ranks first swap their row counts and the all-to-alls carry
+  uneven splits, so the host reads the counts (a device sync per layer on GPU);
+- padded (`step_tokens` set: the most tokens any rank dispatches this step, which the
+  ranks agree on before the step): every rank sends `step_tokens * k` rows to every
+  rank, its pairs first and padding rows (local expert -1, which experts skip) after;
+  no counts, no host sync, so a GPU step is queued without waiting for the device.
 
 Torch reference over :class:`~phalanx.kernels.comm.GroupComm` (gloo on CPU); a GPU
 build swaps the transport (NVSHMEM) behind the same ``moe`` contract.
@@ -86,6 +93,8 @@ class EPDispatcher:
         self.experts_of_rank = experts_of_rank
         self._owner = torch.tensor(owner, dtype=torch.int64)
         self._local_index = torch.tensor(local_index, dtype=torch.int64)
+        # padded exchange: the most tokens any rank passes to `moe` this step (None: exact)
+        self.step_tokens: int | None = None
 
     @property
     def local_experts(self) -> list[int]:
@@ -120,6 +129,8 @@ class EPDispatcher:
         if topk_ids.dtype != torch.int64:
             raise ValueError(f"topk_ids must be int64, got {topk_ids.dtype}")
         k = topk_ids.shape[1]
+        if self.step_tokens is not None:
+            return self._moe_padded(x, topk_weights, topk_ids, compute, self.step_tokens * k)
         order, send_counts = self._plan(topk_ids)
         recv_counts = self._exchange_counts(send_counts)
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
@@ -131,6 +142,34 @@ class EPDispatcher:
         back = torch.empty((len(order), H), dtype=x.dtype, device=x.device)
         self.comm.all_to_all_single(back, y.to(x.dtype).contiguous(), send_split, recv_split)
         return self._combine(back, order, T, k, x.dtype)
+
+    def _moe_padded(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    compute: ExpertCompute, capacity: int) -> torch.Tensor:
+        """`moe` with `capacity` rows to and from every rank: pair p (sorted by
+        destination) goes to row `dest * capacity + its rank among dest's pairs`."""
+        T, H = x.shape
+        k, world = topk_ids.shape[1], self.comm.world_size
+        if T * k > capacity:
+            raise ValueError(f"{T} tokens x {k} slots exceed the step's {capacity} rows per rank")
+        dest = self._owner.to(x.device)[topk_ids.reshape(-1)]
+        order = torch.argsort(dest, stable=True)
+        sorted_dest = dest[order]
+        first = torch.searchsorted(sorted_dest, torch.arange(world, device=x.device))
+        rows = sorted_dest * capacity + torch.arange(len(order), device=x.device) - first[sorted_dest]
+        send = self._pair_rows(x, topk_weights, topk_ids, order, k)
+        padded = torch.zeros((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
+        no_expert = torch.tensor([-1, 0], dtype=torch.int64, device=x.device).view(x.dtype)
+        padded[:, H:] = no_expert  # padding rows: local expert -1, weight 0
+        padded[rows] = send
+        recv = torch.empty_like(padded)
+        self.comm.all_to_all_single(recv, padded)
+        recv_x, recv_ids, recv_w = self._unpack(recv, H, topk_weights.dtype)
+        y = compute(recv_x, recv_ids, recv_w)
+        if tuple(y.shape) != (recv_x.shape[0], H):
+            raise ValueError(f"compute returned {tuple(y.shape)}, expected {(recv_x.shape[0], H)}")
+        back = torch.empty((world * capacity, H), dtype=x.dtype, device=x.device)
+        self.comm.all_to_all_single(back, y.to(x.dtype).contiguous())
+        return self._combine(back[rows], order, T, k, x.dtype)
 
     def _plan(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pairs p = t*k + j sorted (stably) by destination rank, and rows per rank."""
@@ -153,17 +192,28 @@ class EPDispatcher:
     def _dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   order: torch.Tensor, k: int, send_split: list[int], recv_split: list[int]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Send one row per pair: x's row with (local expert id, weight bits) as int64 [2]
-        appended in x's dtype, so rows and metadata travel in one all-to-all."""
-        H, wdtype = x.shape[1], topk_weights.dtype
+        """Send one row per pair (`_pair_rows`), rows and metadata in one all-to-all."""
+        send = self._pair_rows(x, topk_weights, topk_ids, order, k)
+        recv = torch.empty((sum(recv_split), send.shape[1]), dtype=x.dtype, device=x.device)
+        self.comm.all_to_all_single(recv, send, recv_split, send_split)
+        return self._unpack(recv, x.shape[1], topk_weights.dtype)
+
+    def _pair_rows(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   order: torch.Tensor, k: int) -> torch.Tensor:
+        """Per pair in `order`: x's row with (local expert id, weight bits) as int64 [2]
+        appended in x's dtype."""
         int_dtype = _INT_OF_SIZE[topk_weights.element_size()]
         ids = self._local_index.to(x.device)[topk_ids.reshape(-1)[order]]
         # Sign-extending the same-size int view to int64 and narrowing back is exact.
         bits = topk_weights.reshape(-1)[order].contiguous().view(int_dtype).to(torch.int64)
         meta = torch.stack([ids, bits], dim=1).view(x.dtype)  # [P, 16 / itemsize]
-        send = torch.cat([x[order // k], meta], dim=1)
-        recv = torch.empty((sum(recv_split), send.shape[1]), dtype=x.dtype, device=x.device)
-        self.comm.all_to_all_single(recv, send, recv_split, send_split)
+        return torch.cat([x[order // k], meta], dim=1)
+
+    @staticmethod
+    def _unpack(recv: torch.Tensor, H: int, wdtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Received rows -> (x rows, local expert ids, routing weights)."""
+        int_dtype = _INT_OF_SIZE[wdtype.itemsize]
         recv_meta = recv[:, H:].contiguous().view(torch.int64)
         recv_w = recv_meta[:, 1].to(int_dtype).view(wdtype)
         return recv[:, :H].contiguous(), recv_meta[:, 0].contiguous(), recv_w

@@ -127,15 +127,18 @@ def _check_fused_call(disp, compute, w13_full, w2_full, T, seed):
     torch.testing.assert_close(out, moe_reference(x, w, ids, w13_full, w2_full), rtol=1e-5, atol=1e-6)
 
 
-def _ep_moe(rank, world, port, sizes):
-    """sizes[call][rank] = tokens of this rank in that call (0 = idle dummy step)."""
+def _ep_moe(rank, world, port, sizes, padded=False):
+    """sizes[call][rank] = tokens of this rank in that call (0 = idle dummy step).
+    padded: the padded exchange, `step_tokens` = the call's most tokens on any rank."""
     comm, disp = _make_dispatcher(rank, world, port, 0)
     w13_full, w2_full = _weights()
     compute = _expert_compute(disp, w13_full, w2_full)
     for call, Ts in enumerate(sizes):  # consecutive MoE layers
+        disp.step_tokens = max(max(Ts), 1) if padded else None
         _check_fused_call(disp, compute, w13_full, w2_full, Ts[rank], 100 * call + rank)
     scale = _scale_compute(disp)
     for call, Ts in enumerate(sizes):  # exact routing and slot order; signed bf16 weights
+        disp.step_tokens = max(max(Ts), 1) if padded else None
         dtype = (torch.float32, torch.bfloat16)[call % 2]
         x, _, ids = _routing(Ts[rank], 7 + 100 * call + rank, dtype)
         w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(call)).to(torch.bfloat16)
@@ -222,12 +225,16 @@ def test_tp_collectives_world4():
     assert _run_world(_tp_collectives, 4, _free_ports(3)) == {r: True for r in range(4)}
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("world,sizes", [
     (2, [(5, 0), (0, 7), (9, 3), (0, 0), (1, 12)]),
     (4, [(5, 0, 9, 2), (1, 6, 0, 13), (0, 0, 0, 0), (8, 3, 1, 0)]),
 ])
-def test_ep_moe_matches_reference(world, sizes):
-    assert _run_world(_ep_moe, world, _free_ports(1)[0], sizes) == {r: True for r in range(world)}
+def test_ep_moe_matches_reference(world, sizes, padded):
+    """Exact (uneven splits) and padded exchanges both equal the single-rank reference,
+    and are bit-exact per row whatever else shares the batch."""
+    assert _run_world(_ep_moe, world, _free_ports(1)[0], sizes, padded) == {
+        r: True for r in range(world)}
 
 
 def test_dead_peer_mid_dispatch_raises_within_deadline():
@@ -274,3 +281,4 @@ def test_nccl_wait_honours_its_deadline_and_breaks_the_comm():
     assert comm.broken
     with pytest.raises(CollectiveError, match="broken"):
         comm.all_reduce_world_max(1)
+

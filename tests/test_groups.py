@@ -48,12 +48,16 @@ def _uneven(dp: int):
     return place
 
 
-@pytest.mark.parametrize("tp, dp", [(2, 1), (4, 1), (1, 2), (1, 4), (2, 2)],
-                         ids=["tp2", "tp4", "dp2", "dp4", "dp2xtp2"])
-def test_layouts_match_transformers(tiny_model, oracle, tp, dp):
+@pytest.mark.parametrize("tp, dp, exchange", [
+    (2, 1, "exact"), (4, 1, "exact"), (1, 2, "exact"), (1, 4, "exact"), (2, 2, "exact"),
+    (1, 2, "padded"), (2, 2, "padded")],
+    ids=["tp2", "tp4", "dp2", "dp4", "dp2xtp2", "dp2-padded", "dp2xtp2-padded"])
+def test_layouts_match_transformers(tiny_model, oracle, tp, dp, exchange):
+    """Every layout's greedy tokens equal transformers'; DP×EP groups with both MoE
+    exchanges (uneven splits, and padded to the step's agreed token count)."""
     prompts, expected = oracle
     llm = LLM(tiny_model, tp=tp, dp=dp, max_num_seqs=8, max_num_batched_tokens=96, page_size=4,
-              num_pages=120, collective_timeout_s=30)
+              num_pages=120, collective_timeout_s=30, ep_exchange=exchange)
     try:
         if dp > 1:
             llm.group.place = _uneven(dp)

@@ -83,6 +83,8 @@ def test_bad_construction_arguments(tiny_model, tmp_path):
         LLM(tiny_model, max_model_len=10**6)
     with pytest.raises(ValueError, match="max_recoveries"):
         LLM(tiny_model, max_recoveries=-1)
+    with pytest.raises(ValueError, match="ep_exchange"):
+        LLM(tiny_model, ep_exchange="auto")
 
 
 def test_request_too_large_for_pool_is_refused(tiny_model):
