@@ -43,6 +43,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ep-exchange", choices=("exact", "padded"), default="exact",
+                   help="MoE all-to-all of DP×EP groups: uneven splits, or padded to the "
+                        "step's agreed token count (no counts exchange); same tokens")
     g = p.add_argument_group("disaggregated layout (any of these selects it)")
     g.add_argument("--prefill-tp", type=int, default=None, help="TP ranks of each prefill instance")
     g.add_argument("--prefill-instances", type=int, default=None, help="prefill TP groups")
@@ -105,7 +108,8 @@ def _generate(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, tp=args.tp, dp=args.dp, page_size=args.page_size, num_pages=args.num_pages,
               device=args.device, collective_timeout_s=args.collective_timeout,
-              max_recoveries=args.max_recoveries, **disagg_kwargs(args))
+              max_recoveries=args.max_recoveries, ep_exchange=args.ep_exchange,
+              **disagg_kwargs(args))
     try:
         return _run_generate(llm, args, params)
     finally:

@@ -89,7 +89,9 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
 
     direct: every block is one span of the receiver's pools (`spans.SlabSpans`) and its
     payload follows as its own transport message (TAG_DIRECT), block by block, received
-    in place; otherwise the payload is one message (TAG_PAYLOAD) into a staging buffer."""
+    in place; `block_bytes` (little-endian int64 per block) declares their sizes, so a
+    receiver that refuses the message can still take it off the wire. Otherwise the
+    payload is one message (TAG_PAYLOAD) into a staging buffer."""
 
     request_id: str
     epoch: int
@@ -101,6 +103,7 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     blocks: bytes
     payload_bytes: int
     direct: bool = False
+    block_bytes: bytes = b""
 
 
 class TransferAck(msgspec.Struct, tag="ack", frozen=True):

@@ -1,5 +1,5 @@
-"""Decode side of the KV transport: `KVReceiver` (async, on the transport loop) and
-`BlockingKVReceiver` (its synchronous front). Protocol, deadlines and threading model:
+"""Decode side of the KV transport: `KVReceiver` (async, on the transport loop; its
+synchronous front is `blocking.BlockingKVReceiver`). Protocol, deadlines and threading model:
 `transport`'s docstring."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
 from .staging import _Pools, _Template
-from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address,
-                          TransportThread, _abort, _on_loop, _post_recv, _post_send, _reason,
-                          _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
+from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
+                          _post_recv, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
+                          ensure_ucx)
 
-__all__ = ["BlockingKVReceiver", "KVReceiver"]
+__all__ = ["KVReceiver"]
 
 log = get_logger(__name__)
 
@@ -263,21 +263,27 @@ class KVReceiver:
     async def _land_in_place(self, conn: _RecvConn, msg: m.TransferRequest
                              ) -> tuple[str, Optional[tuple[dict, dict]], Optional[asyncio.Future]]:
         """Post the in-place receives of a direct message: ('', (the request's landed
-        rows, slots per layer), their completion); or, for another epoch's or an
-        unexpected request, receive its payload into scratch space: (why, None, None).
-        A direct message that is malformed (unknown template, blocks that are not spans
-        of the pools) leaves its payload's size unknown: ValueError, the connection ends."""
-        tmpl = self._template(msg, conn.templates)
-        blocks = m.decode_blocks(msg.blocks)
-        error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
+        rows, slots per layer), their completion). A direct message that cannot be
+        written (unknown or bad template, blocks that are not spans of the pools, another
+        epoch, a closed gate) is received into scratch space by its declared block
+        sizes: (why, None, None). Undeclared or inconsistent sizes leave the payload
+        unknown: ValueError, the connection ends."""
+        sizes = self._block_sizes(msg)
+        try:
+            tmpl = self._template(msg, conn.templates)
+            blocks = m.decode_blocks(msg.blocks)
+            error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
+        except ValueError as e:
+            error = str(e)
         spans = [] if error else [tmpl.spans.span(r0, r1) for _, _, r0, r1 in blocks.tolist()]
-        if error or None in spans or tmpl.nbytes(blocks) != msg.payload_bytes:
+        element = self._pools.row_bytes // self._pools.head_dim
+        if not error and (None in spans or [(b - a) * element for a, b in spans] != sizes):
+            error = "its blocks are not spans of the pools of the sizes it declares"
+        if error:
             self.stats["rejected"] += 1
-            raise ValueError(f"direct message {msg.seq}: "
-                             f"{error or 'its blocks are not spans of the pools'}")
-        refusal = self._refusal(msg)
+        refusal = error or self._refusal(msg)
         if refusal:
-            await self._drain(conn, msg, [b - a for a, b in spans])
+            await self._drain(conn, sizes)
             return refusal, None, None
         recvs = [_post_recv(conn.ep, TAG_DIRECT, _ucx_buf(self._pools.region(layer, kind, span)))
                  for (layer, kind, _, _), span in zip(blocks.tolist(), spans)]
@@ -288,6 +294,17 @@ class KVReceiver:
         self.stats["direct"] += 1
         return "", (self._rows[msg.request_id], tmpl.landed(blocks)), done
 
+    def _block_sizes(self, msg: m.TransferRequest) -> list[int]:
+        """A direct message's declared payload message sizes; ValueError if unusable."""
+        raw = msg.block_bytes
+        sizes = np.frombuffer(raw, dtype="<i8").tolist() if len(raw) % 8 == 0 else []
+        if (not sizes or min(sizes) <= 0 or sum(sizes) != msg.payload_bytes
+                or msg.payload_bytes > self.max_payload_bytes):
+            raise ValueError(f"direct message {msg.seq}: block sizes {sizes[:8]} do not "
+                             f"describe a payload of {msg.payload_bytes} bytes "
+                             f"(at most {self.max_payload_bytes})")
+        return sizes
+
     async def _received(self, conn: _RecvConn, recvs: list[asyncio.Task]) -> None:
         """Until every in-place receive completed; at the deadline or on an error the
         connection is broken first (its endpoint aborted: nothing more lands)."""
@@ -297,17 +314,13 @@ class KVReceiver:
             self._break(conn, f"in-place receive failed: {_reason(e)}")
             raise
 
-    async def _drain(self, conn: _RecvConn, msg: m.TransferRequest, sizes: list[int]) -> None:
+    async def _drain(self, conn: _RecvConn, sizes: list[int]) -> None:
         """Receive a refused direct message's payload into scratch space (never the pools)."""
-        if msg.payload_bytes > self.max_payload_bytes:
-            raise ValueError(f"direct message {msg.seq} of {msg.payload_bytes} bytes exceeds "
-                             f"{self.max_payload_bytes}")
         if conn.scratch is None:
             conn.scratch = torch.empty(self.max_payload_bytes, dtype=torch.uint8,
                                        device=self._pools.device)
         ends = np.cumsum(sizes).tolist()
-        element = self._pools.row_bytes // self._pools.head_dim
-        recvs = [_post_recv(conn.ep, TAG_DIRECT, _ucx_buf(conn.scratch[a * element:b * element]))
+        recvs = [_post_recv(conn.ep, TAG_DIRECT, _ucx_buf(conn.scratch[a:b]))
                  for a, b in zip([0] + ends[:-1], ends)]
         await asyncio.wait_for(asyncio.gather(*recvs), self.timeout_s)
 
@@ -391,43 +404,3 @@ class KVReceiver:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-
-
-
-class BlockingKVReceiver:
-    """`KVReceiver` for synchronous callers, living on `thread`'s loop; keyword arguments
-    as `KVReceiver`'s (`on_landed` runs on that loop's thread)."""
-
-    def __init__(self, thread: TransportThread, pools: Sequence[tuple[torch.Tensor, ...]],
-                 **kwargs: Any) -> None:
-        self.thread = thread
-        self.receiver: KVReceiver = thread.call(_on_loop(KVReceiver, pools, **kwargs),
-                                                _MARGIN_S)
-
-    def start(self) -> Address:
-        return self.thread.call(self.receiver.start(), _MARGIN_S)
-
-    def wait_request_sync(self, request_id: str, num_tokens: int, *,
-                          layers: Optional[range] = None,
-                          timeout_s: Optional[float] = None) -> None:
-        bound = (self.receiver.timeout_s if timeout_s is None else timeout_s) + _MARGIN_S
-        self.thread.call(self.receiver.wait_request(request_id, num_tokens, layers=layers,
-                                                    timeout_s=timeout_s), bound)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.thread.call(_on_loop(self.receiver.set_epoch, epoch), _MARGIN_S)
-
-    def expect(self, request_id: str) -> None:
-        self.thread.call(_on_loop(self.receiver.expect, request_id), _MARGIN_S)
-
-    def release(self, request_id: str) -> None:
-        self.thread.call(self.receiver.release(request_id), self.receiver.timeout_s + _MARGIN_S)
-
-    def landed(self, request_id: str) -> dict[int, int]:
-        return self.thread.call(_on_loop(self.receiver.landed, request_id), _MARGIN_S)
-
-    def stats(self) -> dict[str, int]:
-        return self.thread.call(_on_loop(dict, self.receiver.stats), _MARGIN_S)
-
-    def close(self) -> None:
-        self.thread.call(self.receiver.close(), _MARGIN_S)

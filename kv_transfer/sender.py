@@ -1,11 +1,10 @@
-"""Prefill side of the KV transport: `KVSender` (async, on the transport loop) and
-`BlockingKVSender` (its synchronous front). Protocol, deadlines and threading model:
+"""Prefill side of the KV transport: `KVSender` (async, on the transport loop; its
+synchronous front is `blocking.BlockingKVSender`). Protocol, deadlines and threading model:
 `transport`'s docstring."""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -20,11 +19,10 @@ from .errors import TransferError
 from .planner import Copy
 from .spans import SlabSpans
 from .staging import _Pools, _Template
-from .ucx_runtime import (_MARGIN_S, TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address,
-                          TransportThread, _abort, _on_loop, _post_send, _reason,
-                          _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
+from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
+                          _post_send, _reason, _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
 
-__all__ = ["BlockingKVSender", "Copies", "KVSender"]
+__all__ = ["Copies", "KVSender"]
 
 log = get_logger(__name__)
 Copies = Union[Sequence[Copy], np.ndarray]
@@ -262,13 +260,13 @@ class KVSender:
                 conn.pending[conn.seq] = batches  # from here on `_break` fails them
                 ready = list({id(b): b.ready for b in batches}.values())
                 payload, buf = self._in_place(tmpl, blocks, direct), None
+                cuts = tmpl.bytes_cum[blocks[:, 3]] - tmpl.bytes_cum[blocks[:, 2]]
                 if payload is None:
                     buf = await conn.free.get()
                     if buf.numel() < conn.capacity:  # sized once: UCX maps each buffer once
                         buf = torch.empty(conn.capacity, dtype=torch.uint8,
                                           device=self._pools.device)
                     ready = [self._pools.gather(tmpl, blocks, buf[:nbytes], ready=ready)]
-                    cuts = tmpl.bytes_cum[blocks[:, 3]] - tmpl.bytes_cum[blocks[:, 2]]
                     ends = np.cumsum(cuts).tolist() if direct else [nbytes]
                     payload = [buf[a:b] for a, b in zip([0] + ends[:-1], ends)]
                 layers = blocks[:, 0]
@@ -276,7 +274,8 @@ class KVSender:
                 conn.defined.add(tid)
                 msg = m.TransferRequest(batches[0].request_id, batches[0].epoch, conn.seq,
                                         int(layers.min()), int(layers.max()) + 1, tid,
-                                        definition, m.encode_blocks(blocks), nbytes, direct)
+                                        definition, m.encode_blocks(blocks), nbytes, direct,
+                                        cuts.astype("<i8").tobytes() if direct else b"")
                 mine = asyncio.get_running_loop().create_future()
                 conn.tasks.append(asyncio.create_task(
                     self._post(conn, msg, buf, payload, ready, posted, mine)))
@@ -366,39 +365,3 @@ class KVSender:
             self._break(conn, "sender closed", fault=False)
         self._conns.clear()
         await asyncio.sleep(0)
-
-
-
-class BlockingKVSender:
-    """`KVSender` for synchronous callers (e.g. the engine thread), living on `thread`'s
-    loop; keyword arguments as `KVSender`'s. `submit_layer` returns a concurrent Future at
-    once (stream layer l while computing layer l+1); `send_layer_sync` waits for the ack.
-    Errors as `KVSender`'s, raised by the Future or the call."""
-
-    def __init__(self, thread: TransportThread, pools: Sequence[tuple[torch.Tensor, ...]],
-                 **kwargs: Any) -> None:
-        self.thread = thread
-        self.sender: KVSender = thread.call(_on_loop(KVSender, pools, **kwargs), _MARGIN_S)
-
-    def connect(self, peer: Address) -> int:
-        return self.thread.call(self.sender.connect(peer),
-                                self.sender.connect_timeout_s + _MARGIN_S)
-
-    def submit_layer(self, peer: Address, request_id: str, copies: Copies, *,
-                     timeout_s: Optional[float] = None) -> concurrent.futures.Future:
-        """The pages are read after what this thread's current stream has queued so far."""
-        ready = self.sender.ready_event()
-        return self.thread.submit(self.sender.send_layer(peer, request_id, copies,
-                                                         timeout_s=timeout_s, ready=ready))
-
-    def send_layer_sync(self, peer: Address, request_id: str, copies: Copies, *,
-                        timeout_s: Optional[float] = None) -> m.TransferAck:
-        bound = (self.sender.timeout_s if timeout_s is None else timeout_s) + _MARGIN_S
-        return self.submit_layer(peer, request_id, copies, timeout_s=timeout_s).result(bound)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.thread.call(_on_loop(self.sender.set_epoch, epoch), _MARGIN_S)
-
-    def close(self) -> None:
-        self.thread.call(self.sender.close(), _MARGIN_S)
-

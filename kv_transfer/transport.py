@@ -35,14 +35,16 @@ thread-safe: touch them only on their loop. Pool tensors are read (sender) or wr
 nor read a page before its request is reported landed.
 
 This module re-exports the public names of `errors`, `ucx_runtime` (ucxx process state,
-`TransportThread`), `staging` (pools, gather/scatter), `sender` and `receiver`.
+`TransportThread`), `staging` (pools, gather/scatter), `sender`, `receiver` and
+`blocking`.
 """
 
 from __future__ import annotations
 
 from .errors import TransferError
-from .receiver import BlockingKVReceiver, KVReceiver
-from .sender import BlockingKVSender, Copies, KVSender
+from .blocking import BlockingKVReceiver, BlockingKVSender
+from .receiver import KVReceiver
+from .sender import Copies, KVSender
 from .staging import _Pools
 from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, TransportThread,
                           ensure_ucx, shutdown_ucx)

@@ -594,8 +594,9 @@ class _FakeEndpoint:
 def test_in_place_receives_land_and_release_waits_for_them():
     """A direct message is received into the pool spans its blocks name (nothing else is
     written); `release` of its request returns only once those receives completed. A
-    direct message of another epoch is received into scratch space: the pools stay as
-    they were."""
+    direct message of another epoch, or naming a template the receiver does not know
+    (e.g. released with its request), is received into scratch space by its declared
+    block sizes: the pools stay as they were and the connection goes on."""
     import asyncio
     from phalanx.kv_transfer import messages as m
     from phalanx.kv_transfer.receiver import KVReceiver, _RecvConn
@@ -613,9 +614,10 @@ def test_in_place_receives_land_and_release_waits_for_them():
                  for a, b, direct in tmpl.spans.split(r0, r1, 1) if direct and a == r0]
         direct = np.array(whole, dtype=np.int32)
         n = tmpl.nbytes(direct)
+        sizes = (tmpl.bytes_cum[direct[:, 3]] - tmpl.bytes_cum[direct[:, 2]]).astype("<i8").tobytes()
         conn = _RecvConn(_FakeEndpoint())
         msg = m.TransferRequest("r", 1, 1, 0, 1, 0, template.tobytes(), m.encode_blocks(direct),
-                                n, True)
+                                n, True, sizes)
         error, landed, done = await rx._land_in_place(conn, msg)
         while len(conn.ep.posted) < len(direct):
             await asyncio.sleep(0.001)
@@ -628,21 +630,26 @@ def test_in_place_receives_land_and_release_waits_for_them():
         await asyncio.wait_for(releasing, 5)
         await done
         written = sum(int((t.view(torch.uint8) == 0x3F).sum()) for pair in pools for t in pair)
-        stale = m.TransferRequest("r", 7, 2, 0, 1, 0, b"", m.encode_blocks(direct), n, True)
         rx.expect("r")
         conn.templates[0] = ("r", tmpl)
         before = [t.clone() for pair in pools for t in pair]
-        drain = asyncio.ensure_future(rx._land_in_place(conn, stale))
-        while len(conn.ep.posted) < 2 * len(direct):  # the drain's receives are posted
-            await asyncio.sleep(0.001)
-        conn.ep.deliver(0x55)
-        refusal, landed2, _ = await asyncio.wait_for(drain, 5)
+        refusals = []
+        for seq, (epoch, tid) in enumerate([(7, 0), (1, 9)], start=2):  # stale; unknown template
+            refused = m.TransferRequest("r", epoch, seq, 0, 1, tid, b"", m.encode_blocks(direct),
+                                        n, True, sizes)
+            drain = asyncio.ensure_future(rx._land_in_place(conn, refused))
+            while len(conn.ep.posted) < seq * len(direct):  # the drain's receives are posted
+                await asyncio.sleep(0.001)
+            conn.ep.deliver(0x55)
+            refusals.append(await asyncio.wait_for(drain, 5))
         after = [t for pair in pools for t in pair]
-        return (held, written, n, dict(landed[1]) == tmpl.landed(direct), refusal, landed2,
-                all(torch.equal(a, b) for a, b in zip(before, after)), rx.stats)
+        return (held, written, n, dict(landed[1]) == tmpl.landed(direct), refusals,
+                all(torch.equal(a, b) for a, b in zip(before, after)), rx.stats, conn.broken)
 
-    held, written, n, counted, refusal, landed2, untouched, stats = asyncio.run(run())
+    held, written, n, counted, refusals, untouched, stats, broken = asyncio.run(run())
     assert held, "release returned while in-place receives were still posted"
     assert written == n and counted  # exactly the spans' bytes (zeros elsewhere)
-    assert "stale epoch 7" in refusal and landed2 is None and untouched
-    assert stats["direct"] == 1 and stats["dropped_epoch"] == 1
+    (stale, *rest1), (unknown, *rest2) = refusals
+    assert "stale epoch 7" in stale and "unknown template 9" in unknown
+    assert rest1 == rest2 == [None, None] and untouched and not broken
+    assert stats["direct"] == 1 and stats["dropped_epoch"] == 1 and stats["rejected"] == 1
