@@ -134,13 +134,10 @@ class EPDispatcher:
         order, send_counts = self._plan(topk_ids)
         recv_counts = self._exchange_counts(send_counts)
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
-        recv_x, recv_ids, recv_w = self._dispatch(
-            x, topk_weights, topk_ids, order, k, send_split, recv_split)
-        y = compute(recv_x, recv_ids, recv_w)
-        if tuple(y.shape) != (recv_x.shape[0], H):
-            raise ValueError(f"compute returned {tuple(y.shape)}, expected {(recv_x.shape[0], H)}")
+        received = self._dispatch(x, topk_weights, topk_ids, order, k, send_split, recv_split)
+        y = self._experts(compute, received, x.dtype)
         back = torch.empty((len(order), H), dtype=x.dtype, device=x.device)
-        self.comm.all_to_all_single(back, y.to(x.dtype).contiguous(), send_split, recv_split)
+        self.comm.all_to_all_single(back, y, send_split, recv_split)
         return self._combine(back, order, T, k, x.dtype)
 
     def _moe_padded(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -163,13 +160,21 @@ class EPDispatcher:
         padded[rows] = send
         recv = torch.empty_like(padded)
         self.comm.all_to_all_single(recv, padded)
-        recv_x, recv_ids, recv_w = self._unpack(recv, H, topk_weights.dtype)
-        y = compute(recv_x, recv_ids, recv_w)
-        if tuple(y.shape) != (recv_x.shape[0], H):
-            raise ValueError(f"compute returned {tuple(y.shape)}, expected {(recv_x.shape[0], H)}")
-        back = torch.empty((world * capacity, H), dtype=x.dtype, device=x.device)
-        self.comm.all_to_all_single(back, y.to(x.dtype).contiguous())
+        y = self._experts(compute, self._unpack(recv, H, topk_weights.dtype), x.dtype)
+        back = torch.empty_like(y)
+        self.comm.all_to_all_single(back, y)
         return self._combine(back[rows], order, T, k, x.dtype)
+
+    @staticmethod
+    def _experts(compute: ExpertCompute, received: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 dtype: torch.dtype) -> torch.Tensor:
+        """`compute` on the received (rows, local ids, weights): [R, H] in `dtype`,
+        contiguous, ready to send back."""
+        recv_x = received[0]
+        y = compute(*received)
+        if tuple(y.shape) != tuple(recv_x.shape):
+            raise ValueError(f"compute returned {tuple(y.shape)}, expected {tuple(recv_x.shape)}")
+        return y.to(dtype).contiguous()
 
     def _plan(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pairs p = t*k + j sorted (stably) by destination rank, and rows per rank."""
