@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ..kv_transfer.copy_table import layer_slices, plan_tables
+from ..kv_transfer.copy_table import layer_batches, plan_batches
 from ..kv_transfer.layout import KVLayout
 from ..kv_transfer.transport import Address, BlockingKVSender
 from ..log import get_logger
@@ -151,12 +151,12 @@ class PrefillRank(KVRank):
             if end <= stream.sent_upto:
                 continue
             src_pages = h["block_tables"][row, :-(-end // self.layout.page_size)].tolist()
-            tables = plan_tables(self.layout, dest.layout, range(stream.sent_upto, end),
-                                 src_pages, dest.pages, replica_hint=dest.replica_hint)
-            for (src_rank, dst_rank), table in tables.items():
+            batches = plan_batches(self.layout, dest.layout, range(stream.sent_upto, end),
+                                   src_pages, dest.pages, replica_hint=dest.replica_hint)
+            for (src_rank, dst_rank), pair in batches.items():
                 if src_rank == self.spec.tp_rank:
-                    for layer, rows in layer_slices(table).items():
-                        sends[layer].append((key, dst_rank, rows))
+                    for layer, parts in layer_batches(pair).items():
+                        sends[layer].append((key, dst_rank, parts))
             self._step_keys.append((key, end))
         return sends
 

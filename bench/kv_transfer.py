@@ -33,14 +33,14 @@ Per (layout, tokens), in the same processes and over the same UCX worker:
   receiver keeping `--staging` receives posted (the transport's message pattern without
   planner, gather, scatter, control messages or acks);
 - whole: each sender sends its share of the request as one `KVSender.send_layer` batch
-  (every layer's copies in one table: a request whose KV is already computed); the
-  transport cuts it into messages of up to `--payload-mib` and keeps `--staging` of them
-  in flight;
-- pipelined: each sender streams every layer with `KVSender.send_layer` (the copies of
-  one layer as `planner.Copy` lists, encoded inside), all layers submitted at once; the
-  transport coalesces the backlog into messages of up to the receiver's
-  `--payload-mib` (32 MiB) and keeps `--staging` of them in flight; done when every ack
-  is in;
+  (every layer's copies: a request whose KV is already computed), as the engine's
+  prefill ranks pass copies: template batches (`copy_table.plan_batches`); the
+  transport cuts it into messages of up to `--payload-mib` (direct messages sent from
+  the pools excepted: one control message for all of them) and keeps `--staging` of
+  them in flight;
+- pipelined: each sender streams every layer with `KVSender.send_layer` (one layer's
+  template batches), all layers submitted at once; the transport coalesces the backlog
+  as above; done when every ack is in;
 - sequential: the same, one layer at a time (each waits for the previous ack);
 - nccl (cuda only, --no-nccl to leave out): the raw pattern through torch.distributed
   NCCL send/recv between the same processes' GPUs (one buffer per sender, 1-byte reply).

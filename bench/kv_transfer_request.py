@@ -1,7 +1,8 @@
 """The request of `bench/kv_transfer.py`: its KV shape (Qwen3-30B-A3B-like), the prefill
 and decode layouts, its pages in both pools (shuffled, or consecutive runs as a fresh
-pool hands them out), and its copy tables by rank pair (planned once per process and
-cached) with each sender rank's share of them."""
+pool hands them out), its copy tables by rank pair (planned once per process and
+cached; the receiver's checks use them) and each sender rank's share of them as template
+batches (what it sends)."""
 
 from __future__ import annotations
 
@@ -50,9 +51,14 @@ def sender_shares(p: int, tokens: int, num_pages: int, order: str) -> list[int]:
 
 
 def rank_batches(rank: int, p: int, tokens: int, num_pages: int, order: str):
-    """This rank's copies of the request, one table per layer; the planning time; bytes."""
-    from phalanx.kv_transfer.copy_table import layer_slices
-    tables, plan_s = request_plan(p, tokens, num_pages, order)
-    by_layer = layer_slices(tables[(rank, 0)])
-    batches = [by_layer[layer] for layer in range(LAYERS)]
-    return batches, plan_s, sender_shares(p, tokens, num_pages, order)[rank]
+    """This rank's copies of the request as the sender takes them (`plan_batches`' template
+    batches): per layer, and whole; the planning time; bytes."""
+    from phalanx.kv_transfer.copy_table import layer_batches, plan_batches
+    src, dst = kv_layouts(p, 1)
+    t = time.perf_counter()
+    whole = plan_batches(src, dst, range(tokens), request_pages(num_pages, tokens, 1, order),
+                         request_pages(num_pages, tokens, 2, order))[(rank, 0)]
+    plan_s = time.perf_counter() - t
+    by_layer = layer_batches(whole)
+    return ([by_layer[layer] for layer in range(LAYERS)], whole, plan_s,
+            sender_shares(p, tokens, num_pages, order)[rank])

@@ -38,7 +38,7 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
     await tx.connect(tuple(addr))
     raw_ep = await ucxx.create_endpoint(*raw_addr)
     raw_buf, reply = make_buf(0, dev), np.empty(1, dtype=np.uint8)
-    plans, wholes, spans = {}, {}, {}
+    plans, spans = {}, {}
     pipe.send("ready")
     while (cmd := await recv_cmd(pipe)) is not None:
         if cmd[0] == "digest":
@@ -48,8 +48,7 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
         what, rid, tokens, start = cmd
         if tokens not in plans:
             plans[tokens] = rank_batches(rank, args["p"], tokens, num_pages, args["pages"])
-            wholes[tokens] = np.concatenate(plans[tokens][0])
-        batches, plan_s, nbytes = plans[tokens]
+        batches, whole, plan_s, nbytes = plans[tokens]
         if what.startswith("raw") or what == "nccl":
             if len(raw_buf) < nbytes:
                 raw_buf = make_buf(nbytes, dev)
@@ -74,7 +73,7 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
                                    for i in range(count)))
             await raw_ep.recv(reply)
         elif what == "whole":
-            await tx.send_layer(tuple(addr), rid, wholes[tokens])
+            await tx.send_layer(tuple(addr), rid, whole)
         elif what == "pipelined":
             await asyncio.gather(*(tx.send_layer(tuple(addr), rid, b) for b in batches))
         else:

@@ -9,6 +9,7 @@ the sender's and the receiver's timelines line up. Bench-only: patches module gl
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -24,7 +25,8 @@ def mark(event: str, detail: str = "") -> None:
 def install() -> None:
     from phalanx.kv_transfer import receiver, sender, staging, ucx_runtime as rt
 
-    _TAGS.update({rt.TAG_CTRL: "ctrl", rt.TAG_PAYLOAD: "payload", rt.TAG_REPLY: "reply"})
+    _TAGS.update({rt.TAG_CTRL: "ctrl", rt.TAG_PAYLOAD: "payload", rt.TAG_REPLY: "reply",
+                  rt.TAG_DIRECT: "direct"})
 
     def traced(kind: str, post):
         def wrapper(ep, tag, buf):
@@ -45,19 +47,28 @@ def install() -> None:
     from phalanx.kv_transfer import slab_copy
     _wrap_method(slab_copy.SlabIndex, "copy")
     _wrap_method(staging._Pools, "_record")
-    _wrap_method(sender.KVSender, "_table")
-    _wrap_method(sender.KVSender, "_template")
+    for cls, name in ((sender.KVSender, "_batches"), (sender.KVSender, "_template"),
+                      (sender.KVSender, "_next_message"), (receiver.KVReceiver, "_template"),
+                      (receiver.KVReceiver, "_land_in_place"), (receiver.KVReceiver, "_finish")):
+        _wrap_method(cls, name)
 
 
 def _wrap_method(cls, name: str) -> None:
     inner = getattr(cls, name)
-
-    def wrapper(self, *args, **kwargs):
-        mark(f"{name}_start")
-        try:
-            return inner(self, *args, **kwargs)
-        finally:
-            mark(f"{name}_end")
+    if inspect.iscoroutinefunction(inner):
+        async def wrapper(self, *args, **kwargs):
+            mark(f"{name}_start")
+            try:
+                return await inner(self, *args, **kwargs)
+            finally:
+                mark(f"{name}_end")
+    else:
+        def wrapper(self, *args, **kwargs):
+            mark(f"{name}_start")
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                mark(f"{name}_end")
 
     setattr(cls, name, wrapper)
 

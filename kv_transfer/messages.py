@@ -17,7 +17,8 @@ form of `planner.Copy` without the two ranks (implicit in the connection). A req
 copies repeat one pattern per (layer, kind), so they travel as a *template* (a copy
 table whose layer and kind columns are unused, sent once per connection) and *blocks*
 `[n, 4]` (`BLOCK_FIELDS`: rows [row_start, row_stop) of the template applied to pool
-(layer, kind)): a message costs O(blocks) host work, not O(copies) (`templates_of`).
+(layer, kind)): a message costs O(blocks) host work, not O(copies) (`templates_of`;
+a `CopyBatch` is a template with its blocks).
 The payload is the concatenation, block by block and row by row, of each copy's slab
 `[num_heads, num_tokens, head_dim]` (row-major) of the source pool. `copy_rows` maps a
 table to pool rows: a pool `[num_pages, heads, page_size, head_dim]` viewed as
@@ -31,14 +32,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import msgspec
 import numpy as np
 
 from .planner import Copy
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_CTRL_BYTES = 1 << 20   # a framed TransferRequest (header + copy table) fits in this
 MAX_REPLY_BYTES = 1 << 16  # a framed Hello, HelloAck or TransferAck fits in this
 KIND_CODES = {"k": 0, "v": 1}
@@ -67,7 +68,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
 
 class HelloAck(msgspec.Struct, tag="hello_ack", frozen=True):
     """Receiver -> sender: accepted (ok) or rejected with `error`, then closed.
-    `max_payload_bytes`: the largest payload one TransferRequest may announce.
+    `max_payload_bytes`: the largest payload of a staged TransferRequest, and the
+    largest block of a direct one (direct messages may carry any number of blocks up to
+    `MAX_BLOCKS`).
     `pool_shape`: the receiver's (num_pages, heads, page_size, head_dim) when it takes
     payloads in place (`TransferRequest.direct`); () when it does not."""
 
@@ -84,7 +87,8 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
 
     `seq` numbers the requests of one connection (from 1); [layer_start, layer_stop)
     spans the blocks' layers. `template` names a template of this connection; its table
-    travels in `template_table` with the first message that uses it (b"" afterwards).
+    travels in `template_table` (`packed_table.pack_table`) with the first message that
+    uses it (b"" afterwards).
     `blocks` is the int32 block table (`encode_blocks`).
 
     direct: every block is one span of the receiver's pools (`spans.SlabSpans`) and its
@@ -194,7 +198,16 @@ def decode_blocks(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=_COPY_DTYPE).reshape(-1, len(BLOCK_FIELDS))
 
 
-def templates_of(table: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+class CopyBatch(NamedTuple):
+    """Copies as a template and the blocks that apply it, the unit a sender sends
+    (`templates_of` cuts a copy table into these; `copy_table.plan_batches` builds them
+    without the table)."""
+
+    template: np.ndarray  # int32 [rows, len(COPY_FIELDS)]; layer and kind columns unused
+    blocks: np.ndarray    # int32 [n, len(BLOCK_FIELDS)]
+
+
+def templates_of(table: np.ndarray) -> list[CopyBatch]:
     """Cut a copy table into [(template, blocks)]: each maximal run of one (layer, kind)
     becomes a block of a template equal to the run with layer = kind = 0; runs with equal
     templates share one (a plan's layers all do). Templates longer than
@@ -215,26 +228,25 @@ def templates_of(table: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
             run[:, (F_LAYER, F_KIND)] = 0
             entry = found.setdefault(run.tobytes(), (run, []))
             entry[1].append((layer, kind, 0, len(run)))
-    return [(run, np.array(blocks, dtype=_COPY_DTYPE)) for run, blocks in found.values()]
+    return [CopyBatch(run, np.array(blocks, dtype=_COPY_DTYPE)) for run, blocks in found.values()]
 
 
 def _one_template(table: np.ndarray, starts: np.ndarray, stops: np.ndarray
-                  ) -> Optional[tuple[np.ndarray, np.ndarray]]:
-    """(template, blocks) when every (layer, kind) run is the same rows (a plan's usual
-    shape: one vectorised comparison instead of hashing run by run), else None."""
+                  ) -> Optional[CopyBatch]:
+    """The batch when every (layer, kind) run is the same rows (a plan's usual shape:
+    one vectorised comparison instead of hashing run by run), else None."""
     rows = int(stops[0] - starts[0])
     if rows > MAX_TEMPLATE_ROWS or not (stops - starts == rows).all():
         return None
     runs = np.asarray(table, dtype=_COPY_DTYPE).reshape(len(starts), rows, -1)
+    # layer and kind are columns 0 and 1: the rest is one slice
+    if not (runs[1:, :, 2:] == runs[:1, :, 2:]).all():
+        return None
     template = runs[0].copy()
     template[:, (F_LAYER, F_KIND)] = 0
-    other = np.ones(runs.shape[2], dtype=bool)
-    other[[F_LAYER, F_KIND]] = False
-    if not (runs[:, :, other] == template[None, :, other]).all():
-        return None
     blocks = np.zeros((len(starts), 4), dtype=_COPY_DTYPE)
     blocks[:, 0], blocks[:, 1], blocks[:, 3] = runs[:, 0, F_LAYER], runs[:, 0, F_KIND], rows
-    return template, blocks
+    return CopyBatch(template, blocks)
 
 
 def check_blocks(blocks: np.ndarray, num_layers: int, rows: int) -> str:

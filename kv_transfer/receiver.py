@@ -17,6 +17,7 @@ import torch
 from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
+from .packed_table import unpack_table
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
                           _post_recv, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
@@ -299,10 +300,10 @@ class KVReceiver:
         raw = msg.block_bytes
         sizes = np.frombuffer(raw, dtype="<i8").tolist() if len(raw) % 8 == 0 else []
         if (not sizes or min(sizes) <= 0 or sum(sizes) != msg.payload_bytes
-                or msg.payload_bytes > self.max_payload_bytes):
+                or max(sizes) > self.max_payload_bytes):
             raise ValueError(f"direct message {msg.seq}: block sizes {sizes[:8]} do not "
-                             f"describe a payload of {msg.payload_bytes} bytes "
-                             f"(at most {self.max_payload_bytes})")
+                             f"describe a payload of {msg.payload_bytes} bytes in blocks "
+                             f"of at most {self.max_payload_bytes}")
         return sizes
 
     async def _received(self, conn: _RecvConn, recvs: list[asyncio.Task]) -> None:
@@ -315,14 +316,17 @@ class KVReceiver:
             raise
 
     async def _drain(self, conn: _RecvConn, sizes: list[int]) -> None:
-        """Receive a refused direct message's payload into scratch space (never the pools)."""
+        """Receive a refused direct message's payload into scratch space (never the pools),
+        block by block (each fits `max_payload_bytes`), within one deadline."""
         if conn.scratch is None:
             conn.scratch = torch.empty(self.max_payload_bytes, dtype=torch.uint8,
                                        device=self._pools.device)
-        ends = np.cumsum(sizes).tolist()
-        recvs = [_post_recv(conn.ep, TAG_DIRECT, _ucx_buf(conn.scratch[a:b]))
-                 for a, b in zip([0] + ends[:-1], ends)]
-        await asyncio.wait_for(asyncio.gather(*recvs), self.timeout_s)
+
+        async def drain() -> None:
+            for size in sizes:
+                await _post_recv(conn.ep, TAG_DIRECT, _ucx_buf(conn.scratch[:size]))
+
+        await asyncio.wait_for(drain(), self.timeout_s)
 
     def _ack_done(self, conn: _RecvConn, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -369,7 +373,8 @@ class KVReceiver:
     def _template(self, msg: m.TransferRequest, templates) -> _Template:
         """The message's template: defined by it (validated for the dst side) or known."""
         if msg.template_table:
-            tmpl = self._pools.template(m.decode_copies(msg.template_table), "dst")
+            table = unpack_table(msg.template_table, len(m.COPY_FIELDS), m.MAX_TEMPLATE_ROWS)
+            tmpl = self._pools.template(table, "dst")
             templates[msg.template] = (msg.request_id, tmpl)
             if len(templates) > RECEIVER_TEMPLATES:
                 templates.popitem(last=False)

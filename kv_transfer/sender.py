@@ -16,6 +16,7 @@ import torch
 from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
+from .packed_table import pack_table
 from .planner import Copy
 from .spans import SlabSpans
 from .staging import _Pools, _Template
@@ -25,7 +26,9 @@ from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address,
 __all__ = ["Copies", "KVSender"]
 
 log = get_logger(__name__)
-Copies = Union[Sequence[Copy], np.ndarray]
+# planner copies, a copy table (messages.encode_copies), or template batches
+# (copy_table.plan_batches: no per-call table work)
+Copies = Union[Sequence[Copy], np.ndarray, m.CopyBatch, Sequence[m.CopyBatch]]
 SENDER_TEMPLATES = 1024  # per connection; receivers keep RECEIVER_TEMPLATES >= this
 # A span of the receiver's pools at least this large is received in place, block by
 # block; smaller pieces travel together through a staging buffer (one message each
@@ -44,6 +47,19 @@ class _Batch:
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
+class _Sent:
+    """A template as one connection knows it: its id, its location in this rank's pools,
+    its spans in the receiver's (None: the receiver takes no direct payloads) and, per
+    row range [r0, r1), how a block of it is cut into message pieces (layer-free)."""
+
+    __slots__ = ("tid", "tmpl", "dst", "cuts")
+
+    def __init__(self, tid: int, tmpl: _Template, dst: Optional[SlabSpans]) -> None:
+        self.tid, self.tmpl, self.dst = tid, tmpl, dst
+        # (r0, r1) -> [(a, b, payload bytes, direct, pooled)]
+        self.cuts: dict[tuple[int, int], list[tuple[int, int, int, bool, bool]]] = {}
+
+
 class _SenderConn:
     def __init__(self, peer: str, ep: Any, hello: m.HelloAck, staging: int) -> None:
         self.peer, self.ep, self.receiver_rank = peer, ep, hello.receiver_rank
@@ -53,11 +69,10 @@ class _SenderConn:
         for _ in range(max(1, staging)):
             self.free.put_nowait(torch.empty(0, dtype=torch.uint8))
         self.seq = 0
-        # (batch, template id, template, block (layer, kind, r0, r1), payload bytes, direct)
-        self.queue: deque[tuple[_Batch, int, _Template, tuple, int, bool]] = deque()
-        # (request id, table) -> (template id, template, its spans in the receiver's pools)
-        self.templates: OrderedDict[tuple[str, bytes],
-                                    tuple[int, _Template, Optional[SlabSpans]]] = OrderedDict()
+        # (batch, template, block (layer, kind, r0, r1), payload bytes, direct, pooled);
+        # pooled: a direct part that is a span of this rank's pools too (sent from them)
+        self.queue: deque[tuple[_Batch, _Sent, tuple, int, bool, bool]] = deque()
+        self.templates: OrderedDict[tuple[str, bytes], _Sent] = OrderedDict()  # (request, table)
         self.defined: set[int] = set()  # template ids whose table the receiver was sent
         self.next_template = 0
         self.wake = asyncio.Event()
@@ -129,16 +144,19 @@ class KVSender:
             raise TransferError(request_id, self.epoch, f"{peer[0]}:{peer[1]}", detail)
         return conn
 
-    def _table(self, copies: Copies, conn: _SenderConn) -> np.ndarray:
+    def _batches(self, copies: Copies, conn: _SenderConn) -> list[m.CopyBatch]:
+        """`copies` as template batches (validated per template and block by the caller)."""
+        if isinstance(copies, m.CopyBatch):
+            return [copies]
         if isinstance(copies, np.ndarray):  # pre-encoded (messages.encode_copies)
-            table = copies
-        else:
-            bad = [c for c in copies if c.src_rank != self.rank or c.dst_rank != conn.receiver_rank]
-            if bad:
-                raise ValueError(f"copy {bad[0]} is not from rank {self.rank} to the peer's "
-                                 f"rank {conn.receiver_rank}")
-            table = m.encode_copies(copies)
-        return table  # validated per template and block in `send_layer`
+            return m.templates_of(copies)
+        if copies and isinstance(copies[0], m.CopyBatch):
+            return list(copies)
+        bad = [c for c in copies if c.src_rank != self.rank or c.dst_rank != conn.receiver_rank]
+        if bad:
+            raise ValueError(f"copy {bad[0]} is not from rank {self.rank} to the peer's "
+                             f"rank {conn.receiver_rank}")
+        return m.templates_of(m.encode_copies(copies))
 
     async def send_layer(self, peer: Address, request_id: str, copies: Copies, *,
                          timeout_s: Optional[float] = None, ready: Any = None
@@ -151,16 +169,16 @@ class KVSender:
         ValueError for copies that are not this rank's, not the peer's, or out of the
         pools; TransferError on timeout, rejection (e.g. stale epoch) or a lost peer."""
         conn = self._conn(peer, request_id)
-        table = self._table(copies, conn)
         parts = []
-        for template_table, blocks in m.templates_of(table):
-            tid, tmpl, dst = self._template(conn, request_id, template_table)  # validated once
-            error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
+        for template_table, blocks in self._batches(copies, conn):
+            sent = self._template(conn, request_id, template_table)  # validated once
+            error = m.check_blocks(blocks, self._pools.num_layers, sent.tmpl.rows)
             if error:
                 raise ValueError(error)
-            for block in blocks.tolist():
-                parts.extend((tid, tmpl, *piece) for piece in self._pieces(conn, tmpl, dst, block))
-        parts.sort(key=lambda part: not part[-1])  # in-place parts first, order kept
+            for layer, kind, r0, r1 in blocks.tolist():
+                parts.extend((sent, (layer, kind, a, b), n, direct, pooled)
+                             for a, b, n, direct, pooled in self._pieces(conn, sent, r0, r1))
+        parts.sort(key=lambda part: not part[3])  # in-place parts first, order kept
         if ready is None:
             ready = self._pools.ready_event()
         batch = _Batch(request_id, self.epoch, len(parts), ready)
@@ -176,11 +194,8 @@ class KVSender:
             raise TransferError(request_id, batch.epoch, conn.peer, f"rejected: {ack.error}")
         return ack
 
-    def _template(self, conn: _SenderConn, request_id: str, table: np.ndarray
-                  ) -> tuple[int, _Template, Optional[SlabSpans]]:
-        """The connection's id for this request's template (new ones located once), the
-        template in this rank's pools and its spans in the receiver's (None when the
-        receiver takes no direct payloads)."""
+    def _template(self, conn: _SenderConn, request_id: str, table: np.ndarray) -> _Sent:
+        """The connection's entry for this request's template (new ones located once)."""
         key = (request_id, table.tobytes())
         found = conn.templates.get(key)
         if found is not None:
@@ -191,42 +206,49 @@ class KVSender:
         if conn.dst_shape and not m.check_copies(table, "dst", self._pools.num_layers,
                                                  *conn.dst_shape[:3]):
             dst = SlabSpans(table, "dst", *conn.dst_shape[1:])
-        found = (conn.next_template, tmpl, dst)
+        found = _Sent(conn.next_template, tmpl, dst)
         conn.next_template += 1
         conn.templates[key] = found
         if len(conn.templates) > SENDER_TEMPLATES:  # the receiver keeps more: never stale
-            _, (old, _, _) = conn.templates.popitem(last=False)
-            conn.defined.discard(old)
+            _, old = conn.templates.popitem(last=False)
+            conn.defined.discard(old.tid)
         return found
 
-    def _pieces(self, conn: _SenderConn, tmpl: _Template, dst: Optional[SlabSpans],
-                block: tuple[int, int, int, int]) -> list[tuple[tuple, int, bool]]:
-        """`block` cut into message pieces: (block, payload bytes, direct), direct for the
-        runs of rows that are large spans of the receiver's pools."""
-        layer, kind, r0, r1 = block
+    def _pieces(self, conn: _SenderConn, sent: _Sent, r0: int, r1: int
+                ) -> list[tuple[int, int, int, bool, bool]]:
+        """Rows [r0, r1) of a block cut into message pieces (cut once per range):
+        (a, b, payload bytes, direct, pooled); direct for the runs of rows that are large
+        spans of the receiver's pools, pooled for those that are spans of ours too."""
+        found = sent.cuts.get((r0, r1))
+        if found is not None:
+            return found
         least = IN_PLACE_MIN_BYTES // (self._pools.row_bytes // self._pools.head_dim)
-        runs = dst.split(r0, r1, least) if dst is not None else [(r0, r1, False)]
-        return [(piece, n, direct) for a, b, direct in runs
-                for piece, n in tmpl.cut((layer, kind, a, b), conn.capacity)]
+        runs = sent.dst.split(r0, r1, least) if sent.dst is not None else [(r0, r1, False)]
+        found = sent.cuts[(r0, r1)] = [
+            (a, b, n, direct, direct and sent.tmpl.spans.span(a, b) is not None)
+            for lo, hi, direct in runs
+            for (_, _, a, b), n in sent.tmpl.cut((0, 0, lo, hi), conn.capacity)]
+        return found
 
-    def _next_message(self, conn: _SenderConn) -> tuple[list[_Batch], int, _Template,
-                                                        np.ndarray, int, bool]:
+    def _next_message(self, conn: _SenderConn) -> tuple[list[_Batch], _Sent, np.ndarray,
+                                                        int, bool, bool]:
         """The queue's head block and the following ones of the same request, epoch,
-        template and directness, within the receiver's capacity: (batches, template id,
-        template, blocks, payload bytes, direct)."""
-        batch, tid, tmpl, block, total, direct = conn.queue.popleft()
+        template, directness and pooledness, within the receiver's capacity unless
+        pooled (a pooled message needs no buffer on either side): (batches, template,
+        blocks, payload bytes, direct, pooled)."""
+        batch, sent, block, total, direct, pooled = conn.queue.popleft()
         batches, blocks = [batch], [block]
         while conn.queue and len(blocks) < m.MAX_BLOCKS:
-            nxt, ntid, _, nblock, nbytes, ndirect = conn.queue[0]
-            if ((nxt.request_id, nxt.epoch, ntid, ndirect)
-                    != (batch.request_id, batch.epoch, tid, direct)
-                    or total + nbytes > conn.capacity):
+            nxt, nsent, nblock, nbytes, ndirect, npooled = conn.queue[0]
+            if ((nxt.request_id, nxt.epoch, nsent, ndirect, npooled)
+                    != (batch.request_id, batch.epoch, sent, direct, pooled)
+                    or (not pooled and total + nbytes > conn.capacity)):
                 break
             conn.queue.popleft()
             batches.append(nxt)  # once per block: acks count a batch's parts down
             blocks.append(nblock)
             total += nbytes
-        return batches, tid, tmpl, np.array(blocks, dtype=np.int32), total, direct
+        return batches, sent, np.array(blocks, dtype=np.int32), total, direct, pooled
 
     def _in_place(self, tmpl: _Template, blocks: np.ndarray, direct: bool
                   ) -> Optional[list[torch.Tensor]]:
@@ -255,7 +277,8 @@ class KVSender:
                 while not conn.queue:
                     conn.wake.clear()
                     await conn.wake.wait()
-                batches, tid, tmpl, blocks, nbytes, direct = self._next_message(conn)
+                batches, sent, blocks, nbytes, direct, _ = self._next_message(conn)
+                tid, tmpl = sent.tid, sent.tmpl
                 conn.seq += 1
                 conn.pending[conn.seq] = batches  # from here on `_break` fails them
                 ready = list({id(b): b.ready for b in batches}.values())
@@ -270,7 +293,7 @@ class KVSender:
                     ends = np.cumsum(cuts).tolist() if direct else [nbytes]
                     payload = [buf[a:b] for a, b in zip([0] + ends[:-1], ends)]
                 layers = blocks[:, 0]
-                definition = b"" if tid in conn.defined else tmpl.table.tobytes()
+                definition = b"" if tid in conn.defined else pack_table(tmpl.table)
                 conn.defined.add(tid)
                 msg = m.TransferRequest(batches[0].request_id, batches[0].epoch, conn.seq,
                                         int(layers.min()), int(layers.max()) + 1, tid,

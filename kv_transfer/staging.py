@@ -35,6 +35,23 @@ if TYPE_CHECKING:
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+class DeviceBytes:
+    """`nbytes` bytes of device memory at address `ptr` as a CUDA array (interface v2,
+    uint8, 1-D): what UCX needs of a buffer. The memory must outlive it (pool regions:
+    the pools do)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "strides": None,
+                                         "version": 2}
+
+    @property
+    def nbytes(self) -> int:
+        return self.__cuda_array_interface__["shape"][0]
+
+
 class _Pools:
     """Per-layer (K, V) pools `[num_pages, heads, page_size, head_dim]`, one dtype and
     device; gathers and scatters template blocks: one indexed copy per message when the
@@ -64,6 +81,7 @@ class _Pools:
         self._stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                         else None)
         self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._bases: Optional[list[tuple]] = None  # per pool: its address (CUDA) or bytes (CPU)
         self._flat = self._flat_view()
         if slab_kernel is None:
             slab_kernel = self._flat is not None and self.device.type == "cuda"
@@ -93,10 +111,19 @@ class _Pools:
         """(num_pages, heads, page_size, head_dim) of every pool."""
         return (self.num_pages, self.heads, self.page_size, self.head_dim)
 
-    def region(self, layer: int, kind: int, span: tuple[int, int]) -> torch.Tensor:
-        """Elements [start, stop) of pool (layer, kind) as a uint8 view: a span that UCX
-        reads (sender) or writes (receiver) in place."""
-        return self.pools[layer][kind].view(-1)[span[0]:span[1]].view(torch.uint8)
+    def region(self, layer: int, kind: int, span: tuple[int, int]) -> Any:
+        """Elements [start, stop) of pool (layer, kind) as a buffer UCX reads (sender) or
+        writes (receiver) in place: a uint8 numpy view on CPU, a `DeviceBytes` on CUDA
+        (a request posts one per (layer, kind): a tensor view costs ~10x more to make)."""
+        esize = self.row_bytes // self.head_dim
+        if self._bases is None:
+            self._bases = [tuple(t.data_ptr() for t in pair) if self.device.type == "cuda"
+                           else tuple(t.view(-1).view(torch.uint8).numpy() for t in pair)
+                           for pair in self.pools]
+        base = self._bases[layer][kind]
+        if self.device.type == "cuda":
+            return DeviceBytes(base + span[0] * esize, (span[1] - span[0]) * esize)
+        return base[span[0] * esize:span[1] * esize]
 
     def ready_event(self) -> Optional["torch.cuda.Event"]:
         """An event on the calling thread's current stream (CUDA; None on CPU): a gather
@@ -138,7 +165,7 @@ class _Pools:
             yield self._flat.view(-1, width), idx, payload.view(-1, width)
             return
         pos = 0
-        for layer, kind, i0, i1, _, g, dev_rows in self._block_slices(tmpl, blocks, True):
+        for layer, kind, i0, i1, _, g, dev_rows in self._block_slices(tmpl, blocks, self.device):
             width = g * self.head_dim
             end = pos + (i1 - i0) * width
             yield (self.pools[layer][kind].view(-1, width), dev_rows[i0:i1],
@@ -146,16 +173,17 @@ class _Pools:
             pos = end
 
     @staticmethod
-    def _block_slices(tmpl: "_Template", blocks: np.ndarray, device_rows: bool = False):
+    def _block_slices(tmpl: "_Template", blocks: np.ndarray,
+                      device: Optional[torch.device] = None):
         """Per (block, granule run) in payload order: (layer, kind, i0, i1, host rows
-        [, granule, device rows]): rows[i0:i1] are the run's slabs within the block."""
+        [, granule, rows on `device`]): rows[i0:i1] are the run's slabs within the block."""
         for layer, kind, r0, r1 in blocks.tolist():
-            for a, b, g, rows, off, host_rows in tmpl.runs:
+            for i, (a, b, g, off, host_rows) in enumerate(tmpl.runs):
                 lo, hi = max(a, r0), min(b, r1)
                 if lo < hi:
                     i0, i1 = int(off[lo - a]), int(off[hi - a])
-                    yield ((layer, kind, i0, i1, host_rows, g, rows) if device_rows
-                           else (layer, kind, i0, i1, host_rows))
+                    yield ((layer, kind, i0, i1, host_rows, g, tmpl.device_rows(i, device))
+                           if device is not None else (layer, kind, i0, i1, host_rows))
 
     def gather(self, tmpl: "_Template", blocks: np.ndarray, out: torch.Tensor,
                ready: Sequence[Any] = ()) -> Optional["torch.cuda.Event"]:
@@ -223,30 +251,51 @@ class _Pools:
 class _Template:
     """A template (copy table, layer/kind unused) located in one side's pools: for each
     run of rows with one granule g, the pool rows (`[-1, g * head_dim]` view) of every
-    slab in payload order (on the device and on the host), and per row its offset into
-    them; byte and slot prefix sums per row, so a block [r0, r1) is sized and indexed in
-    O(runs); its `spans` in this side's pools (which blocks move in place)."""
+    slab in payload order (on the host; on the device once a copy needs them), and per
+    row its offset into them; byte and slot prefix sums per row, so a block [r0, r1) is
+    sized and indexed in O(runs); its `spans` in this side's pools (which blocks move in
+    place: those need no rows at all)."""
 
     def __init__(self, pools: _Pools, table: np.ndarray, side: str) -> None:
         self.table = np.ascontiguousarray(table, dtype=np.dtype("<i4"))
-        self.rows = len(table)
-        slots = table[:, m.F_NUM_HEADS].astype(np.int64) * table[:, m.F_NUM_TOKENS]
-        self.slots_cum = np.concatenate(([0], np.cumsum(slots)))
+        self.rows, self._side, self._shape = len(table), side, (pools.heads, pools.page_size)
+        self._slots = table[:, m.F_NUM_HEADS].astype(np.int64) * table[:, m.F_NUM_TOKENS]
+        self.slots_cum = np.concatenate(([0], np.cumsum(self._slots)))
         self.bytes_cum = self.slots_cum * pools.row_bytes
-        self.runs = []
-        for _, _, g, a, b in m.segments(table, side, pools.page_size):
-            rows = m.copy_rows(table[a:b], side, pools.heads, pools.page_size, g)
-            off = np.concatenate(([0], np.cumsum(slots[a:b] // g)))
-            self.runs.append((a, b, g, torch.from_numpy(rows).to(pools.device), off, rows))
-        self.granules = sorted({run[2] for run in self.runs})
         self.spans = SlabSpans(table, side, pools.heads, pools.page_size, pools.head_dim)
+        self._runs: Optional[list[tuple]] = None
         self._slabs: Optional["SlabIndex"] = None
+        self._device_rows: dict[int, torch.Tensor] = {}
+
+    @property
+    def runs(self) -> list[tuple[int, int, int, np.ndarray, np.ndarray]]:
+        """Per run of rows with one granule: (a, b, granule, offsets, host rows); built
+        on first use (a template whose blocks all move in place never needs them)."""
+        if self._runs is None:
+            heads, page_size = self._shape
+            self._runs = []
+            for _, _, g, a, b in m.segments(self.table, self._side, page_size):
+                rows = m.copy_rows(self.table[a:b], self._side, heads, page_size, g)
+                off = np.concatenate(([0], np.cumsum(self._slots[a:b] // g)))
+                self._runs.append((a, b, g, off, rows))
+        return self._runs
+
+    @property
+    def granules(self) -> list[int]:
+        return sorted({run[2] for run in self.runs})
+
+    def device_rows(self, run: int, device: torch.device) -> torch.Tensor:
+        """The pool rows of run `run` as an int64 tensor on `device` (copied once)."""
+        rows = self._device_rows.get(run)
+        if rows is None:
+            rows = self._device_rows[run] = torch.from_numpy(self.runs[run][4]).to(device)
+        return rows
 
     def slabs(self, pools: _Pools) -> "SlabIndex":
         """This template's `SlabIndex` on the pools' device (built on first use)."""
         if self._slabs is None:
             from .slab_copy import SlabIndex  # triton: only where the slab kernel runs
-            self._slabs = SlabIndex([(a, b, g, host, off) for a, b, g, _, off, host in self.runs],
+            self._slabs = SlabIndex([(a, b, g, host, off) for a, b, g, off, host in self.runs],
                                     self.rows, pools.head_dim, pools.device)
         return self._slabs
 

@@ -1,10 +1,12 @@
 """UCX (ucxx) transport of KV pages: `KVSender` (one per prefill rank process) streams
-batches of `planner.Copy` to `KVReceiver`s (one per decode rank process), raw bytes, no
+batches of copies (`planner.Copy` lists, copy tables, or `messages.CopyBatch` templates
+with their blocks) to `KVReceiver`s (one per decode rank process), raw bytes, no
 pickle. Wire format: `messages`.
 
 A batch (one destination; one layer, or a chunk of layers) is queued on the connection
 to its peer. The sender's pump cuts or coalesces queued batches of one request into
-messages of at most the receiver's capacity, gathers each message's source slabs into
+messages of at most the receiver's capacity (direct messages sent from the sender's
+pools have no such bound: they need no buffer on either side), gathers each message's source slabs into
 one contiguous staging buffer (an index_select per (layer, kind) run), and posts the
 `TransferRequest` then the payload. The receiver keeps `staging_buffers` receives of
 both posted ahead (so data flows while it scatters the previous message), scatters the

@@ -65,8 +65,9 @@ def shutdown_ucx() -> None:
     _ucx_loop = None
 
 
-def _ucx_buf(t: torch.Tensor) -> Any:
-    return t.numpy() if t.device.type == "cpu" else t
+def _ucx_buf(t: Any) -> Any:
+    """A buffer UCX takes: CPU tensors as numpy views; CUDA tensors and buffers as they are."""
+    return t.numpy() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
 
 
 def _retrieved(task: asyncio.Task) -> None:

@@ -254,3 +254,43 @@ def test_copy_tables_equal_the_copies(case, chunk_start):
         expected = encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == pair])
         assert table.dtype == expected.dtype and np.array_equal(table, expected)
         assert sorted(layer_slices(table)) == list(range(src.num_layers))
+
+
+@settings(max_examples=100, deadline=None)
+@given(_cases(), st.integers(0, 3), st.sampled_from([3, 16384]))
+def test_copy_batches_replay_to_the_copy_tables(case, chunk_start, max_rows):
+    """`plan_batches` (templates + blocks, what the sender sends without a table) replays,
+    block by block, to `plan_tables`' rows, layer by layer (`layer_batches`), also when
+    templates are cut at `MAX_TEMPLATE_ROWS` (3 here: many pieces)."""
+    from unittest import mock
+
+    import numpy as np
+
+    from phalanx.kv_transfer import messages as m
+    from phalanx.kv_transfer.copy_table import layer_batches, layer_slices, plan_batches, plan_tables
+
+    src, dst, num_tokens, src_pages, dst_pages_per_dp = case
+    tokens = range(min(chunk_start * 37, num_tokens - 1), num_tokens)
+    args = (src, dst, tokens, src_pages, dst_pages_per_dp[0])
+    tables = plan_tables(*args, replica_hint=1)
+    with mock.patch.object(m, "MAX_TEMPLATE_ROWS", max_rows):
+        batches = plan_batches(*args, replica_hint=1)
+    assert set(batches) == set(tables)
+
+    def replay(parts):
+        rows = []
+        for template, blocks in parts:
+            assert template.dtype == np.dtype("<i4") and len(template) <= max_rows
+            assert not template[:, :2].any()  # layer and kind unused
+            for layer, kind, r0, r1 in blocks.tolist():
+                run = template[r0:r1].copy()
+                run[:, m.F_LAYER], run[:, m.F_KIND] = layer, kind
+                rows.append(run)
+        return sorted(map(tuple, np.concatenate(rows).tolist()))
+
+    for pair, table in tables.items():
+        assert replay(batches[pair]) == sorted(map(tuple, table.tolist()))
+        by_layer = layer_batches(batches[pair])
+        assert sorted(by_layer) == sorted(layer_slices(table))
+        for layer, rows in layer_slices(table).items():
+            assert replay(by_layer[layer]) == sorted(map(tuple, rows.tolist()))

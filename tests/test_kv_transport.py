@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from phalanx.kv_transfer.layout import KVLayout
+from phalanx.kv_transfer.packed_table import pack_table
 from phalanx.kv_transfer.planner import plan_request
 from phalanx.kv_transfer.transport import (BlockingKVReceiver, BlockingKVSender, TransferError,
                                            TransportThread)
@@ -220,7 +221,7 @@ def _zero_pools(case: str, rank: int) -> list[tuple[torch.Tensor, ...]]:
 # ----------------------------------------------------------------------- actor commands
 
 def make_receivers(state, case: str, epoch: int = 1, timeout_s: float = 10.0,
-                   ranks=None) -> dict[int, tuple]:
+                   ranks=None, **kwargs) -> dict[int, tuple]:
     ranks = range(_layouts(case)[1].tp) if ranks is None else ranks
     addrs = {}
     for r in ranks:
@@ -233,7 +234,7 @@ def make_receivers(state, case: str, epoch: int = 1, timeout_s: float = 10.0,
 
         state[("pools", case, r)] = pools = _zero_pools(case, r)
         rx = BlockingKVReceiver(state["thread"], pools, rank=r, epoch=epoch,
-                                timeout_s=timeout_s, on_landed=on_landed)
+                                timeout_s=timeout_s, on_landed=on_landed, **kwargs)
         state[("rx", case, r)] = rx
         addrs[r] = rx.start()
     return addrs
@@ -250,15 +251,33 @@ def make_senders(state, case: str, addrs: dict, epoch: int = 1, ranks=None, tag:
             assert tx.connect(tuple(addr)) == dst_rank
 
 
-def send_all(state, case: str, addrs: dict, request_id: str) -> int:
-    """Every src rank streams every layer to every dst rank, all batches in flight."""
-    plan, futures = _plan(case), []
-    for layer in range(LAYERS):
-        sub = plan.for_layer(layer)
-        for (s, d) in sub.bytes_by_pair():
-            copies = [c for c in sub if c.src_rank == s and c.dst_rank == d]
-            tx = state[("tx", case, s)]
-            futures.append(tx.submit_layer(tuple(addrs[d]), request_id, copies))
+def _batches(case: str) -> dict[tuple[int, int], list]:
+    """The request's copies per rank pair as `copy_table.plan_batches` builds them."""
+    from phalanx.kv_transfer.copy_table import plan_batches
+    (src, dst), c = _layouts(case), CASES[case]
+    return plan_batches(src, dst, range(c.tokens), _pages(src, c.tokens, 11, c.runs)[1],
+                        _pages(dst, c.tokens, 12, c.runs)[1])
+
+
+def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies") -> int:
+    """Every src rank streams every layer to every dst rank, all batches in flight.
+    form: each batch as `planner.Copy` lists ("copies"), as template batches per layer
+    ("batches"), or the whole request in one template batch per rank pair ("whole")."""
+    from phalanx.kv_transfer.copy_table import layer_batches
+    plan, futures, sends = _plan(case), [], []
+    if form == "copies":
+        for layer in range(LAYERS):
+            sub = plan.for_layer(layer)
+            sends += [(s, d, [c for c in sub if c.src_rank == s and c.dst_rank == d])
+                      for s, d in sub.bytes_by_pair()]
+    elif form == "batches":
+        by_layer = {pair: layer_batches(b) for pair, b in _batches(case).items()}
+        sends = [(s, d, by_layer[(s, d)][layer])
+                 for layer in range(LAYERS) for s, d in by_layer]
+    else:
+        sends = [(s, d, b) for (s, d), b in _batches(case).items()]
+    for s, d, copies in sends:
+        futures.append(state[("tx", case, s)].submit_layer(tuple(addrs[d]), request_id, copies))
     return sum(f.result(CALL_TIMEOUT_S).ok for f in futures)
 
 
@@ -345,17 +364,20 @@ def join_layer(state, case: str, rank: int = 0, tag: str = "", timeout_s: float 
 
 # ----------------------------------------------------------------------- tests
 
-@pytest.mark.parametrize("case", ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1", *IN_PLACE])
-def test_request_kv_lands_bit_exact(pair, case):
+@pytest.mark.parametrize("case,form", [
+    *((case, "copies") for case in ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1", *IN_PLACE]),
+    ("tp4_kv2_to_tp1", "batches"), ("tp1_to_tp2_runs", "batches")])
+def test_request_kv_lands_bit_exact(pair, case, form):
     """Planner + transport move a request's KV (2 layers, all batches in flight at once)
     across different TP degrees and page sizes; the decode pools equal the plan applied
     in-process and the layout's definition, bit for bit, and nothing else is written.
     With consecutive pages, spans of the receiver's pools are received in place (sent
-    from the pools too when they are spans there) and the partial last page is staged."""
+    from the pools too when they are spans there) and the partial last page is staged.
+    The copies go as `planner.Copy` lists or as `plan_batches`' template batches."""
     prefill, decode = pair
     addrs = decode.call(make_receivers, case=case)
     prefill.call(make_senders, case=case, addrs=addrs)
-    acked = prefill.call(send_all, case=case, addrs=addrs, request_id=f"req-{case}")
+    acked = prefill.call(send_all, case=case, addrs=addrs, request_id=f"req-{case}", form=form)
     assert acked == sum(len({(c.src_rank, c.dst_rank) for c in _plan(case).for_layer(l)})
                         for l in range(LAYERS))
     result = decode.call(check_landed, case=case, request_id=f"req-{case}")
@@ -364,6 +386,24 @@ def test_request_kv_lands_bit_exact(pair, case):
     assert all((s["direct"] > 0) == IN_PLACE.get(case, False) for s in stats), stats
     if IN_PLACE.get(case):  # the partial last page and nothing else went staged
         assert all(s["messages"] > s["direct"] for s in stats), stats
+
+
+def test_pooled_spans_travel_as_one_message_beyond_the_capacity(pair):
+    """A request whose whole pages are spans of both sides' pools, sent as one batch to a
+    receiver whose staging receives hold 64 KiB: its 4 spans of ~600 KiB (cut into
+    pieces of at most 64 KiB) travel as one direct message, straight from pool to pool;
+    only the partial last page goes staged. The pools end bit-exact."""
+    prefill, decode = pair
+    case = "tp1_to_tp1_runs"
+    addrs = decode.call(make_receivers, case=case, max_payload_bytes=64 << 10)
+    prefill.call(make_senders, case=case, addrs=addrs)
+    assert prefill.call(send_all, case=case, addrs=addrs, request_id="one", form="whole") == 1
+    assert decode.call(check_landed, case=case, request_id="one") == {
+        0: {"vs_plan": True, "vs_layout": True}}
+    stats = decode.call(receiver_view, case=case, rank=0, request_id="")["stats"]
+    assert stats["direct"] == 1 and stats["messages"] > 1, stats
+    whole_pages = (CASES[case].tokens // 16) * 16 * 4 * 64 * 4 * 2 * LAYERS
+    assert stats["bytes"] > whole_pages > 10 * (64 << 10), stats
 
 
 def test_layers_stream_in_order(pair):
@@ -534,7 +574,7 @@ def test_gather_scatter_match_the_plan_in_process(case, one_allocation):
 
 
 def test_receiver_rejects_bad_batches_without_writing():
-    """An out-of-range template, a payload size that disagrees with the blocks, an
+    """An out-of-range template, a malformed packed template, a payload size that disagrees with the blocks, an
     unknown template, or another epoch: the batch is dropped with a reason and the pools
     stay untouched."""
     import asyncio
@@ -551,9 +591,11 @@ def test_receiver_rejects_bad_batches_without_writing():
         payload = torch.ones(n, dtype=torch.uint8)
         bad = template.copy()
         bad[0, m.F_DST_HEAD] = 3
-        raw, tb = m.encode_blocks(blocks), template.tobytes()
+        raw, tb = m.encode_blocks(blocks), pack_table(template)
         known: OrderedDict = OrderedDict()
-        errors = [rx._apply(m.TransferRequest("r", 2, 1, 0, 1, 0, bad.tobytes(), raw, n),
+        errors = [rx._apply(m.TransferRequest("r", 2, 1, 0, 1, 0, pack_table(bad), raw, n),
+                            payload, OrderedDict()),
+                  rx._apply(m.TransferRequest("r", 2, 1, 0, 1, 0, tb[:-8], raw, n),
                             payload, OrderedDict()),
                   rx._apply(m.TransferRequest("r", 2, 2, 0, 1, 1, tb, raw, n - 4), payload, known),
                   rx._apply(m.TransferRequest("r", 2, 3, 0, 1, 7, b"", raw, n), payload, known),
@@ -562,9 +604,10 @@ def test_receiver_rejects_bad_batches_without_writing():
         return [e for e, _, _ in errors], rx.stats, all(not t.any() for pair in pools for t in pair)
 
     errors, stats, untouched = asyncio.run(run())
-    assert "dst head range" in errors[0] and "does not match" in errors[1]
-    assert "unknown template 7" in errors[2] and "stale epoch 1" in errors[3]
-    assert stats["rejected"] == 3 and stats["dropped_epoch"] == 1 and untouched
+    assert "dst head range" in errors[0] and "packed table" in errors[1]
+    assert "does not match" in errors[2]
+    assert "unknown template 7" in errors[3] and "stale epoch 1" in errors[4]
+    assert stats["rejected"] == 4 and stats["dropped_epoch"] == 1 and untouched
 
 class _FakeEndpoint:
     """Records posted receives; `deliver` fills them in posting order (as UCX matches)."""
@@ -616,7 +659,7 @@ def test_in_place_receives_land_and_release_waits_for_them():
         n = tmpl.nbytes(direct)
         sizes = (tmpl.bytes_cum[direct[:, 3]] - tmpl.bytes_cum[direct[:, 2]]).astype("<i8").tobytes()
         conn = _RecvConn(_FakeEndpoint())
-        msg = m.TransferRequest("r", 1, 1, 0, 1, 0, template.tobytes(), m.encode_blocks(direct),
+        msg = m.TransferRequest("r", 1, 1, 0, 1, 0, pack_table(template), m.encode_blocks(direct),
                                 n, True, sizes)
         error, landed, done = await rx._land_in_place(conn, msg)
         while len(conn.ep.posted) < len(direct):
@@ -638,9 +681,10 @@ def test_in_place_receives_land_and_release_waits_for_them():
             refused = m.TransferRequest("r", epoch, seq, 0, 1, tid, b"", m.encode_blocks(direct),
                                         n, True, sizes)
             drain = asyncio.ensure_future(rx._land_in_place(conn, refused))
-            while len(conn.ep.posted) < seq * len(direct):  # the drain's receives are posted
+            while not drain.done():  # the drain posts its receives one after another
+                conn.ep.deliver(0x55)
                 await asyncio.sleep(0.001)
-            conn.ep.deliver(0x55)
+            assert len(conn.ep.posted) == seq * len(direct)
             refusals.append(await asyncio.wait_for(drain, 5))
         after = [t for pair in pools for t in pair]
         return (held, written, n, dict(landed[1]) == tmpl.landed(direct), refusals,
