@@ -31,7 +31,7 @@ def install() -> None:
     def traced(kind: str, post):
         def wrapper(ep, tag, buf):
             name = f"{kind}_{_TAGS.get(tag, tag)}"
-            size = str(getattr(buf, "nbytes", len(buf)))
+            size = str(buf.nbytes if hasattr(buf, "nbytes") else len(buf))
             mark(f"{name}_post", size)
             task = post(ep, tag, buf)
             task.add_done_callback(lambda _t: mark(f"{name}_done", size))

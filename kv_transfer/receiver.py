@@ -276,7 +276,7 @@ class KVReceiver:
             error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
         except ValueError as e:
             error = str(e)
-        spans = [] if error else [tmpl.spans.span(r0, r1) for _, _, r0, r1 in blocks.tolist()]
+        spans = [] if error else [tmpl.span(r0, r1) for _, _, r0, r1 in blocks.tolist()]
         element = self._pools.row_bytes // self._pools.head_dim
         if not error and (None in spans or [(b - a) * element for a, b in spans] != sizes):
             error = "its blocks are not spans of the pools of the sizes it declares"

@@ -34,6 +34,12 @@ SENDER_TEMPLATES = 1024  # per connection; receivers keep RECEIVER_TEMPLATES >= 
 # block; smaller pieces travel together through a staging buffer (one message each
 # costs more than the copy it saves).
 IN_PLACE_MIN_BYTES = 256 << 10
+# A message of this many payload parts has its control message sent before the parts are
+# posted: ucxx's progress thread submits posted operations in batches, so a control
+# message posted with many rendezvous sends leaves only once all of them are set up
+# (~1.5 ms for 96 on an H200 host), and the receiver, which posts its in-place receives
+# only after reading it, would wait that long.
+FLUSH_CTRL_PARTS = 8
 
 
 class _Batch:
@@ -225,7 +231,7 @@ class KVSender:
         least = IN_PLACE_MIN_BYTES // (self._pools.row_bytes // self._pools.head_dim)
         runs = sent.dst.split(r0, r1, least) if sent.dst is not None else [(r0, r1, False)]
         found = sent.cuts[(r0, r1)] = [
-            (a, b, n, direct, direct and sent.tmpl.spans.span(a, b) is not None)
+            (a, b, n, direct, direct and sent.tmpl.span(a, b) is not None)
             for lo, hi, direct in runs
             for (_, _, a, b), n in sent.tmpl.cut((0, 0, lo, hi), conn.capacity)]
         return found
@@ -260,7 +266,7 @@ class KVSender:
             return None
         regions = []
         for layer, kind, r0, r1 in blocks.tolist():
-            span = tmpl.spans.span(r0, r1)
+            span = tmpl.span(r0, r1)
             if span is None:
                 return None
             regions.append(self._pools.region(layer, kind, span))
@@ -322,6 +328,8 @@ class KVSender:
                 await previous
             tag = TAG_DIRECT if msg.direct else TAG_PAYLOAD
             sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg))]
+            if len(payload) >= FLUSH_CTRL_PARTS:
+                await asyncio.wait(sends)  # its outcome is checked with the others'
             sends += [_post_send(conn.ep, tag, _ucx_buf(part)) for part in payload]
             posted.set_result(None)
             results = await asyncio.gather(*sends, return_exceptions=True)

@@ -266,6 +266,15 @@ class _Template:
         self._runs: Optional[list[tuple]] = None
         self._slabs: Optional["SlabIndex"] = None
         self._device_rows: dict[int, torch.Tensor] = {}
+        self._span_of: dict[tuple[int, int], Optional[tuple[int, int]]] = {}
+
+    def span(self, r0: int, r1: int) -> Optional[tuple[int, int]]:
+        """`spans.span(r0, r1)`, remembered: every (layer, kind) block of a template
+        names the same rows."""
+        key = (r0, r1)
+        if key not in self._span_of:
+            self._span_of[key] = self.spans.span(r0, r1)
+        return self._span_of[key]
 
     @property
     def runs(self) -> list[tuple[int, int, int, np.ndarray, np.ndarray]]:
