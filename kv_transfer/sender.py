@@ -5,9 +5,10 @@ synchronous front is `blocking.BlockingKVSender`). Protocol, deadlines and threa
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -283,13 +284,15 @@ class KVSender:
                 while not conn.queue:
                     conn.wake.clear()
                     await conn.wake.wait()
-                batches, sent, blocks, nbytes, direct, _ = self._next_message(conn)
+                batches, sent, blocks, nbytes, direct, pooled = self._next_message(conn)
                 tid, tmpl = sent.tid, sent.tmpl
                 conn.seq += 1
                 conn.pending[conn.seq] = batches  # from here on `_break` fails them
                 ready = list({id(b): b.ready for b in batches}.values())
-                payload, buf = self._in_place(tmpl, blocks, direct), None
-                cuts = tmpl.bytes_cum[blocks[:, 3]] - tmpl.bytes_cum[blocks[:, 2]]
+                # pooled: the regions are made once the control message is on its way
+                payload = (functools.partial(self._in_place, tmpl, blocks, True) if pooled
+                           else self._in_place(tmpl, blocks, direct))
+                cuts, buf = tmpl.bytes_cum[blocks[:, 3]] - tmpl.bytes_cum[blocks[:, 2]], None
                 if payload is None:
                     buf = await conn.free.get()
                     if buf.numel() < conn.capacity:  # sized once: UCX maps each buffer once
@@ -315,12 +318,13 @@ class KVSender:
             self._break(conn, f"send failed: {e!r}")
 
     async def _post(self, conn: _SenderConn, msg: m.TransferRequest,
-                    buf: Optional[torch.Tensor], payload: list[torch.Tensor],
+                    buf: Optional[torch.Tensor], payload: Union[list, Callable[[], list]],
                     ready: list[Any], previous: Optional[asyncio.Future],
                     posted: asyncio.Future) -> None:
         """Once `msg`'s payload is ready (gathered into `buf`, or its pages written) and
-        the message before it is posted: post its control message and payload messages;
-        recycle the staging buffer once UCX is done with it (never if a send failed)."""
+        the message before it is posted: post its control message and payload messages
+        (`payload`: their buffers, or what makes them); recycle the staging buffer once
+        UCX is done with it (never if a send failed)."""
         try:
             for event in ready:
                 await self._pools.wait(event)
@@ -328,6 +332,8 @@ class KVSender:
                 await previous
             tag = TAG_DIRECT if msg.direct else TAG_PAYLOAD
             sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg))]
+            if callable(payload):
+                payload = payload()
             if len(payload) >= FLUSH_CTRL_PARTS:
                 await asyncio.wait(sends)  # its outcome is checked with the others'
             sends += [_post_send(conn.ep, tag, _ucx_buf(part)) for part in payload]
