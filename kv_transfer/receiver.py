@@ -18,6 +18,7 @@ from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
 from .packed_table import unpack_table
+from .receive_connection import _RecvConn
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
                           _post_recv, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
@@ -29,17 +30,6 @@ log = get_logger(__name__)
 
 
 RECEIVER_TEMPLATES = 4096  # per connection, LRU: more than a sender ever assumes known
-
-
-class _RecvConn:
-    def __init__(self, ep: Any) -> None:
-        self.ep, self.peer = ep, "unknown sender"
-        # template id -> (request id, template); LRU, dropped with their request
-        self.templates: OrderedDict[int, tuple[str, _Template]] = OrderedDict()
-        self.requests: set[str] = set()
-        self.scratch: Optional[torch.Tensor] = None  # drains refused direct payloads
-        self.broken = ""
-        self.tasks: list[asyncio.Task] = []
 
 
 class KVReceiver:

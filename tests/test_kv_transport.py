@@ -642,7 +642,8 @@ def test_in_place_receives_land_and_release_waits_for_them():
     block sizes: the pools stay as they were and the connection goes on."""
     import asyncio
     from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.receiver import KVReceiver, _RecvConn
+    from phalanx.kv_transfer.receive_connection import _RecvConn
+    from phalanx.kv_transfer.receiver import KVReceiver
     from phalanx.kv_transfer.ucx_runtime import TAG_DIRECT
 
     case = "tp1_to_tp1_runs"
