@@ -698,3 +698,15 @@ def test_in_place_receives_land_and_release_waits_for_them():
     assert "stale epoch 7" in stale and "unknown template 9" in unknown
     assert rest1 == rest2 == [None, None] and untouched and not broken
     assert stats["direct"] == 1 and stats["dropped_epoch"] == 1 and stats["rejected"] == 1
+
+
+def test_device_regions_are_cuda_arrays_that_ucxx_reads():
+    """`DeviceBytes` (how pool regions go to UCX on CUDA) is read by ucxx as a 1-D uint8
+    CUDA buffer at its address and size; no device is touched to build it."""
+    from ucxx._lib.arr import Array
+
+    from phalanx.kv_transfer.staging import DeviceBytes
+
+    buf = Array(DeviceBytes(0x7F0000001000, 4096))
+    assert buf.cuda and buf.ptr == 0x7F0000001000 and buf.nbytes == 4096
+    assert buf.contiguous and buf.shape == (4096,)
