@@ -81,7 +81,10 @@ class _Pools:
         self._stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                         else None)
         self._waiter: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._bases: Optional[list[tuple]] = None  # per pool: its address (CUDA) or bytes (CPU)
+        # per pool: its address (CUDA) or its bytes as a numpy view (CPU), for `region`
+        self._bases = [tuple(t.data_ptr() if self.device.type == "cuda"
+                             else t.view(-1).view(torch.uint8).numpy() for t in pair)
+                       for pair in self.pools]
         self._flat = self._flat_view()
         if slab_kernel is None:
             slab_kernel = self._flat is not None and self.device.type == "cuda"
@@ -116,10 +119,6 @@ class _Pools:
         writes (receiver) in place: a uint8 numpy view on CPU, a `DeviceBytes` on CUDA
         (a request posts one per (layer, kind): a tensor view costs ~10x more to make)."""
         esize = self.row_bytes // self.head_dim
-        if self._bases is None:
-            self._bases = [tuple(t.data_ptr() for t in pair) if self.device.type == "cuda"
-                           else tuple(t.view(-1).view(torch.uint8).numpy() for t in pair)
-                           for pair in self.pools]
         base = self._bases[layer][kind]
         if self.device.type == "cuda":
             return DeviceBytes(base + span[0] * esize, (span[1] - span[0]) * esize)
