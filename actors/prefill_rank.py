@@ -158,6 +158,10 @@ class PrefillRank(KVRank):
                     for layer, parts in layer_batches(pair).items():
                         sends[layer].append((key, dst_rank, parts))
             self._step_keys.append((key, end))
+        for layer_sends in sends.values():  # located while the step computes
+            for key, dst_rank, copies in layer_sends:
+                dest = streams[key].dest
+                self._sender.prepare(tuple(dest.addresses[dst_rank]), dest.transfer_id, copies)
         return sends
 
     def _after_forward(self, inputs) -> None:

@@ -38,6 +38,10 @@ Per (layout, tokens), in the same processes and over the same UCX worker:
   transport cuts it into messages of up to `--payload-mib` (direct messages sent from
   the pools excepted: one control message for all of them) and keeps `--staging` of
   them in flight;
+- whole_prepared: the same after `KVSender.prepare` of the batch before the start
+  instant (validation, templates located in both pools, messages cut: what the engine's
+  prefill ranks do while the step computes); its time is reported apart
+  (`prepare_seconds`, like planning);
 - pipelined: each sender streams every layer with `KVSender.send_layer` (one layer's
   template batches), all layers submitted at once; the transport coalesces the backlog
   as above; done when every ack is in;
@@ -71,7 +75,7 @@ from kv_transfer_request import HEAD_DIM, KV_HEADS, LAYERS, PAGE, PAGE_ORDERS
 from kv_transfer_sender import sender_main
 
 START_DELAY_S = 0.3
-MODES = ("raw", "raw_layers", "whole", "pipelined", "sequential")
+MODES = ("raw", "raw_layers", "whole", "whole_prepared", "pipelined", "sequential")
 # UCX's tcp transport moves 8 KiB segments by default: ~1.5 GB/s on loopback; 512 KiB
 # segments ~4-5 GB/s (raw and transport alike)
 TCP_TUNING = "UCX_TCP_TX_SEG_SIZE=512k,UCX_TCP_RX_SEG_SIZE=512k"
@@ -100,7 +104,8 @@ def _run(procs, rx_pipe, tx_pipes, what: str, rid: str, tokens: int) -> dict:
         rx_pipe.send((rid, tokens))
         _reply(rx_pipe, procs)
     return {"seconds": max(e[0] for e in ends) - start, "bytes": sum(e[1] for e in ends),
-            "plan_seconds": ends[0][2], "sender_cpu_s": sum(e[3] for e in ends),
+            "plan_seconds": ends[0][2], "prepare_seconds": max(e[4] for e in ends),
+            "sender_cpu_s": sum(e[3] for e in ends),
             "receiver_cpu_s": rx_cpu}
 
 
@@ -129,6 +134,7 @@ def bench_layout(p: int, pages: str, tokens_list: list[int], args) -> list[dict]
            "nccl_port": gpu.free_port() if nccl else 0, "payload_mib": args.payload_mib,
            "profile": args.profile, "progress": args.progress_mode,
            "payload_only": args.payload_only, "trace": args.trace,
+           "spin_ms": args.spin_ms,
            "switch_interval": args.switch_interval, "pages": pages,
            "direct": not args.no_direct}
     modes = MODES + (("nccl",) if nccl else ()) + (("raw_spans",) if (p, pages) == (1, "runs") else ())
@@ -208,6 +214,8 @@ def _parse_args() -> argparse.Namespace:
                          "pages (splits wire + control from the copies)")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="sys.setswitchinterval of every process (0: Python's 5 ms)")
+    ap.add_argument("--spin-ms", type=float, default=0.0,
+                    help="senders spin (instead of sleeping) the last N ms before the start")
     ap.add_argument("--trace", action="store_true",
                     help="timeline of every transport operation per process to "
                          "$OUT/trace_<role>.json (kv_transfer_trace)")

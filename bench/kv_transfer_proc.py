@@ -152,5 +152,9 @@ def _profiled(args, role: str, fn) -> None:
             f.write(out.getvalue())
 
 
-async def sleep_until(t: float) -> None:
-    await asyncio.sleep(max(t - time.monotonic(), 0))
+async def sleep_until(t: float, spin_s: float = 0.0) -> None:
+    """Sleep until `t`; the last `spin_s` seconds spin (the loop and the core stay awake,
+    as in a busy prefill process, instead of waking from idle at the start)."""
+    await asyncio.sleep(max(t - spin_s - time.monotonic(), 0))
+    while time.monotonic() < t:
+        pass

@@ -52,7 +52,12 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
         if what.startswith("raw") or what == "nccl":
             if len(raw_buf) < nbytes:
                 raw_buf = make_buf(nbytes, dev)
-        await sleep_until(start)
+        prepare_s = 0.0
+        if what == "whole_prepared":
+            t = time.perf_counter()
+            tx.prepare(tuple(addr), rid, whole)
+            prepare_s = time.perf_counter() - t
+        await sleep_until(start, args.get("spin_ms", 0.0) / 1e3)
         if args.get("trace"):
             import kv_transfer_trace
             kv_transfer_trace.mark("cmd", what)
@@ -72,14 +77,14 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
             await asyncio.gather(*(raw_ep.send(raw_buf[i * size:(i + 1) * size])
                                    for i in range(count)))
             await raw_ep.recv(reply)
-        elif what == "whole":
+        elif what in ("whole", "whole_prepared"):
             await tx.send_layer(tuple(addr), rid, whole)
         elif what == "pipelined":
             await asyncio.gather(*(tx.send_layer(tuple(addr), rid, b) for b in batches))
         else:
             for b in batches:
                 await tx.send_layer(tuple(addr), rid, b)
-        pipe.send((time.monotonic(), nbytes, plan_s, cpu_seconds() - cpu0))
+        pipe.send((time.monotonic(), nbytes, plan_s, cpu_seconds() - cpu0, prepare_s))
     await tx.close()
     raw_ep.abort()
     shutdown_ucx()

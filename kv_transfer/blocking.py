@@ -41,6 +41,11 @@ class BlockingKVSender:
         return self.thread.submit(self.sender.send_layer(peer, request_id, copies,
                                                          timeout_s=timeout_s, ready=ready))
 
+    def prepare(self, peer: Address, request_id: str, copies: Copies) -> concurrent.futures.Future:
+        """`KVSender.prepare` queued on the loop (returns at once: it runs there before
+        the sends submitted after it)."""
+        return self.thread.submit(_on_loop(self.sender.prepare, peer, request_id, copies))
+
     def send_layer_sync(self, peer: Address, request_id: str, copies: Copies, *,
                         timeout_s: Optional[float] = None) -> m.TransferAck:
         bound = (self.sender.timeout_s if timeout_s is None else timeout_s) + _MARGIN_S

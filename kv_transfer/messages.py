@@ -39,7 +39,7 @@ import numpy as np
 
 from .planner import Copy
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_CTRL_BYTES = 1 << 20   # a framed TransferRequest (header + copy table) fits in this
 MAX_REPLY_BYTES = 1 << 16  # a framed Hello, HelloAck or TransferAck fits in this
 KIND_CODES = {"k": 0, "v": 1}
@@ -94,8 +94,12 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     direct: every block is one span of the receiver's pools (`spans.SlabSpans`) and its
     payload follows as its own transport message (TAG_DIRECT), block by block, received
     in place; `block_bytes` (little-endian int64 per block) declares their sizes, so a
-    receiver that refuses the message can still take it off the wire. Otherwise the
-    payload is one message (TAG_PAYLOAD) into a staging buffer."""
+    receiver that refuses the message can still take it off the wire, and `dst_starts`
+    (little-endian int64 per block) where each span starts, in elements of its
+    (layer, kind) pool. A direct message names no template (`template` -1, no table):
+    the receiver writes it from the blocks' layer and kind, starts and sizes alone, so
+    its receives are posted without locating any template (their rows are the
+    sender's). Otherwise the payload is one message (TAG_PAYLOAD) into a staging buffer."""
 
     request_id: str
     epoch: int
@@ -108,6 +112,7 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     payload_bytes: int
     direct: bool = False
     block_bytes: bytes = b""
+    dst_starts: bytes = b""
 
 
 class TransferAck(msgspec.Struct, tag="ack", frozen=True):

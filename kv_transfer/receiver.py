@@ -19,6 +19,7 @@ from . import messages as m
 from .errors import TransferError
 from .packed_table import unpack_table
 from .receive_connection import _RecvConn
+from .spans import direct_spans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
                           _post_recv, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
@@ -255,21 +256,16 @@ class KVReceiver:
                              ) -> tuple[str, Optional[tuple[dict, dict]], Optional[asyncio.Future]]:
         """Post the in-place receives of a direct message: ('', (the request's landed
         rows, slots per layer), their completion). A direct message that cannot be
-        written (unknown or bad template, blocks that are not spans of the pools, another
-        epoch, a closed gate) is received into scratch space by its declared block
-        sizes: (why, None, None). Undeclared or inconsistent sizes leave the payload
-        unknown: ValueError, the connection ends."""
+        written (blocks outside the pools or its layers, spans that are not whole token
+        slots, another epoch, a closed gate) is received into scratch space by its
+        declared block sizes: (why, None, None). Undeclared or inconsistent sizes leave
+        the payload unknown: ValueError, the connection ends."""
         sizes = self._block_sizes(msg)
         try:
-            tmpl = self._template(msg, conn.templates)
-            blocks = m.decode_blocks(msg.blocks)
-            error = m.check_blocks(blocks, self._pools.num_layers, tmpl.rows)
+            spans = self._direct_spans(msg, sizes)
+            error = ""
         except ValueError as e:
-            error = str(e)
-        spans = [] if error else [tmpl.span(r0, r1) for _, _, r0, r1 in blocks.tolist()]
-        element = self._pools.row_bytes // self._pools.head_dim
-        if not error and (None in spans or [(b - a) * element for a, b in spans] != sizes):
-            error = "its blocks are not spans of the pools of the sizes it declares"
+            error, spans = str(e), []
         if error:
             self.stats["rejected"] += 1
         refusal = error or self._refusal(msg)
@@ -277,13 +273,25 @@ class KVReceiver:
             await self._drain(conn, sizes)
             return refusal, None, None
         recvs = [_post_recv(conn.ep, TAG_DIRECT, _ucx_buf(self._pools.region(layer, kind, span)))
-                 for (layer, kind, _, _), span in zip(blocks.tolist(), spans)]
+                 for layer, kind, span in spans]
         done = asyncio.ensure_future(self._received(conn, recvs))
         inflight = self._inflight[msg.request_id]
         inflight.add(done)
         done.add_done_callback(inflight.discard)
         self.stats["direct"] += 1
-        return "", (self._rows[msg.request_id], tmpl.landed(blocks)), done
+        landed: dict[int, int] = defaultdict(int)
+        for layer, _, (a, b) in spans:
+            landed[layer] += (b - a) // self._pools.head_dim
+        return "", (self._rows[msg.request_id], landed), done
+
+    def _direct_spans(self, msg: m.TransferRequest, sizes: list[int]
+                      ) -> list[tuple[int, int, tuple[int, int]]]:
+        """`spans.direct_spans` of a direct message in these pools (ValueError if bad)."""
+        p = self._pools
+        return direct_spans(m.decode_blocks(msg.blocks), msg.dst_starts, sizes,
+                            range(msg.layer_start, msg.layer_stop), p.num_layers,
+                            p.num_pages * p.heads * p.page_size * p.head_dim, p.head_dim,
+                            p.row_bytes // p.head_dim)
 
     def _block_sizes(self, msg: m.TransferRequest) -> list[int]:
         """A direct message's declared payload message sizes; ValueError if unusable."""

@@ -131,16 +131,7 @@ class KVSender:
         ValueError for copies that are not this rank's, not the peer's, or out of the
         pools; TransferError on timeout, rejection (e.g. stale epoch) or a lost peer."""
         conn = self._conn(peer, request_id)
-        parts = []
-        for template_table, blocks in self._batches(copies, conn):
-            sent = self._template(conn, request_id, template_table)  # validated once
-            error = m.check_blocks(blocks, self._pools.num_layers, sent.tmpl.rows)
-            if error:
-                raise ValueError(error)
-            for layer, kind, r0, r1 in blocks.tolist():
-                parts.extend((sent, (layer, kind, a, b), n, direct, pooled)
-                             for a, b, n, direct, pooled in self._pieces(conn, sent, r0, r1))
-        parts.sort(key=lambda part: not part[3])  # in-place parts first, order kept
+        parts = self._parts(conn, request_id, copies)
         if ready is None:
             ready = self._pools.ready_event()
         batch = _Batch(request_id, self.epoch, len(parts), ready)
@@ -155,6 +146,29 @@ class KVSender:
         if not ack.ok:
             raise TransferError(request_id, batch.epoch, conn.peer, f"rejected: {ack.error}")
         return ack
+
+    def prepare(self, peer: Address, request_id: str, copies: Copies) -> None:
+        """Do ahead what `send_layer` of these copies does before posting: validate them,
+        locate their templates in both sides' pools and cut their blocks into messages
+        (all remembered per connection), e.g. while the engine computes the layers they
+        read. Errors as `send_layer`'s; optional (send_layer does what was not done)."""
+        self._parts(self._conn(peer, request_id), request_id, copies)
+
+    def _parts(self, conn: _SenderConn, request_id: str, copies: Copies) -> list[tuple]:
+        """`copies` as message parts (template entry, block, bytes, direct, pooled), the
+        in-place ones first; ValueError for copies that are not this rank's, not the
+        peer's, or out of the pools."""
+        parts = []
+        for template_table, blocks in self._batches(copies, conn):
+            sent = self._template(conn, request_id, template_table)  # validated once
+            error = m.check_blocks(blocks, self._pools.num_layers, sent.tmpl.rows)
+            if error:
+                raise ValueError(error)
+            for layer, kind, r0, r1 in blocks.tolist():
+                parts.extend((sent, (layer, kind, a, b), n, direct, pooled)
+                             for a, b, n, direct, pooled in self._pieces(conn, sent, r0, r1))
+        parts.sort(key=lambda part: not part[3])  # in-place parts first, order kept
+        return parts
 
     def _template(self, conn: _SenderConn, request_id: str, table: np.ndarray) -> _Sent:
         """The connection's entry for this request's template (new ones located once)."""
@@ -240,7 +254,7 @@ class KVSender:
                     conn.wake.clear()
                     await conn.wake.wait()
                 batches, sent, blocks, nbytes, direct, pooled = self._next_message(conn)
-                tid, tmpl = sent.tid, sent.tmpl
+                tmpl = sent.tmpl
                 conn.seq += 1
                 conn.pending[conn.seq] = batches  # from here on `_break` fails them
                 ready = list({id(b): b.ready for b in batches}.values())
@@ -256,13 +270,7 @@ class KVSender:
                     ready = [self._pools.gather(tmpl, blocks, buf[:nbytes], ready=ready)]
                     ends = np.cumsum(cuts).tolist() if direct else [nbytes]
                     payload = [buf[a:b] for a, b in zip([0] + ends[:-1], ends)]
-                layers = blocks[:, 0]
-                definition = b"" if tid in conn.defined else pack_table(tmpl.table)
-                conn.defined.add(tid)
-                msg = m.TransferRequest(batches[0].request_id, batches[0].epoch, conn.seq,
-                                        int(layers.min()), int(layers.max()) + 1, tid,
-                                        definition, m.encode_blocks(blocks), nbytes, direct,
-                                        cuts.astype("<i8").tobytes() if direct else b"")
+                msg = self._request(conn, batches[0], sent, blocks, nbytes, direct, cuts)
                 mine = asyncio.get_running_loop().create_future()
                 conn.tasks.append(asyncio.create_task(
                     self._post(conn, msg, buf, payload, ready, posted, mine)))
@@ -271,6 +279,23 @@ class KVSender:
             raise
         except Exception as e:
             self._break(conn, f"send failed: {e!r}")
+
+    @staticmethod
+    def _request(conn: _SenderConn, batch: _Batch, sent: _Sent, blocks: np.ndarray,
+                 nbytes: int, direct: bool, cuts: np.ndarray) -> m.TransferRequest:
+        """The control message of a message's blocks: a direct one says where each block
+        lands (no template); a staged one names its template (defined with its first
+        message on the connection)."""
+        layers = blocks[:, 0]
+        head = (batch.request_id, batch.epoch, conn.seq, int(layers.min()), int(layers.max()) + 1)
+        if direct:
+            starts = sent.dst.start[blocks[:, 2]]  # a span starts where its first row does
+            return m.TransferRequest(*head, -1, b"", m.encode_blocks(blocks), nbytes, True,
+                                     cuts.astype("<i8").tobytes(),
+                                     starts.astype("<i8").tobytes())
+        definition = b"" if sent.tid in conn.defined else pack_table(sent.tmpl.table)
+        conn.defined.add(sent.tid)
+        return m.TransferRequest(*head, sent.tid, definition, m.encode_blocks(blocks), nbytes)
 
     async def _post(self, conn: _SenderConn, msg: m.TransferRequest,
                     buf: Optional[torch.Tensor], payload: Union[list, Callable[[], list]],

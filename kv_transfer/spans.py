@@ -10,7 +10,8 @@ piece and the second starts where the first ends; a *span* is a run of linked ro
 payload order (row by row) it is exactly the pool's elements [start, stop). A request
 whose pages are consecutive on a side and whose copies hold all of that side's heads is
 therefore one span per (layer, kind) for its whole pages (a partial last page is a
-span of its own per head).
+span of its own per head). `direct_spans` checks where a direct message says its blocks
+land.
 
 Pure logic: numpy only.
 """
@@ -74,3 +75,29 @@ class SlabSpans:
         if pos < r1:
             out.append((pos, r1, False))
         return out
+
+
+def direct_spans(blocks: np.ndarray, starts: bytes, sizes: list[int], layers: range,
+                 num_layers: int, pool_elements: int, head_dim: int, element_bytes: int
+                 ) -> list[tuple[int, int, tuple[int, int]]]:
+    """Where a direct message's blocks land (`TransferRequest.dst_starts`): per block
+    (layer, kind, elements [start, stop) of that (layer, kind) pool). ValueError naming
+    the first block that is not whole token slots (`head_dim` elements) of one pool of
+    `pool_elements`, among `layers`, or when blocks, starts and sizes disagree in number."""
+    first = np.frombuffer(starts, dtype="<i8") if len(starts) % 8 == 0 else np.empty(0, np.int64)
+    if not len(first) == len(sizes) == len(blocks):
+        raise ValueError(f"direct message of {len(blocks)} blocks, {len(first)} starts and "
+                         f"{len(sizes)} sizes")
+    nbytes = np.array(sizes, dtype=np.int64)
+    count = nbytes // element_bytes
+    layer, kind = blocks[:, 0], blocks[:, 1]
+    bad = ((layer < max(layers.start, 0)) | (layer >= min(layers.stop, num_layers))
+           | (kind < 0) | (kind > 1) | (nbytes <= 0) | (nbytes % (head_dim * element_bytes) != 0)
+           | (first < 0) | (first % head_dim != 0) | (first + count > pool_elements))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"direct block {i} (layer {int(layer[i])}, kind {int(kind[i])}, "
+                         f"start {int(first[i])}, {sizes[i]} bytes) is not whole token slots "
+                         f"of a pool among layers [{layers.start}, {layers.stop})")
+    return [(lk[0], lk[1], (a, a + n))
+            for lk, a, n in zip(blocks[:, :2].tolist(), first.tolist(), count.tolist())]

@@ -125,12 +125,16 @@ class _Pools:
         return base[span[0] * esize:span[1] * esize]
 
     def ready_event(self) -> Optional["torch.cuda.Event"]:
-        """An event on the calling thread's current stream (CUDA; None on CPU): a gather
-        given it reads what that stream wrote before this call."""
+        """An event on the calling thread's current stream (CUDA; None on CPU, or when
+        everything that stream was given has already run): a gather given it reads what
+        that stream wrote before this call."""
         if self._stream is None:
             return None
+        stream = torch.cuda.current_stream(self.device)
+        if stream.query():  # an event recorded now would not complete at once (~µs later)
+            return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(stream)
         return event
 
     def check(self, table: np.ndarray, side: str) -> str:

@@ -14,8 +14,9 @@ payload into its pools, then acks. Blocks that are large spans of the receiver's
 (`spans`: whole consecutive pages holding the same heads on both sides) skip the
 staging: the message is `direct`, each block travels as its own transport message
 (from the sender's pools when it is a span there too) and the receiver, having read and
-checked the control message, receives it straight into the pool region. `send_layer` returns once its batch is acked, i.e.
-written; batches to one peer land in call order.
+checked the control message (which says where each block lands: no template to locate),
+receives it straight into the pool region. `send_layer` returns once its batch is acked,
+i.e. written; batches to one peer land in call order.
 
 Deadlines (ARCHITECTURE §5): every wait runs under `asyncio.wait_for`: `send_layer` until
 its ack, the receiver's handshake and a payload once announced, `wait_request` until its

@@ -91,3 +91,40 @@ def test_whole_pages_of_consecutive_pages_are_one_span():
     assert spans.span(0, 3) is None and spans.span(2, 3) is None  # 4 heads x 13 tokens
     assert spans.split(0, 3, page) == [(0, 2, True), (2, 3, False)]
     assert spans.split(0, 3, 3 * page) == [(0, 3, False)]
+
+
+def test_direct_spans_land_whole_slots_inside_the_pools_or_are_refused():
+    """`direct_spans` (where a direct message's blocks land, from their layer, kind,
+    start and size alone) gives each block's elements in its (layer, kind) pool; a
+    block outside the pool, the message's layers or whole token slots, or counts that
+    disagree, is refused naming the block."""
+    from phalanx.kv_transfer.spans import direct_spans
+    pool, esize = 10 * 2 * 4 * HEAD_DIM, 2  # 10 pages x 2 heads x page 4, 2-byte elements
+    blocks = np.array([[1, 0, 0, 5], [1, 1, 0, 5], [2, 0, 7, 9]], dtype=np.int32)
+    starts = np.array([0, 16, pool - 8], dtype="<i8")
+    sizes = [5 * HEAD_DIM * esize, 2 * HEAD_DIM * esize, 2 * HEAD_DIM * esize]
+
+    def spans(b=blocks, s=starts, z=sizes, layers=range(1, 3)):
+        return direct_spans(b, s.tobytes(), z, layers, 3, pool, HEAD_DIM, esize)
+
+    assert spans() == [(1, 0, (0, 20)), (1, 1, (16, 24)), (2, 0, (pool - 8, pool))]
+    bad_kind = blocks.copy()
+    bad_kind[0, 1] = 2
+    for case, kwargs in [("past the pool", dict(s=starts + np.array([0, 0, 4]))),
+                         ("not a slot start", dict(s=starts + np.array([1, 0, 0]))),
+                         ("part of a slot", dict(z=[sizes[0] - 2, *sizes[1:]])),
+                         ("negative start", dict(s=starts - np.array([1, 0, 0]) * HEAD_DIM)),
+                         ("kind", dict(b=bad_kind)),
+                         ("outside the message's layers", dict(layers=range(1, 2)))]:
+        try:
+            spans(**kwargs)
+        except ValueError as e:
+            assert "direct block" in str(e), case
+        else:
+            raise AssertionError(f"{case}: accepted")
+    try:
+        spans(z=sizes[:2])
+    except ValueError as e:
+        assert "3 blocks, 3 starts and 2 sizes" in str(e)
+    else:
+        raise AssertionError("count mismatch accepted")

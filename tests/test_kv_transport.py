@@ -281,6 +281,23 @@ def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies
     return sum(f.result(CALL_TIMEOUT_S).ok for f in futures)
 
 
+def prepare_all(state, case: str, addrs: dict, request_id: str) -> str:
+    """`prepare` every per-layer template batch of the request (as `send_all`'s
+    "batches" form sends them), then another rank's copies: the ValueError's text."""
+    from phalanx.kv_transfer.copy_table import layer_batches
+    for (s, d), batch in _batches(case).items():
+        for copies in layer_batches(batch).values():
+            state[("tx", case, s)].prepare(tuple(addrs[d]), request_id, copies).result(CALL_TIMEOUT_S)
+    foreign = [c for c in _plan(case) if c.src_rank != 0]
+    if not foreign:
+        return "one rank"
+    try:
+        state[("tx", case, 0)].prepare(tuple(addrs[0]), request_id, foreign).result(CALL_TIMEOUT_S)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def send_layer(state, case: str, addr, request_id: str, layer: int, tag: str = "",
                rank: int = 0, timeout_s=None, epoch=None):
     """One layer from one src rank; (ok, error type, error message, start, end)."""
@@ -366,17 +383,26 @@ def join_layer(state, case: str, rank: int = 0, tag: str = "", timeout_s: float 
 
 @pytest.mark.parametrize("case,form", [
     *((case, "copies") for case in ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1", *IN_PLACE]),
-    ("tp4_kv2_to_tp1", "batches"), ("tp1_to_tp2_runs", "batches")])
+    ("tp4_kv2_to_tp1", "batches"), ("tp1_to_tp2_runs", "batches"),
+    ("tp2_to_tp1", "prepared"), ("tp1_to_tp2_runs", "prepared")])
 def test_request_kv_lands_bit_exact(pair, case, form):
     """Planner + transport move a request's KV (2 layers, all batches in flight at once)
     across different TP degrees and page sizes; the decode pools equal the plan applied
     in-process and the layout's definition, bit for bit, and nothing else is written.
     With consecutive pages, spans of the receiver's pools are received in place (sent
     from the pools too when they are spans there) and the partial last page is staged.
-    The copies go as `planner.Copy` lists or as `plan_batches`' template batches."""
+    The copies go as `planner.Copy` lists or as `plan_batches`' template batches, the
+    latter also `prepare`d first (which sends nothing and refuses other ranks' copies)."""
     prefill, decode = pair
     addrs = decode.call(make_receivers, case=case)
     prefill.call(make_senders, case=case, addrs=addrs)
+    if form == "prepared":
+        refused = prefill.call(prepare_all, case=case, addrs=addrs, request_id=f"req-{case}")
+        assert ("is not from rank 0" in refused if _layouts(case)[0].tp > 1
+                else refused == "one rank"), refused
+        assert all(decode.call(receiver_view, case=case, rank=r, request_id="")["stats"]
+                   ["messages"] == 0 for r in addrs)
+        form = "batches"
     acked = prefill.call(send_all, case=case, addrs=addrs, request_id=f"req-{case}", form=form)
     assert acked == sum(len({(c.src_rank, c.dst_rank) for c in _plan(case).for_layer(l)})
                         for l in range(LAYERS))
@@ -635,11 +661,11 @@ class _FakeEndpoint:
 
 
 def test_in_place_receives_land_and_release_waits_for_them():
-    """A direct message is received into the pool spans its blocks name (nothing else is
-    written); `release` of its request returns only once those receives completed. A
-    direct message of another epoch, or naming a template the receiver does not know
-    (e.g. released with its request), is received into scratch space by its declared
-    block sizes: the pools stay as they were and the connection goes on."""
+    """A direct message is received into the pool spans its blocks say (nothing else is
+    written; no template is needed); `release` of its request returns only once those
+    receives completed. A direct message of another epoch, or one whose blocks do not
+    land inside the pools, is received into scratch space by its declared block sizes:
+    the pools stay as they were and the connection goes on."""
     import asyncio
     from phalanx.kv_transfer import messages as m
     from phalanx.kv_transfer.receive_connection import _RecvConn
@@ -659,9 +685,10 @@ def test_in_place_receives_land_and_release_waits_for_them():
         direct = np.array(whole, dtype=np.int32)
         n = tmpl.nbytes(direct)
         sizes = (tmpl.bytes_cum[direct[:, 3]] - tmpl.bytes_cum[direct[:, 2]]).astype("<i8").tobytes()
+        starts = tmpl.spans.start[direct[:, 2]].astype("<i8")
         conn = _RecvConn(_FakeEndpoint())
-        msg = m.TransferRequest("r", 1, 1, 0, 1, 0, pack_table(template), m.encode_blocks(direct),
-                                n, True, sizes)
+        msg = m.TransferRequest("r", 1, 1, 0, 1, -1, b"", m.encode_blocks(direct),
+                                n, True, sizes, starts.tobytes())
         error, landed, done = await rx._land_in_place(conn, msg)
         while len(conn.ep.posted) < len(direct):
             await asyncio.sleep(0.001)
@@ -675,12 +702,14 @@ def test_in_place_receives_land_and_release_waits_for_them():
         await done
         written = sum(int((t.view(torch.uint8) == 0x3F).sum()) for pair in pools for t in pair)
         rx.expect("r")
-        conn.templates[0] = ("r", tmpl)
         before = [t.clone() for pair in pools for t in pair]
         refusals = []
-        for seq, (epoch, tid) in enumerate([(7, 0), (1, 9)], start=2):  # stale; unknown template
-            refused = m.TransferRequest("r", epoch, seq, 0, 1, tid, b"", m.encode_blocks(direct),
-                                        n, True, sizes)
+        outside = starts.copy()
+        p = rx._pools
+        outside[-1] = p.num_pages * p.heads * p.page_size * p.head_dim  # just past the pool
+        for seq, (epoch, at) in enumerate([(7, starts), (1, outside)], start=2):
+            refused = m.TransferRequest("r", epoch, seq, 0, 1, -1, b"", m.encode_blocks(direct),
+                                        n, True, sizes, at.tobytes())
             drain = asyncio.ensure_future(rx._land_in_place(conn, refused))
             while not drain.done():  # the drain posts its receives one after another
                 conn.ep.deliver(0x55)
@@ -694,8 +723,8 @@ def test_in_place_receives_land_and_release_waits_for_them():
     held, written, n, counted, refusals, untouched, stats, broken = asyncio.run(run())
     assert held, "release returned while in-place receives were still posted"
     assert written == n and counted  # exactly the spans' bytes (zeros elsewhere)
-    (stale, *rest1), (unknown, *rest2) = refusals
-    assert "stale epoch 7" in stale and "unknown template 9" in unknown
+    (stale, *rest1), (outside, *rest2) = refusals
+    assert "stale epoch 7" in stale and "not whole token slots" in outside
     assert rest1 == rest2 == [None, None] and untouched and not broken
     assert stats["direct"] == 1 and stats["dropped_epoch"] == 1 and stats["rejected"] == 1
 
