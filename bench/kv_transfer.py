@@ -21,6 +21,9 @@ cuda_copy,cuda_ipc,tcp,sm,self) and on cpu, by default, 512 KiB tcp segments (--
 --device cuda (helpers in `kv_transfer_gpu`): sender rank r keeps its pools and raw
 buffers on cuda:r, the receiver on cuda:P (each process binds its GPU before ucxx starts);
 a layout needing more GPUs than visible is skipped with a message (2 GPUs: only 1-1).
+--one-gpu puts every process on cuda:0 (device to the same device through cuda_ipc: the
+host side of the protocol on a GPU host when only one GPU is lent; not the link's rate;
+no nccl row).
 Every transfer is then device memory to device memory, raw baselines included.
 
 Per (layout, tokens), in the same processes and over the same UCX worker:
@@ -128,13 +131,13 @@ def _reply(pipe, procs, timeout_s: float = 300.0):
 
 def bench_layout(p: int, pages: str, tokens_list: list[int], args) -> list[dict]:
     ctx = mp.get_context("spawn")
-    nccl = args.device == "cuda" and not args.no_nccl
+    nccl = args.device == "cuda" and not args.no_nccl and not args.one_gpu
     cfg = {"p": p, "max_tokens": max(tokens_list), "staging": args.staging, "tls": args.tls,
            "ucx_env": _ucx_env(args.ucx_env), "device": args.device, "nccl": nccl,
            "nccl_port": gpu.free_port() if nccl else 0, "payload_mib": args.payload_mib,
            "profile": args.profile, "progress": args.progress_mode,
            "payload_only": args.payload_only, "trace": args.trace,
-           "spin_ms": args.spin_ms,
+           "spin_ms": args.spin_ms, "one_gpu": args.one_gpu,
            "switch_interval": args.switch_interval, "pages": pages,
            "direct": not args.no_direct}
     modes = MODES + (("nccl",) if nccl else ()) + (("raw_spans",) if (p, pages) == (1, "runs") else ())
@@ -207,6 +210,8 @@ def _parse_args() -> argparse.Namespace:
                     help="extra UCX_*=value,... for the spawned processes ('' for none; "
                     f"default cpu: {TCP_TUNING}; cuda: none)")
     ap.add_argument("--no-nccl", action="store_true", help="cuda: leave out the nccl row")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="cuda: every process on cuda:0 (host overheads, not the link)")
     ap.add_argument("--progress-mode", default="thread",
                     help="ucxx progress mode of every process (thread, polling, blocking, ...)")
     ap.add_argument("--payload-only", action="store_true",
@@ -234,6 +239,7 @@ def _meta(args, requested: list[int], senders: list[int]) -> dict:
             "ucxx": ucxx.__version__, "torch": torch.__version__, "device": args.device,
             "tls": args.tls, "ucx_env": _ucx_env(args.ucx_env), "staging": args.staging,
             "payload_mib": args.payload_mib, "reps": args.reps, "direct": not args.no_direct,
+            "one_gpu": args.one_gpu, "spin_ms": args.spin_ms,
             "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                       "page": PAGE, "dtype_bytes": 2,
                       "dtype": "bfloat16" if args.device == "cuda" else "int16"}}
@@ -263,7 +269,7 @@ def main() -> None:
         senders.append(p)
     requested = senders
     if args.device == "cuda":
-        senders = gpu.fitting_senders(senders)
+        senders = gpu.fitting_senders(senders, one_gpu=args.one_gpu)
     orders = args.pages.split(",")
     if not set(orders) <= set(PAGE_ORDERS):
         raise SystemExit(f"--pages: any of {','.join(PAGE_ORDERS)}")

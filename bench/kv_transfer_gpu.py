@@ -20,15 +20,16 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
-def fitting_senders(layouts: list[int]) -> list[int]:
-    """The sender counts P of `layouts` that fit the visible GPUs (P + 1 each); says which
-    are skipped, and exits with a message when CUDA is missing or none fits."""
+def fitting_senders(layouts: list[int], one_gpu: bool = False) -> list[int]:
+    """The sender counts P of `layouts` that fit the visible GPUs (P + 1 each, or all on
+    one); says which are skipped, and exits with a message when CUDA is missing or none
+    fits."""
     if not torch.cuda.is_available():
         raise SystemExit(f"--device cuda: no CUDA device visible (torch "
                          f"{torch.__version__}, built for CUDA {torch.version.cuda}); run "
                          f"it on the GPU machine, or use --device cpu")
     n = torch.cuda.device_count()
-    fit = [p for p in layouts if p + 1 <= n]
+    fit = [p for p in layouts if p + 1 <= n or (one_gpu and n)]
     for p in layouts:
         if p not in fit:
             print(f"skipping layout {p}-1: it needs {p + 1} GPUs ({p} sender(s) on "

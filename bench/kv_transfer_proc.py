@@ -92,7 +92,7 @@ def set_env(args: dict, gpu_index: int) -> torch.device:
         kv_transfer_trace.install()
     if args["device"] != "cuda":
         return torch.device("cpu")
-    dev = gpu.bind(gpu_index)
+    dev = gpu.bind(0 if args.get("one_gpu") else gpu_index)
     if args["nccl"]:
         gpu.nccl_init(gpu_index, args["p"] + 1, args["nccl_port"], dev)
     return dev

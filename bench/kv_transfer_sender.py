@@ -84,6 +84,8 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
         else:
             for b in batches:
                 await tx.send_layer(tuple(addr), rid, b)
+        if args.get("trace"):
+            kv_transfer_trace.mark("end", what)
         pipe.send((time.monotonic(), nbytes, plan_s, cpu_seconds() - cpu0, prepare_s))
     await tx.close()
     raw_ep.abort()

@@ -1,0 +1,9 @@
+# Compact timeline of a `kv_transfer.py --trace` run: every non-payload event of the last
+# run of MODE, then first/last time of each payload post/done kind (ms from its start).
+# usage: bash kv_transfer_timeline.sh OUT_DIR MODE
+python3 "$(dirname "$0")/kv_transfer_trace.py" "$1" "$2" 0:100000 | grep "^ *[0-9]" > /tmp/tl.$$
+grep -v "direct_\|payload_" /tmp/tl.$$ | head -30
+for e in send_direct_post recv_direct_post recv_direct_done send_direct_done; do
+  grep " $e " /tmp/tl.$$ | awk -v e=$e 'NR==1{f=$1} {l=$1; n++} END{if (n) printf "%-18s n=%3d first %8.3f last %8.3f\n", e, n, f, l}'
+done
+rm -f /tmp/tl.$$
