@@ -45,6 +45,9 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
             try:
                 await ep.recv(head)
                 count, size, tokens = (int(x) for x in head)
+                if args.get("trace"):
+                    import kv_transfer_trace
+                    kv_transfer_trace.mark("raw_head_read", str(count))
                 if tokens:  # raw_spans: straight into the pools' spans, all posted
                     regions = spans[tokens] = spans.get(tokens) or pool_spans(
                         pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)], "dst")
@@ -60,6 +63,8 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
                         await ep.recv(bufs[i % len(bufs)][:size])
 
                 await asyncio.gather(*(one(i) for i in range(count)))
+                if args.get("trace"):
+                    kv_transfer_trace.mark("raw_data_read", str(count))
                 await ep.send(np.ones(1, dtype=np.uint8))
             except Exception:
                 return

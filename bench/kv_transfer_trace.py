@@ -38,6 +38,17 @@ def install() -> None:
             return task
         return wrapper
 
+    from ucxx._lib_async.endpoint import Endpoint
+
+    def handed(name: str, inner):  # when ucxx hands the operation to UCX (a task step later)
+        async def wrapper(self, buffer, tag=None, force_tag=False):
+            if tag in (rt.TAG_CTRL, rt.TAG_REPLY) or tag is None:
+                mark(f"ucx_{name}_{_TAGS.get(tag, 'raw')}")
+            return await inner(self, buffer, tag=tag, force_tag=force_tag)
+        return wrapper
+
+    Endpoint.send = handed("send", Endpoint.send)
+    Endpoint.recv = handed("recv", Endpoint.recv)
     sender._post_send = traced("send", rt._post_send)
     receiver._post_send = traced("send", rt._post_send)
     receiver._post_recv = traced("recv", rt._post_recv)

@@ -22,8 +22,8 @@ from .receive_connection import _RecvConn
 from .spans import direct_spans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
-                          _post_recv, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
-                          ensure_ucx)
+                          _post_many, _post_recv, _post_send, _reason, _recv_msg, _send_msg,
+                          _ucx_buf, ensure_ucx)
 
 __all__ = ["KVReceiver"]
 
@@ -272,8 +272,8 @@ class KVReceiver:
         if refusal:
             await self._drain(conn, sizes)
             return refusal, None, None
-        recvs = [_post_recv(conn.ep, TAG_DIRECT, _ucx_buf(self._pools.region(layer, kind, span)))
-                 for layer, kind, span in spans]
+        recvs = await _post_many(_post_recv, conn.ep, TAG_DIRECT, (
+            _ucx_buf(self._pools.region(layer, kind, span)) for layer, kind, span in spans))
         done = asyncio.ensure_future(self._received(conn, recvs))
         inflight = self._inflight[msg.request_id]
         inflight.add(done)

@@ -52,6 +52,9 @@ class _SenderConn:
         self.queue: deque[tuple[_Batch, _Sent, tuple, int, bool, bool]] = deque()
         self.templates: OrderedDict[tuple[str, bytes], _Sent] = OrderedDict()  # (request, table)
         self.defined: set[int] = set()  # template ids whose table the receiver was sent
+        # (request, id(copies)) -> (copies, their parts): `prepare`d, taken by the send
+        # (the entry holds the copies, so their id names them while it is here)
+        self.prepared: OrderedDict[tuple[str, int], tuple[Any, list]] = OrderedDict()
         self.next_template = 0
         self.wake = asyncio.Event()
         self.pending: dict[int, list[_Batch]] = {}  # seq -> batches with a part in it

@@ -22,7 +22,8 @@ from .send_connection import _Batch, _Sent, _SenderConn
 from .spans import SlabSpans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
-                          _post_send, _reason, _recv_msg, _send_msg, _ucx_buf, ensure_ucx)
+                          _post_many, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
+                          ensure_ucx)
 
 __all__ = ["Copies", "KVSender"]
 
@@ -31,6 +32,7 @@ log = get_logger(__name__)
 # (copy_table.plan_batches: no per-call table work)
 Copies = Union[Sequence[Copy], np.ndarray, m.CopyBatch, Sequence[m.CopyBatch]]
 SENDER_TEMPLATES = 1024  # per connection; receivers keep RECEIVER_TEMPLATES >= this
+PREPARED = 1024  # prepared batches kept per connection (oldest dropped: sent unprepared)
 # A span of the receiver's pools at least this large is received in place, block by
 # block; smaller pieces travel together through a staging buffer (one message each
 # costs more than the copy it saves).
@@ -131,7 +133,8 @@ class KVSender:
         ValueError for copies that are not this rank's, not the peer's, or out of the
         pools; TransferError on timeout, rejection (e.g. stale epoch) or a lost peer."""
         conn = self._conn(peer, request_id)
-        parts = self._parts(conn, request_id, copies)
+        found = conn.prepared.pop((request_id, id(copies)), None)
+        parts = found[1] if found is not None else self._parts(conn, request_id, copies)
         if ready is None:
             ready = self._pools.ready_event()
         batch = _Batch(request_id, self.epoch, len(parts), ready)
@@ -151,8 +154,12 @@ class KVSender:
         """Do ahead what `send_layer` of these copies does before posting: validate them,
         locate their templates in both sides' pools and cut their blocks into messages
         (all remembered per connection), e.g. while the engine computes the layers they
-        read. Errors as `send_layer`'s; optional (send_layer does what was not done)."""
-        self._parts(self._conn(peer, request_id), request_id, copies)
+        read; the parts are kept for the `send_layer` of the same copies object. Errors
+        as `send_layer`'s; optional (send_layer does what was not done)."""
+        conn = self._conn(peer, request_id)
+        conn.prepared[(request_id, id(copies))] = (copies, self._parts(conn, request_id, copies))
+        if len(conn.prepared) > PREPARED:
+            conn.prepared.popitem(last=False)
 
     def _parts(self, conn: _SenderConn, request_id: str, copies: Copies) -> list[tuple]:
         """`copies` as message parts (template entry, block, bytes, direct, pooled), the
@@ -313,10 +320,11 @@ class KVSender:
             tag = TAG_DIRECT if msg.direct else TAG_PAYLOAD
             sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg))]
             if callable(payload):
+                await asyncio.sleep(0)  # the control message reaches UCX first
                 payload = payload()
             if len(payload) >= FLUSH_CTRL_PARTS:
                 await asyncio.wait(sends)  # its outcome is checked with the others'
-            sends += [_post_send(conn.ep, tag, _ucx_buf(part)) for part in payload]
+            sends += await _post_many(_post_send, conn.ep, tag, (_ucx_buf(p) for p in payload))
             posted.set_result(None)
             results = await asyncio.gather(*sends, return_exceptions=True)
         except asyncio.CancelledError:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Optional
 
 import torch
@@ -86,6 +86,20 @@ def _post_recv(ep: Any, tag: int, buf: Any) -> asyncio.Task:
     task = asyncio.ensure_future(ep.recv(buf, tag=tag))
     task.add_done_callback(_retrieved)
     return task
+
+
+async def _post_many(post: Callable[[Any, int, Any], asyncio.Task], ep: Any, tag: int,
+                     bufs: Iterable[Any]) -> list[asyncio.Task]:
+    """Post one operation per buffer, in order (`bufs` may make them as it goes). A
+    posted operation reaches UCX when its task first runs, i.e. once the loop turns; so
+    the loop turns after the 1st, 2nd, 4th, 8th, ... posts: the first transfers start
+    while the rest are being made."""
+    tasks: list[asyncio.Task] = []
+    for i, buf in enumerate(bufs):
+        tasks.append(post(ep, tag, buf))
+        if (i + 1) & i == 0:  # after posts 1, 2, 4, 8, ...
+            await asyncio.sleep(0)
+    return tasks
 
 
 async def _send_msg(ep: Any, tag: int, msg: Any, timeout: float) -> None:

@@ -270,6 +270,8 @@ def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies
             sub = plan.for_layer(layer)
             sends += [(s, d, [c for c in sub if c.src_rank == s and c.dst_rank == d])
                       for s, d in sub.bytes_by_pair()]
+    elif form == "prepared":  # prepare_all's batches, the same objects
+        sends = state[("prepared", case)]
     elif form == "batches":
         by_layer = {pair: layer_batches(b) for pair, b in _batches(case).items()}
         sends = [(s, d, by_layer[(s, d)][layer])
@@ -278,16 +280,24 @@ def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies
         sends = [(s, d, b) for (s, d), b in _batches(case).items()]
     for s, d, copies in sends:
         futures.append(state[("tx", case, s)].submit_layer(tuple(addrs[d]), request_id, copies))
-    return sum(f.result(CALL_TIMEOUT_S).ok for f in futures)
+    acked = sum(f.result(CALL_TIMEOUT_S).ok for f in futures)
+    if form == "prepared":  # every send took its prepared parts
+        assert not any(state[("tx", case, s)].sender._conns[tuple(addrs[d])].prepared
+                       for s, d, _ in sends)
+    return acked
 
 
 def prepare_all(state, case: str, addrs: dict, request_id: str) -> str:
     """`prepare` every per-layer template batch of the request (as `send_all`'s
     "batches" form sends them), then another rank's copies: the ValueError's text."""
     from phalanx.kv_transfer.copy_table import layer_batches
-    for (s, d), batch in _batches(case).items():
-        for copies in layer_batches(batch).values():
-            state[("tx", case, s)].prepare(tuple(addrs[d]), request_id, copies).result(CALL_TIMEOUT_S)
+    by_layer = {pair: layer_batches(b) for pair, b in _batches(case).items()}
+    sends = state[("prepared", case)] = [(s, d, by_layer[(s, d)][layer])
+                                         for layer in range(LAYERS) for s, d in by_layer]
+    for s, d, copies in sends:
+        state[("tx", case, s)].prepare(tuple(addrs[d]), request_id, copies).result(CALL_TIMEOUT_S)
+    assert all(len(state[("tx", case, s)].sender._conns[tuple(addrs[d])].prepared) > 0
+               for s, d, _ in sends)
     foreign = [c for c in _plan(case) if c.src_rank != 0]
     if not foreign:
         return "one rank"
@@ -402,7 +412,6 @@ def test_request_kv_lands_bit_exact(pair, case, form):
                 else refused == "one rank"), refused
         assert all(decode.call(receiver_view, case=case, rank=r, request_id="")["stats"]
                    ["messages"] == 0 for r in addrs)
-        form = "batches"
     acked = prefill.call(send_all, case=case, addrs=addrs, request_id=f"req-{case}", form=form)
     assert acked == sum(len({(c.src_rank, c.dst_rank) for c in _plan(case).for_layer(l)})
                         for l in range(LAYERS))
