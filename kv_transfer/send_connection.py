@@ -1,5 +1,6 @@
 """State of one `KVSender` connection: its batches (`_Batch`), the templates it has
-located and defined (`_Sent`) and the queue its pump sends from (`_SenderConn`)."""
+located and defined (`_Sent`), runs of message parts (`_Run`) and the queue its pump
+sends from (`_SenderConn`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import asyncio
 from collections import OrderedDict, deque
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from . import messages as m
+from .packed_table import pack_table
 from .spans import SlabSpans
 from .staging import _Template
 
@@ -38,7 +41,26 @@ class _Sent:
         self.cuts: dict[tuple[int, int], list[tuple[int, int, int, bool, bool]]] = {}
 
 
+class _Run:
+    """Consecutive message parts of one template, directness and pooledness: blocks
+    `[n, 4]` int32 (layer, kind, r0, r1) and their payload bytes `[n]` int64."""
+
+    __slots__ = ("sent", "blocks", "nbytes", "direct", "pooled")
+
+    def __init__(self, sent: _Sent, blocks: np.ndarray, nbytes: np.ndarray, direct: bool,
+                 pooled: bool) -> None:
+        self.sent, self.blocks, self.nbytes = sent, blocks, nbytes
+        self.direct, self.pooled = direct, pooled
+
+    def tail(self, k: int) -> "_Run":
+        return _Run(self.sent, self.blocks[k:], self.nbytes[k:], self.direct, self.pooled)
+
+
 class _SenderConn:
+    """One connection to a receiver: its endpoint, what the receiver told (rank, capacity,
+    pool shape), the queue and the staging buffers; it numbers and builds the control
+    messages."""
+
     def __init__(self, peer: str, ep: Any, hello: m.HelloAck, staging: int) -> None:
         self.peer, self.ep, self.receiver_rank = peer, ep, hello.receiver_rank
         self.capacity = hello.max_payload_bytes
@@ -47,16 +69,32 @@ class _SenderConn:
         for _ in range(max(1, staging)):
             self.free.put_nowait(torch.empty(0, dtype=torch.uint8))
         self.seq = 0
-        # (batch, template, block (layer, kind, r0, r1), payload bytes, direct, pooled);
-        # pooled: a direct part that is a span of this rank's pools too (sent from them)
-        self.queue: deque[tuple[_Batch, _Sent, tuple, int, bool, bool]] = deque()
+        # (batch, run of its parts); pooled runs: direct parts that are spans of this
+        # rank's pools too (sent from them)
+        self.queue: deque[tuple[_Batch, _Run]] = deque()
         self.templates: OrderedDict[tuple[str, bytes], _Sent] = OrderedDict()  # (request, table)
         self.defined: set[int] = set()  # template ids whose table the receiver was sent
-        # (request, id(copies)) -> (copies, their parts): `prepare`d, taken by the send
+        # (request, id(copies)) -> (copies, their runs): `prepare`d, taken by the send
         # (the entry holds the copies, so their id names them while it is here)
         self.prepared: OrderedDict[tuple[str, int], tuple[Any, list]] = OrderedDict()
         self.next_template = 0
         self.wake = asyncio.Event()
-        self.pending: dict[int, list[_Batch]] = {}  # seq -> batches with a part in it
+        self.pending: dict[int, list[tuple[_Batch, int]]] = {}  # seq -> (batch, its parts in it)
         self.broken = ""
         self.tasks: list[asyncio.Task] = []
+
+    def request(self, batch: _Batch, sent: _Sent, blocks: np.ndarray, nbytes: int,
+                direct: bool, cuts: np.ndarray) -> m.TransferRequest:
+        """The control message of a message's blocks: a direct one says where each block
+        lands (no template); a staged one names its template (defined with its first
+        message on the connection)."""
+        layers = blocks[:, 0]
+        head = (batch.request_id, batch.epoch, self.seq, int(layers.min()), int(layers.max()) + 1)
+        if direct:
+            starts = sent.dst.start[blocks[:, 2]]  # a span starts where its first row does
+            return m.TransferRequest(*head, -1, b"", m.encode_blocks(blocks), nbytes, True,
+                                     cuts.astype("<i8").tobytes(),
+                                     starts.astype("<i8").tobytes())
+        definition = b"" if sent.tid in self.defined else pack_table(sent.tmpl.table)
+        self.defined.add(sent.tid)
+        return m.TransferRequest(*head, sent.tid, definition, m.encode_blocks(blocks), nbytes)

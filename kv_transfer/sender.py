@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
@@ -16,9 +17,8 @@ import torch
 from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
-from .packed_table import pack_table
 from .planner import Copy
-from .send_connection import _Batch, _Sent, _SenderConn
+from .send_connection import _Batch, _Run, _Sent, _SenderConn
 from .spans import SlabSpans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
@@ -134,11 +134,11 @@ class KVSender:
         pools; TransferError on timeout, rejection (e.g. stale epoch) or a lost peer."""
         conn = self._conn(peer, request_id)
         found = conn.prepared.pop((request_id, id(copies)), None)
-        parts = found[1] if found is not None else self._parts(conn, request_id, copies)
+        runs = found[1] if found is not None else self._runs(conn, request_id, copies)
         if ready is None:
             ready = self._pools.ready_event()
-        batch = _Batch(request_id, self.epoch, len(parts), ready)
-        conn.queue.extend((batch, *part) for part in parts)
+        batch = _Batch(request_id, self.epoch, sum(len(run.nbytes) for run in runs), ready)
+        conn.queue.extend((batch, run) for run in runs)
         conn.wake.set()
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
@@ -154,28 +154,34 @@ class KVSender:
         """Do ahead what `send_layer` of these copies does before posting: validate them,
         locate their templates in both sides' pools and cut their blocks into messages
         (all remembered per connection), e.g. while the engine computes the layers they
-        read; the parts are kept for the `send_layer` of the same copies object. Errors
+        read; the result is kept for the `send_layer` of the same copies object. Errors
         as `send_layer`'s; optional (send_layer does what was not done)."""
         conn = self._conn(peer, request_id)
-        conn.prepared[(request_id, id(copies))] = (copies, self._parts(conn, request_id, copies))
+        conn.prepared[(request_id, id(copies))] = (copies, self._runs(conn, request_id, copies))
         if len(conn.prepared) > PREPARED:
             conn.prepared.popitem(last=False)
 
-    def _parts(self, conn: _SenderConn, request_id: str, copies: Copies) -> list[tuple]:
-        """`copies` as message parts (template entry, block, bytes, direct, pooled), the
-        in-place ones first; ValueError for copies that are not this rank's, not the
-        peer's, or out of the pools."""
-        parts = []
+    def _runs(self, conn: _SenderConn, request_id: str, copies: Copies) -> list[_Run]:
+        """`copies` as runs of message parts, the in-place ones first (order otherwise
+        kept); ValueError for copies that are not this rank's, not the peer's, or out of
+        the pools."""
+        parts = []  # (template entry, layer, kind, a, b, bytes, direct, pooled)
         for template_table, blocks in self._batches(copies, conn):
             sent = self._template(conn, request_id, template_table)  # validated once
             error = m.check_blocks(blocks, self._pools.num_layers, sent.tmpl.rows)
             if error:
                 raise ValueError(error)
             for layer, kind, r0, r1 in blocks.tolist():
-                parts.extend((sent, (layer, kind, a, b), n, direct, pooled)
+                parts.extend((sent, layer, kind, a, b, n, direct, pooled)
                              for a, b, n, direct, pooled in self._pieces(conn, sent, r0, r1))
-        parts.sort(key=lambda part: not part[3])  # in-place parts first, order kept
-        return parts
+        parts.sort(key=lambda part: not part[6])
+        runs = []
+        for (_, direct, pooled), group in itertools.groupby(
+                parts, key=lambda part: (id(part[0]), part[6], part[7])):
+            group = list(group)
+            runs.append(_Run(group[0][0], np.array([g[1:5] for g in group], dtype=np.int32),
+                             np.array([g[5] for g in group], dtype=np.int64), direct, pooled))
+        return runs
 
     def _template(self, conn: _SenderConn, request_id: str, table: np.ndarray) -> _Sent:
         """The connection's entry for this request's template (new ones located once)."""
@@ -213,25 +219,38 @@ class KVSender:
             for (_, _, a, b), n in sent.tmpl.cut((0, 0, lo, hi), conn.capacity)]
         return found
 
-    def _next_message(self, conn: _SenderConn) -> tuple[list[_Batch], _Sent, np.ndarray,
-                                                        int, bool, bool]:
+    def _next_message(self, conn: _SenderConn) -> tuple[list[tuple[_Batch, int]], _Sent,
+                                                        np.ndarray, int, bool, bool]:
         """The queue's head block and the following ones of the same request, epoch,
         template, directness and pooledness, within the receiver's capacity unless
-        pooled (a pooled message needs no buffer on either side): (batches, template,
-        blocks, payload bytes, direct, pooled)."""
-        batch, sent, block, total, direct, pooled = conn.queue.popleft()
-        batches, blocks = [batch], [block]
-        while conn.queue and len(blocks) < m.MAX_BLOCKS:
-            nxt, nsent, nblock, nbytes, ndirect, npooled = conn.queue[0]
-            if ((nxt.request_id, nxt.epoch, nsent, ndirect, npooled)
-                    != (batch.request_id, batch.epoch, sent, direct, pooled)
-                    or (not pooled and total + nbytes > conn.capacity)):
+        pooled (a pooled message needs no buffer on either side): ((batch, its blocks
+        here) in order, template, blocks, payload bytes, direct, pooled). A run that
+        does not fit whole goes back to the queue's head less what was taken."""
+        head_batch, head = conn.queue[0]
+        taken, blocks, total, count = [], [], 0, 0
+        while conn.queue and count < m.MAX_BLOCKS:
+            batch, run = conn.queue[0]
+            if ((batch.request_id, batch.epoch) != (head_batch.request_id, head_batch.epoch)
+                    or run.sent is not head.sent or (run.direct, run.pooled)
+                    != (head.direct, head.pooled)):
+                break
+            k = len(run.nbytes)
+            if not head.pooled:  # pieces are cut to the capacity: the first one fits
+                k = max(int(np.searchsorted(np.cumsum(run.nbytes), conn.capacity - total,
+                                            side="right")), 0 if count else 1)
+            k = min(k, m.MAX_BLOCKS - count)
+            if k == 0:
                 break
             conn.queue.popleft()
-            batches.append(nxt)  # once per block: acks count a batch's parts down
-            blocks.append(nblock)
-            total += nbytes
-        return batches, sent, np.array(blocks, dtype=np.int32), total, direct, pooled
+            taken.append((batch, k))
+            blocks.append(run.blocks[:k])
+            total += int(run.nbytes[:k].sum())
+            count += k
+            if k < len(run.nbytes):
+                conn.queue.appendleft((batch, run.tail(k)))
+                break
+        return (taken, head.sent, np.concatenate(blocks) if len(blocks) > 1 else blocks[0],
+                total, head.direct, head.pooled)
 
     def _in_place(self, tmpl: _Template, blocks: np.ndarray, direct: bool
                   ) -> Optional[list[torch.Tensor]]:
@@ -260,11 +279,11 @@ class KVSender:
                 while not conn.queue:
                     conn.wake.clear()
                     await conn.wake.wait()
-                batches, sent, blocks, nbytes, direct, pooled = self._next_message(conn)
+                taken, sent, blocks, nbytes, direct, pooled = self._next_message(conn)
                 tmpl = sent.tmpl
                 conn.seq += 1
-                conn.pending[conn.seq] = batches  # from here on `_break` fails them
-                ready = list({id(b): b.ready for b in batches}.values())
+                conn.pending[conn.seq] = taken  # from here on `_break` fails them
+                ready = list({id(b): b.ready for b, _ in taken}.values())
                 # pooled: the regions are made once the control message is on its way
                 payload = (functools.partial(self._in_place, tmpl, blocks, True) if pooled
                            else self._in_place(tmpl, blocks, direct))
@@ -277,7 +296,7 @@ class KVSender:
                     ready = [self._pools.gather(tmpl, blocks, buf[:nbytes], ready=ready)]
                     ends = np.cumsum(cuts).tolist() if direct else [nbytes]
                     payload = [buf[a:b] for a, b in zip([0] + ends[:-1], ends)]
-                msg = self._request(conn, batches[0], sent, blocks, nbytes, direct, cuts)
+                msg = conn.request(taken[0][0], sent, blocks, nbytes, direct, cuts)
                 mine = asyncio.get_running_loop().create_future()
                 conn.tasks.append(asyncio.create_task(
                     self._post(conn, msg, buf, payload, ready, posted, mine)))
@@ -286,23 +305,6 @@ class KVSender:
             raise
         except Exception as e:
             self._break(conn, f"send failed: {e!r}")
-
-    @staticmethod
-    def _request(conn: _SenderConn, batch: _Batch, sent: _Sent, blocks: np.ndarray,
-                 nbytes: int, direct: bool, cuts: np.ndarray) -> m.TransferRequest:
-        """The control message of a message's blocks: a direct one says where each block
-        lands (no template); a staged one names its template (defined with its first
-        message on the connection)."""
-        layers = blocks[:, 0]
-        head = (batch.request_id, batch.epoch, conn.seq, int(layers.min()), int(layers.max()) + 1)
-        if direct:
-            starts = sent.dst.start[blocks[:, 2]]  # a span starts where its first row does
-            return m.TransferRequest(*head, -1, b"", m.encode_blocks(blocks), nbytes, True,
-                                     cuts.astype("<i8").tobytes(),
-                                     starts.astype("<i8").tobytes())
-        definition = b"" if sent.tid in conn.defined else pack_table(sent.tmpl.table)
-        conn.defined.add(sent.tid)
-        return m.TransferRequest(*head, sent.tid, definition, m.encode_blocks(blocks), nbytes)
 
     async def _post(self, conn: _SenderConn, msg: m.TransferRequest,
                     buf: Optional[torch.Tensor], payload: Union[list, Callable[[], list]],
@@ -350,14 +352,14 @@ class KVSender:
                 ack = await _recv_msg(conn.ep, TAG_REPLY, m.TO_SENDER, None)  # idle: no deadline
                 if not isinstance(ack, m.TransferAck):
                     raise ValueError(f"unexpected {type(ack).__name__}")
-                batches = conn.pending.pop(ack.seq, None)
-                if not batches or (ack.request_id, ack.epoch) != (batches[0].request_id,
-                                                                  batches[0].epoch):
+                taken = conn.pending.pop(ack.seq, None)
+                if not taken or (ack.request_id, ack.epoch) != (taken[0][0].request_id,
+                                                                taken[0][0].epoch):
                     log.warning("kv_ack_dropped", peer=conn.peer, seq=ack.seq,
                                 request_id=ack.request_id, epoch=ack.epoch)
                     continue
-                for batch in batches:
-                    batch.parts_left -= 1
+                for batch, parts in taken:
+                    batch.parts_left -= parts
                     if (batch.parts_left == 0 or not ack.ok) and not batch.future.done():
                         batch.future.set_result(ack)
         except asyncio.CancelledError:
@@ -372,7 +374,7 @@ class KVSender:
         conn.broken = reason
         if fault:
             log.warning("kv_send_conn_broken", peer=conn.peer, reason=reason)
-        batches = [e[0] for e in conn.queue] + [b for bs in conn.pending.values() for b in bs]
+        batches = [b for b, _ in conn.queue] + [b for t in conn.pending.values() for b, _ in t]
         conn.queue.clear()
         conn.pending.clear()
         for batch in batches:
