@@ -212,8 +212,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--no-nccl", action="store_true", help="cuda: leave out the nccl row")
     ap.add_argument("--one-gpu", action="store_true",
                     help="cuda: every process on cuda:0 (host overheads, not the link)")
-    ap.add_argument("--progress-mode", default="thread",
-                    help="ucxx progress mode of every process (thread, polling, blocking, ...)")
+    ap.add_argument("--progress-mode", default=None,
+                    help="ucxx progress mode of every process (thread, thread-polling, ...; "
+                         "default: the transport's for the device, `progress_mode_for`)")
     ap.add_argument("--payload-only", action="store_true",
                     help="the transport moves its messages without gathering or scattering "
                          "pages (splits wire + control from the copies)")
@@ -229,6 +230,9 @@ def _parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     args.tls = DEFAULT_TLS[args.device] if args.tls is None else args.tls
     args.ucx_env = DEFAULT_UCX_ENV[args.device] if args.ucx_env is None else args.ucx_env
+    if args.progress_mode is None:
+        from phalanx.kv_transfer.ucx_runtime import progress_mode_for
+        args.progress_mode = progress_mode_for(torch.device(args.device))
     return args
 
 
@@ -239,7 +243,7 @@ def _meta(args, requested: list[int], senders: list[int]) -> dict:
             "ucxx": ucxx.__version__, "torch": torch.__version__, "device": args.device,
             "tls": args.tls, "ucx_env": _ucx_env(args.ucx_env), "staging": args.staging,
             "payload_mib": args.payload_mib, "reps": args.reps, "direct": not args.no_direct,
-            "one_gpu": args.one_gpu, "spin_ms": args.spin_ms,
+            "one_gpu": args.one_gpu, "spin_ms": args.spin_ms, "progress": args.progress_mode,
             "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                       "page": PAGE, "dtype_bytes": 2,
                       "dtype": "bfloat16" if args.device == "cuda" else "int16"}}

@@ -23,7 +23,7 @@ from .spans import direct_spans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
                           _post_many, _post_recv, _post_send, _reason, _recv_msg, _send_msg,
-                          _ucx_buf, ensure_ucx)
+                          _ucx_buf, ensure_ucx, progress_mode_for)
 
 __all__ = ["KVReceiver"]
 
@@ -46,19 +46,21 @@ class KVReceiver:
     not yet `release`d), so a late write of an abandoned transfer can never land in pages
     that were given back; others get a negative ack. `stats`: counters (connections
     accepted and lost, messages and bytes written, of which received in place, messages
-    dropped for their epoch or rejected). Async API: use on one loop (module docstring)."""
+    dropped for their epoch or rejected). progress_mode: ucxx's, for the process (default
+    `progress_mode_for` the pools' device). Async API: use on one loop (module docstring)."""
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
                  epoch: int, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 10.0, staging_buffers: int = 3,
-                 max_payload_bytes: int = 32 << 20, progress_mode: str = "thread",
+                 max_payload_bytes: int = 32 << 20, progress_mode: Optional[str] = None,
                  on_landed: Optional[Callable[[str, range, int], None]] = None,
                  gated: bool = False, direct: bool = True) -> None:
         self._pools = _Pools(pools)
         self._expected: Optional[set[str]] = set() if gated else None
         self.rank, self.epoch, self.host, self._port = rank, epoch, host, port
         self.timeout_s, self.max_payload_bytes = timeout_s, max_payload_bytes
-        self._staging_buffers, self._progress_mode = max(1, staging_buffers), progress_mode
+        self._staging_buffers = max(1, staging_buffers)
+        self._progress_mode = progress_mode or progress_mode_for(self._pools.device)
         self.on_landed, self.direct = on_landed, direct
         self._inflight: dict[str, set[asyncio.Future]] = defaultdict(set)  # in-place receives
         self._listener: Any = None

@@ -23,7 +23,7 @@ from .spans import SlabSpans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
                           _post_many, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
-                          ensure_ucx)
+                          ensure_ucx, progress_mode_for)
 
 __all__ = ["Copies", "KVSender"]
 
@@ -51,16 +51,18 @@ class KVSender:
     pools: per layer (k, v) of `[num_pages, kv_heads_local, page_size, head_dim]`.
     rank: this prefill TP rank (`Copy.src_rank`). timeout_s: default deadline of one
     `send_layer` (queueing, staging, send and ack). staging_buffers: messages in flight
-    per connection. Async API: use on one loop (module docstring).
+    per connection. progress_mode: ucxx's, for the process (default
+    `progress_mode_for` the pools' device). Async API: use on one loop (module docstring).
     """
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
                  epoch: int, timeout_s: float = 10.0, connect_timeout_s: float = 5.0,
-                 staging_buffers: int = 3, progress_mode: str = "thread") -> None:
+                 staging_buffers: int = 3, progress_mode: Optional[str] = None) -> None:
         self._pools = _Pools(pools)
         self.rank, self.epoch = rank, epoch
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
-        self._staging_buffers, self._progress_mode = staging_buffers, progress_mode
+        self._staging_buffers = staging_buffers
+        self._progress_mode = progress_mode or progress_mode_for(self._pools.device)
         self._conns: dict[Address, _SenderConn] = {}
 
     def ready_event(self) -> Any:

@@ -6,9 +6,10 @@ pickle. Wire format: `messages`.
 A batch (one destination; one layer, or a chunk of layers) is queued on the connection
 to its peer. The sender's pump cuts or coalesces queued batches of one request into
 messages of at most the receiver's capacity (direct messages sent from the sender's
-pools have no such bound: they need no buffer on either side), gathers each message's source slabs into
-one contiguous staging buffer (an index_select per (layer, kind) run), and posts the
-`TransferRequest` then the payload. The receiver keeps `staging_buffers` receives of
+pools have no such bound: they need no buffer on either side), gathers each message's
+source slabs into one contiguous staging buffer (an index_select per (layer, kind) run),
+and posts the `TransferRequest` then the payload (`prepare` does the locating and
+cutting of a batch ahead, e.g. while the engine computes the layers it reads). The receiver keeps `staging_buffers` receives of
 both posted ahead (so data flows while it scatters the previous message), scatters the
 payload into its pools, then acks. Blocks that are large spans of the receiver's pools
 (`spans`: whole consecutive pages holding the same heads on both sides) skip the
@@ -50,7 +51,7 @@ from .receiver import KVReceiver
 from .sender import Copies, KVSender
 from .staging import _Pools
 from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, TransportThread,
-                          ensure_ucx, shutdown_ucx)
+                          ensure_ucx, progress_mode_for, shutdown_ucx)
 
 __all__ = ["Address", "BlockingKVReceiver", "BlockingKVSender", "KVReceiver", "KVSender",
-           "TransferError", "TransportThread", "ensure_ucx", "shutdown_ucx"]
+           "TransferError", "TransportThread", "ensure_ucx", "progress_mode_for", "shutdown_ucx"]
