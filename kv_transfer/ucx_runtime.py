@@ -31,10 +31,11 @@ _ucx_loop: Optional[asyncio.AbstractEventLoop] = None
 def progress_mode_for(device: torch.device) -> str:
     """The transport's default ucxx progress mode for pools on `device`. CUDA:
     'thread-polling' (UCX's progress thread spins on a core of its own, without the
-    GIL): cuda_ipc copies complete without a file descriptor to wake an epoll, so in
-    'thread' mode their completions wait for its 1 ms epoll timeout (2xH200, 96 pool
-    spans of 32k tokens: 0.90 of one message's rate in 'thread', 1.0 polling; the whole
-    request 0.79 vs 0.94, bench/NOTES.md v8). CPU: 'thread' (no core spent waiting)."""
+    GIL): in 'thread' mode receive completions of cuda_ipc copies arrive in ~1.1 ms
+    bunches (its epoll waits up to 1 ms; a finished copy has no file descriptor to wake
+    it, it seems). 2xH200, 96 pool spans of 32k tokens: 0.86-0.91 of one message's rate
+    in 'thread', 0.98-1.02 polling; the whole prepared request 0.76-0.79 vs 0.92-0.94
+    (bench/NOTES.md v8). CPU: 'thread' (no core spent waiting)."""
     return "thread-polling" if device.type == "cuda" else "thread"
 
 
