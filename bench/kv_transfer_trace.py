@@ -52,7 +52,8 @@ def install() -> None:
     sender._post_send = traced("send", rt._post_send)
     receiver._post_send = traced("send", rt._post_send)
     receiver._post_recv = traced("recv", rt._post_recv)
-    for cls, name in ((staging._Pools, "gather"), (staging._Pools, "scatter")):
+    for cls, name in ((staging._Pools, "gather"), (staging._Pools, "scatter"),
+                      (staging._Pools, "wait")):
         _wrap_method(cls, name)
     _wrap_method(receiver.KVReceiver, "_apply")
     from phalanx.kv_transfer import slab_copy

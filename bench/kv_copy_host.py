@@ -1,0 +1,134 @@
+"""Host cost of one staged KV message on CUDA (`_Pools.gather` through the slab kernel),
+piece by piece: the parts a transport loop pays per message before the wire can move it.
+
+    python bench/kv_copy_host.py [--tokens 32768] [--payload-mib 128] [--reps 50]
+
+Shape as bench/kv_transfer.py (48 layers, 4 KV heads, head_dim 128, bf16, page 16),
+the request's pages shuffled (every page a slab: the staged path), one message of
+`--payload-mib`. Per piece, the median host time over `--reps` (the stream drained
+between reps); the kernel's device time by CUDA events for scale. Prints a table and
+writes JSON to $OUT/kv_copy_host.json. CUDA only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kv_transfer_request import HEAD_DIM, KV_HEADS, LAYERS, PAGE, rank_batches  # noqa: E402
+
+
+def _median_us(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--payload-mib", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kv_copy_host: CUDA only (run it on the GPU machine)")
+    from phalanx.kv_transfer.slab_copy import SLABS_PER_PROGRAM, BLOCK, _slab_copy_kernel
+    from phalanx.kv_transfer.staging import _Pools
+    import triton
+
+    dev = torch.device("cuda", 0)
+    num_pages = args.tokens // PAGE + 8
+    flat = torch.zeros(LAYERS, 2, num_pages, KV_HEADS, PAGE, HEAD_DIM, dtype=torch.bfloat16,
+                       device=dev)
+    pools = _Pools([(flat[i, 0], flat[i, 1]) for i in range(LAYERS)])
+    template, blocks = rank_batches(0, 1, args.tokens, num_pages, "shuffled")[1][0]
+    capacity = args.payload_mib << 20
+    t = time.perf_counter()
+    tmpl = pools.template(template, "src")
+    locate_us = (time.perf_counter() - t) * 1e6
+    pieces, total = [], 0
+    for block in blocks.tolist():
+        for piece, n in tmpl.cut(tuple(block), capacity):
+            if total + n > capacity:
+                break
+            pieces.append(piece)
+            total += n
+    msg = np.array(pieces, dtype=np.int32)
+    out = torch.empty(capacity, dtype=torch.uint8, device=dev)
+    t = time.perf_counter()
+    index = tmpl.slabs(pools)
+    index_us = (time.perf_counter() - t) * 1e6
+    numel = pools.pools[0][0].numel()
+    rows, most = index.block_rows(msg, numel)
+    payload = out[:total].view(torch.bfloat16)
+    pinned = torch.from_numpy(rows).pin_memory()
+    desc = pinned.to(dev)
+    block = min(BLOCK, triton.next_power_of_2(index.max_len))
+    grid = (len(rows), triton.cdiv(most, SLABS_PER_PROGRAM))
+    ring = torch.empty(1 << 16, dtype=torch.int64).pin_memory()
+
+    def launch():
+        _slab_copy_kernel[grid](pools._flat, payload, *index._dev, desc, TO_PAYLOAD=True,
+                                SLABS=SLABS_PER_PROGRAM, BLOCK=block,
+                                MAX_LEN=triton.cdiv(index.max_len, block) * block,
+                                ALIGN=16, num_warps=4)
+
+    def ring_h2d():
+        view = ring[:rows.size]
+        view.numpy()[:] = rows.ravel()
+        return view.view(rows.shape).to(dev, non_blocking=True)
+
+    def record_query():
+        e = pools._record()
+        e.query()
+
+    launch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    launch()
+    end.record()
+    torch.cuda.synchronize()
+    pieces_us = {
+        "block_rows (numpy)": _median_us(lambda: index.block_rows(msg, numel), args.reps),
+        "from_numpy + pin_memory": _median_us(lambda: torch.from_numpy(rows).pin_memory(),
+                                              args.reps),
+        "pinned -> device (non_blocking)": _median_us(lambda: pinned.to(dev, non_blocking=True),
+                                                      args.reps),
+        "ring pinned copy + to (non_blocking)": _median_us(ring_h2d, args.reps),
+        "kernel launch": _median_us(launch, args.reps),
+        "SlabIndex.copy": _median_us(lambda: index.copy(pools._flat, payload, msg, numel, True),
+                                     args.reps),
+        "_Pools.gather (+ stream, event)": _median_us(
+            lambda: pools.gather(tmpl, msg, out[:total]), args.reps),
+        "event record + query": _median_us(record_query, args.reps),
+    }
+    result = {"tokens": args.tokens, "message_bytes": total, "blocks": len(msg),
+              "slabs": int(rows[:, 1].sum()), "locate_template_us": locate_us,
+              "slab_index_first_us": index_us, "kernel_device_us": start.elapsed_time(end) * 1e3,
+              "host_us": pieces_us, "gpu": torch.cuda.get_device_name(dev)}
+    print(f"message: {total} bytes, {len(msg)} blocks, {result['slabs']} slabs; "
+          f"template located {locate_us:.0f} us, slab index built {index_us:.0f} us, "
+          f"kernel {result['kernel_device_us']:.0f} us on the device")
+    print("| piece | host us (median) |\n|---|---|")
+    for name, us in pieces_us.items():
+        print(f"| {name} | {us:.1f} |")
+    path = os.path.join(os.environ.get("OUT", "."), "kv_copy_host.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
