@@ -195,6 +195,18 @@ def encode_blocks(blocks: np.ndarray) -> bytes:
     return np.ascontiguousarray(blocks, dtype=_COPY_DTYPE).tobytes()
 
 
+def direct_sizes(msg: "TransferRequest", max_bytes: int) -> list[int]:
+    """A direct message's payload message sizes (`block_bytes`); ValueError if they do
+    not describe its payload in messages of at most `max_bytes` each."""
+    raw = msg.block_bytes
+    sizes = np.frombuffer(raw, dtype="<i8").tolist() if len(raw) % 8 == 0 else []
+    if not sizes or min(sizes) <= 0 or sum(sizes) != msg.payload_bytes or max(sizes) > max_bytes:
+        raise ValueError(f"direct message {msg.seq}: block sizes {sizes[:8]} do not describe "
+                         f"a payload of {msg.payload_bytes} bytes in blocks of at most "
+                         f"{max_bytes}")
+    return sizes
+
+
 def decode_blocks(raw: bytes) -> np.ndarray:
     """The int32 block table `[n, 4]` of a `TransferRequest.blocks`; ValueError if malformed."""
     width = len(BLOCK_FIELDS) * _COPY_DTYPE.itemsize

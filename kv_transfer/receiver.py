@@ -11,7 +11,6 @@ from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ..log import get_logger
@@ -23,7 +22,7 @@ from .spans import direct_spans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
                           _post_many, _post_recv, _post_send, _reason, _recv_msg, _send_msg,
-                          _ucx_buf, ensure_ucx, progress_mode_for)
+                          _settle, _ucx_buf, ensure_ucx, progress_mode_for)
 
 __all__ = ["KVReceiver"]
 
@@ -262,49 +261,40 @@ class KVReceiver:
         slots, another epoch, a closed gate) is received into scratch space by its
         declared block sizes: (why, None, None). Undeclared or inconsistent sizes leave
         the payload unknown: ValueError, the connection ends."""
-        sizes = self._block_sizes(msg)
+        sizes = m.direct_sizes(msg, self.max_payload_bytes)
+        p, error, spans = self._pools, "", []
         try:
-            spans = self._direct_spans(msg, sizes)
-            error = ""
+            spans = direct_spans(m.decode_blocks(msg.blocks), msg.dst_starts, sizes,
+                                 range(msg.layer_start, msg.layer_stop), p.num_layers,
+                                 p.num_pages * p.heads * p.page_size * p.head_dim,
+                                 p.head_dim, p.row_bytes // p.head_dim)
         except ValueError as e:
-            error, spans = str(e), []
+            error = str(e)
         if error:
             self.stats["rejected"] += 1
         refusal = error or self._refusal(msg)
         if refusal:
             await self._drain(conn, sizes)
             return refusal, None, None
-        recvs = await _post_many(_post_recv, conn.ep, TAG_DIRECT, (
-            _ucx_buf(self._pools.region(layer, kind, span)) for layer, kind, span in spans))
-        done = asyncio.ensure_future(self._received(conn, recvs))
+        # Registered before the first post yields to the loop: a `release` meanwhile
+        # waits for every receive posted here; the rows are taken now (as in `_apply`).
+        rows, recvs = self._rows[msg.request_id], []
+        landing = asyncio.get_running_loop().create_future()
         inflight = self._inflight[msg.request_id]
-        inflight.add(done)
-        done.add_done_callback(inflight.discard)
+        inflight.add(landing)
+        landing.add_done_callback(inflight.discard)
+        try:
+            await _post_many(_post_recv, conn.ep, TAG_DIRECT, (
+                _ucx_buf(self._pools.region(layer, kind, span)) for layer, kind, span in spans),
+                into=recvs)
+        finally:  # also when cut short: the posted ones are waited for (or fail)
+            done = asyncio.ensure_future(self._received(conn, recvs))
+            done.add_done_callback(functools.partial(_settle, landing))
         self.stats["direct"] += 1
         landed: dict[int, int] = defaultdict(int)
         for layer, _, (a, b) in spans:
             landed[layer] += (b - a) // self._pools.head_dim
-        return "", (self._rows[msg.request_id], landed), done
-
-    def _direct_spans(self, msg: m.TransferRequest, sizes: list[int]
-                      ) -> list[tuple[int, int, tuple[int, int]]]:
-        """`spans.direct_spans` of a direct message in these pools (ValueError if bad)."""
-        p = self._pools
-        return direct_spans(m.decode_blocks(msg.blocks), msg.dst_starts, sizes,
-                            range(msg.layer_start, msg.layer_stop), p.num_layers,
-                            p.num_pages * p.heads * p.page_size * p.head_dim, p.head_dim,
-                            p.row_bytes // p.head_dim)
-
-    def _block_sizes(self, msg: m.TransferRequest) -> list[int]:
-        """A direct message's declared payload message sizes; ValueError if unusable."""
-        raw = msg.block_bytes
-        sizes = np.frombuffer(raw, dtype="<i8").tolist() if len(raw) % 8 == 0 else []
-        if (not sizes or min(sizes) <= 0 or sum(sizes) != msg.payload_bytes
-                or max(sizes) > self.max_payload_bytes):
-            raise ValueError(f"direct message {msg.seq}: block sizes {sizes[:8]} do not "
-                             f"describe a payload of {msg.payload_bytes} bytes in blocks "
-                             f"of at most {self.max_payload_bytes}")
-        return sizes
+        return "", (rows, landed), done
 
     async def _received(self, conn: _RecvConn, recvs: list[asyncio.Task]) -> None:
         """Until every in-place receive completed; at the deadline or on an error the

@@ -86,6 +86,15 @@ def _retrieved(task: asyncio.Task) -> None:
         task.exception()  # an aborted connection fails posted operations nobody awaits
 
 
+def _settle(landing: asyncio.Future, done: asyncio.Future) -> None:
+    """Done callback: `done`'s outcome is seen (its waiter, if any, re-raises it) and
+    `landing` ends."""
+    if not done.cancelled():
+        done.exception()
+    if not landing.done():
+        landing.set_result(None)
+
+
 def _post_send(ep: Any, tag: int, buf: Any) -> asyncio.Task:
     """Start a send: tasks start in creation order, so sends post in call order."""
     task = asyncio.ensure_future(ep.send(buf, tag=tag))
@@ -100,12 +109,13 @@ def _post_recv(ep: Any, tag: int, buf: Any) -> asyncio.Task:
 
 
 async def _post_many(post: Callable[[Any, int, Any], asyncio.Task], ep: Any, tag: int,
-                     bufs: Iterable[Any]) -> list[asyncio.Task]:
-    """Post one operation per buffer, in order (`bufs` may make them as it goes). A
-    posted operation reaches UCX when its task first runs, i.e. once the loop turns; so
-    the loop turns after the 1st, 2nd, 4th, 8th, ... posts: the first transfers start
-    while the rest are being made."""
-    tasks: list[asyncio.Task] = []
+                     bufs: Iterable[Any], into: Optional[list] = None) -> list[asyncio.Task]:
+    """Post one operation per buffer, in order (`bufs` may make them as it goes); their
+    tasks are appended to `into` as they are made (a new list by default) and returned.
+    A posted operation reaches UCX when its task first runs, i.e. once the loop turns;
+    so the loop turns after the 1st, 2nd, 4th, 8th, ... posts: the first transfers
+    start while the rest are being made."""
+    tasks: list[asyncio.Task] = [] if into is None else into
     for i, buf in enumerate(bufs):
         tasks.append(post(ep, tag, buf))
         if (i + 1) & i == 0:  # after posts 1, 2, 4, 8, ...

@@ -671,8 +671,8 @@ class _FakeEndpoint:
 
 def test_in_place_receives_land_and_release_waits_for_them():
     """A direct message is received into the pool spans its blocks say (nothing else is
-    written; no template is needed); `release` of its request returns only once those
-    receives completed. A direct message of another epoch, or one whose blocks do not
+    written; no template is needed); `release` of its request, even one called while
+    the receives are still being posted, returns only once they all completed. A direct message of another epoch, or one whose blocks do not
     land inside the pools, is received into scratch space by its declared block sizes:
     the pools stay as they were and the connection goes on."""
     import asyncio
@@ -682,7 +682,7 @@ def test_in_place_receives_land_and_release_waits_for_them():
     from phalanx.kv_transfer.ucx_runtime import TAG_DIRECT
 
     case = "tp1_to_tp1_runs"
-    ((template, blocks),) = m.templates_of(m.encode_copies(_plan(case).for_layer(0).copies))
+    ((template, blocks),) = m.templates_of(m.encode_copies(_plan(case).copies))
 
     async def run():
         pools = _zero_pools(case, 0)
@@ -696,14 +696,17 @@ def test_in_place_receives_land_and_release_waits_for_them():
         sizes = (tmpl.bytes_cum[direct[:, 3]] - tmpl.bytes_cum[direct[:, 2]]).astype("<i8").tobytes()
         starts = tmpl.spans.start[direct[:, 2]].astype("<i8")
         conn = _RecvConn(_FakeEndpoint())
-        msg = m.TransferRequest("r", 1, 1, 0, 1, -1, b"", m.encode_blocks(direct),
+        msg = m.TransferRequest("r", 1, 1, 0, LAYERS, -1, b"", m.encode_blocks(direct),
                                 n, True, sizes, starts.tobytes())
-        error, landed, done = await rx._land_in_place(conn, msg)
+        landing = asyncio.ensure_future(rx._land_in_place(conn, msg))
+        while not conn.ep.posted:  # the first receive is posted, the others are being made
+            await asyncio.sleep(0)
+        releasing = asyncio.ensure_future(rx.release("r"))
+        error, landed, done = await landing
         while len(conn.ep.posted) < len(direct):
             await asyncio.sleep(0.001)
-        assert error == "" and len(conn.ep.posted) == len(direct)
+        assert error == "" and len(conn.ep.posted) == len(direct) >= 4
         assert all(tag == TAG_DIRECT for tag, _, _ in conn.ep.posted)
-        releasing = asyncio.ensure_future(rx.release("r"))
         await asyncio.sleep(0.05)
         held = not releasing.done()
         assert conn.ep.deliver(0x3F) == len(direct)
@@ -717,8 +720,8 @@ def test_in_place_receives_land_and_release_waits_for_them():
         p = rx._pools
         outside[-1] = p.num_pages * p.heads * p.page_size * p.head_dim  # just past the pool
         for seq, (epoch, at) in enumerate([(7, starts), (1, outside)], start=2):
-            refused = m.TransferRequest("r", epoch, seq, 0, 1, -1, b"", m.encode_blocks(direct),
-                                        n, True, sizes, at.tobytes())
+            refused = m.TransferRequest("r", epoch, seq, 0, LAYERS, -1, b"",
+                                        m.encode_blocks(direct), n, True, sizes, at.tobytes())
             drain = asyncio.ensure_future(rx._land_in_place(conn, refused))
             while not drain.done():  # the drain posts its receives one after another
                 conn.ep.deliver(0x55)
