@@ -36,18 +36,10 @@ def _median_us(fn, reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--payload-mib", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=50)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("kv_copy_host: CUDA only (run it on the GPU machine)")
-    from phalanx.kv_transfer.slab_copy import SLABS_PER_PROGRAM, BLOCK, _slab_copy_kernel
+def _message(args):
+    """The pools, the request's template located in them, one staged message's blocks
+    (pieces of at most `--payload-mib`), its bytes, and how long locating took (us)."""
     from phalanx.kv_transfer.staging import _Pools
-    import triton
-
     dev = torch.device("cuda", 0)
     num_pages = args.tokens // PAGE + 8
     flat = torch.zeros(LAYERS, 2, num_pages, KV_HEADS, PAGE, HEAD_DIM, dtype=torch.bfloat16,
@@ -65,14 +57,24 @@ def main() -> None:
                 break
             pieces.append(piece)
             total += n
-    msg = np.array(pieces, dtype=np.int32)
-    out = torch.empty(capacity, dtype=torch.uint8, device=dev)
+    return pools, tmpl, np.array(pieces, dtype=np.int32), total, locate_us
+
+
+def _host_pieces(pools, tmpl, msg: np.ndarray, total: int, reps: int
+                 ) -> tuple[dict[str, float], float, float, int]:
+    """Median host us per piece of one message's gather; the slab index's first build
+    (us), the kernel's device time (us) and the message's slab count."""
+    from phalanx.kv_transfer.slab_copy import SLABS_PER_PROGRAM, BLOCK, _slab_copy_kernel
+    import triton
+
+    dev = pools.device
+    out = torch.empty(total, dtype=torch.uint8, device=dev)
     t = time.perf_counter()
     index = tmpl.slabs(pools)
     index_us = (time.perf_counter() - t) * 1e6
     numel = pools.pools[0][0].numel()
     rows, most = index.block_rows(msg, numel)
-    payload = out[:total].view(torch.bfloat16)
+    payload = out.view(torch.bfloat16)
     pinned = torch.from_numpy(rows).pin_memory()
     desc = pinned.to(dev)
     block = min(BLOCK, triton.next_power_of_2(index.max_len))
@@ -91,8 +93,7 @@ def main() -> None:
         return view.view(rows.shape).to(dev, non_blocking=True)
 
     def record_query():
-        e = pools._record()
-        e.query()
+        pools._record().query()
 
     launch()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -101,27 +102,37 @@ def main() -> None:
     launch()
     end.record()
     torch.cuda.synchronize()
-    pieces_us = {
-        "block_rows (numpy)": _median_us(lambda: index.block_rows(msg, numel), args.reps),
-        "from_numpy + pin_memory": _median_us(lambda: torch.from_numpy(rows).pin_memory(),
-                                              args.reps),
-        "pinned -> device (non_blocking)": _median_us(lambda: pinned.to(dev, non_blocking=True),
-                                                      args.reps),
-        "ring pinned copy + to (non_blocking)": _median_us(ring_h2d, args.reps),
-        "kernel launch": _median_us(launch, args.reps),
-        "SlabIndex.copy": _median_us(lambda: index.copy(pools._flat, payload, msg, numel, True),
-                                     args.reps),
-        "_Pools.gather (+ stream, event)": _median_us(
-            lambda: pools.gather(tmpl, msg, out[:total]), args.reps),
-        "event record + query": _median_us(record_query, args.reps),
+    pieces = {
+        "block_rows (numpy)": lambda: index.block_rows(msg, numel),
+        "from_numpy + pin_memory": lambda: torch.from_numpy(rows).pin_memory(),
+        "pinned -> device (non_blocking)": lambda: pinned.to(dev, non_blocking=True),
+        "ring pinned copy + to (non_blocking)": ring_h2d,
+        "kernel launch": launch,
+        "SlabIndex.copy": lambda: index.copy(pools._flat, payload, msg, numel, True),
+        "_Pools.gather (+ stream, event)": lambda: pools.gather(tmpl, msg, out),
+        "event record + query": record_query,
     }
+    return ({name: _median_us(fn, reps) for name, fn in pieces.items()}, index_us,
+            start.elapsed_time(end) * 1e3, int(rows[:, 1].sum()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--payload-mib", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kv_copy_host: CUDA only (run it on the GPU machine)")
+    pools, tmpl, msg, total, locate_us = _message(args)
+    pieces_us, index_us, kernel_us, slabs = _host_pieces(pools, tmpl, msg, total, args.reps)
     result = {"tokens": args.tokens, "message_bytes": total, "blocks": len(msg),
-              "slabs": int(rows[:, 1].sum()), "locate_template_us": locate_us,
-              "slab_index_first_us": index_us, "kernel_device_us": start.elapsed_time(end) * 1e3,
-              "host_us": pieces_us, "gpu": torch.cuda.get_device_name(dev)}
-    print(f"message: {total} bytes, {len(msg)} blocks, {result['slabs']} slabs; "
-          f"template located {locate_us:.0f} us, slab index built {index_us:.0f} us, "
-          f"kernel {result['kernel_device_us']:.0f} us on the device")
+              "slabs": slabs, "locate_template_us": locate_us, "slab_index_first_us": index_us,
+              "kernel_device_us": kernel_us, "host_us": pieces_us,
+              "gpu": torch.cuda.get_device_name(pools.device)}
+    print(f"message: {total} bytes, {len(msg)} blocks, {slabs} slabs; template located "
+          f"{locate_us:.0f} us, slab index built {index_us:.0f} us, kernel {kernel_us:.0f} us "
+          f"on the device")
     print("| piece | host us (median) |\n|---|---|")
     for name, us in pieces_us.items():
         print(f"| {name} | {us:.1f} |")

@@ -35,40 +35,7 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
     addr = await rx.start()
     raw_eps, nccl_bufs = [], {}
 
-    spans = {}
-
-    async def raw_serve(ep):  # [count, size, tokens] then count messages; reply 1 byte
-        raw_eps.append(ep)
-        bufs = [make_buf(0, dev)] * args["staging"]
-        head = np.empty(3, dtype="<u8")
-        while True:
-            try:
-                await ep.recv(head)
-                count, size, tokens = (int(x) for x in head)
-                if args.get("trace"):
-                    import kv_transfer_trace
-                    kv_transfer_trace.mark("raw_head_read", str(count))
-                if tokens:  # raw_spans: straight into the pools' spans, all posted
-                    regions = spans[tokens] = spans.get(tokens) or pool_spans(
-                        pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)], "dst")
-                    assert len(regions) == count
-                    await asyncio.gather(*(ep.recv(r) for r in regions))
-                    await ep.send(np.ones(1, dtype=np.uint8))
-                    continue
-                bufs = [b if len(b) >= size else make_buf(size, dev) for b in bufs]
-                window = asyncio.Semaphore(len(bufs))
-
-                async def one(i: int) -> None:
-                    async with window:
-                        await ep.recv(bufs[i % len(bufs)][:size])
-
-                await asyncio.gather(*(one(i) for i in range(count)))
-                if args.get("trace"):
-                    kv_transfer_trace.mark("raw_data_read", str(count))
-                await ep.send(np.ones(1, dtype=np.uint8))
-            except Exception:
-                return
-
+    raw_serve = _raw_server(args, dev, pools, num_pages, raw_eps)
     listener = ucxx.create_listener(raw_serve, 0)
     pipe.send((addr, ("127.0.0.1", listener.port)))
     while (cmd := await recv_cmd(pipe)) is not None:
@@ -96,3 +63,47 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
     await asyncio.sleep(0.2)  # let the raw handlers see the close and return
     listener.close()
     shutdown_ucx()
+
+
+def _mark(args, event: str, detail: str) -> None:
+    if args.get("trace"):
+        import kv_transfer_trace
+        kv_transfer_trace.mark(event, detail)
+
+
+def _raw_server(args, dev: torch.device, pools, num_pages: int, raw_eps: list):
+    """The raw baselines' listener handler: per run a header [count, size, tokens], then
+    `count` messages (raw_spans: straight into the pools' spans, all posted; else into
+    `--staging` buffers of `size`); a 1-byte reply once they are in."""
+    spans = {}
+
+    async def raw_serve(ep):
+        raw_eps.append(ep)
+        bufs = [make_buf(0, dev)] * args["staging"]
+        head = np.empty(3, dtype="<u8")
+        while True:
+            try:
+                await ep.recv(head)
+                count, size, tokens = (int(x) for x in head)
+                _mark(args, "raw_head_read", str(count))
+                if tokens:
+                    regions = spans[tokens] = spans.get(tokens) or pool_spans(
+                        pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)], "dst")
+                    assert len(regions) == count
+                    await asyncio.gather(*(ep.recv(r) for r in regions))
+                    await ep.send(np.ones(1, dtype=np.uint8))
+                    continue
+                bufs = [b if len(b) >= size else make_buf(size, dev) for b in bufs]
+                window = asyncio.Semaphore(len(bufs))
+
+                async def one(i: int) -> None:
+                    async with window:
+                        await ep.recv(bufs[i % len(bufs)][:size])
+
+                await asyncio.gather(*(one(i) for i in range(count)))
+                _mark(args, "raw_data_read", str(count))
+                await ep.send(np.ones(1, dtype=np.uint8))
+            except Exception:
+                return
+
+    return raw_serve
