@@ -158,10 +158,11 @@ class PrefillRank(KVRank):
                     for layer, parts in layer_batches(pair).items():
                         sends[layer].append((key, dst_rank, parts))
             self._step_keys.append((key, end))
-        for layer_sends in sends.values():  # located while the step computes
-            for key, dst_rank, copies in layer_sends:
-                dest = streams[key].dest
-                self._sender.prepare(tuple(dest.addresses[dst_rank]), dest.transfer_id, copies)
+        if sends:  # located on the transport loop while the step computes
+            self._sender.prepare([(tuple(streams[key].dest.addresses[dst_rank]),
+                                   streams[key].dest.transfer_id, copies)
+                                  for layer_sends in sends.values()
+                                  for key, dst_rank, copies in layer_sends])
         return sends
 
     def _after_forward(self, inputs) -> None:

@@ -41,10 +41,12 @@ class BlockingKVSender:
         return self.thread.submit(self.sender.send_layer(peer, request_id, copies,
                                                          timeout_s=timeout_s, ready=ready))
 
-    def prepare(self, peer: Address, request_id: str, copies: Copies) -> concurrent.futures.Future:
-        """`KVSender.prepare` queued on the loop (returns at once: it runs there before
-        the sends submitted after it)."""
-        return self.thread.submit(_on_loop(self.sender.prepare, peer, request_id, copies))
+    def prepare(self, batches: Sequence[tuple[Address, str, Copies]]
+                ) -> concurrent.futures.Future:
+        """`KVSender.prepare` of each (peer, request_id, copies), queued on the loop as
+        one call (returns at once: it runs there before the sends submitted after it).
+        Every batch is tried; the Future raises the first error."""
+        return self.thread.submit(_on_loop(_prepare_all, self.sender, batches))
 
     def send_layer_sync(self, peer: Address, request_id: str, copies: Copies, *,
                         timeout_s: Optional[float] = None) -> m.TransferAck:
@@ -56,6 +58,17 @@ class BlockingKVSender:
 
     def close(self) -> None:
         self.thread.call(self.sender.close(), _MARGIN_S)
+
+
+def _prepare_all(sender: KVSender, batches: Sequence[tuple[Address, str, Copies]]) -> None:
+    errors = []
+    for peer, request_id, copies in batches:
+        try:
+            sender.prepare(peer, request_id, copies)
+        except Exception as e:  # that batch is sent unprepared (and fails there)
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 class BlockingKVReceiver:

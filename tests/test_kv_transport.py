@@ -294,15 +294,18 @@ def prepare_all(state, case: str, addrs: dict, request_id: str) -> str:
     by_layer = {pair: layer_batches(b) for pair, b in _batches(case).items()}
     sends = state[("prepared", case)] = [(s, d, by_layer[(s, d)][layer])
                                          for layer in range(LAYERS) for s, d in by_layer]
-    for s, d, copies in sends:
-        state[("tx", case, s)].prepare(tuple(addrs[d]), request_id, copies).result(CALL_TIMEOUT_S)
+    for s in {s for s, _, _ in sends}:
+        state[("tx", case, s)].prepare([(tuple(addrs[d]), request_id, copies)
+                                        for r, d, copies in sends if r == s]
+                                       ).result(CALL_TIMEOUT_S)
     assert all(len(state[("tx", case, s)].sender._conns[tuple(addrs[d])].prepared) > 0
                for s, d, _ in sends)
     foreign = [c for c in _plan(case) if c.src_rank != 0]
     if not foreign:
         return "one rank"
     try:
-        state[("tx", case, 0)].prepare(tuple(addrs[0]), request_id, foreign).result(CALL_TIMEOUT_S)
+        state[("tx", case, 0)].prepare([(tuple(addrs[0]), request_id, foreign)]
+                                       ).result(CALL_TIMEOUT_S)
     except ValueError as e:
         return str(e)
     return "accepted"
