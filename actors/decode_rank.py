@@ -19,12 +19,14 @@ from ..kv_transfer.transport import BlockingKVReceiver
 from .kv_rank import TRANSFER_EPOCH, KVRank
 
 
-# Largest KV message a receiver takes; three are kept posted per connection (staging
-# memory 3 × this on each side). On GPU each message costs ~0.2-0.3 ms of host time per
-# side: 128 MiB messages move ~80-110 GB/s GPU→GPU, 256-512 MiB ~130-150 (bench/NOTES.md),
-# either way far faster than the prefill that produces the KV.
+# Largest staged KV message a receiver takes; three are kept posted per connection once
+# it carries a staged message (re-cut heads, scattered pages: staging memory 3 × this
+# on each side; a connection whose KV lands in place holds none). On GPU a staged
+# message costs ~0.4-0.5 ms of host per side, and the wire ~0.38 ms per 128 MiB: 2×H200,
+# 32k tokens, scattered pages, best of 5: 128 MiB 0.44-0.53 of raw, 256 MiB 0.61-0.70
+# (bench/NOTES.md v9).
 CPU_MESSAGE_BYTES = 32 << 20
-GPU_MESSAGE_BYTES = 128 << 20
+GPU_MESSAGE_BYTES = 256 << 20
 
 
 class DecodeRank(KVRank):

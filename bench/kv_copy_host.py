@@ -1,7 +1,7 @@
 """Host cost of one staged KV message on CUDA (`_Pools.gather` through the slab kernel),
 piece by piece: the parts a transport loop pays per message before the wire can move it.
 
-    python bench/kv_copy_host.py [--tokens 32768] [--payload-mib 128] [--reps 50]
+    python bench/kv_copy_host.py [--tokens 32768] [--payload-mib 128] [--reps 50] [--sweep]
 
 Shape as bench/kv_transfer.py (48 layers, 4 KV heads, head_dim 128, bf16, page 16),
 the request's pages shuffled (every page a slab: the staged path), one message of
@@ -116,11 +116,44 @@ def _host_pieces(pools, tmpl, msg: np.ndarray, total: int, reps: int
             start.elapsed_time(end) * 1e3, int(rows[:, 1].sum()))
 
 
+def _kernel_sweep(pools, tmpl, msg: np.ndarray, total: int, reps: int) -> list[dict]:
+    """Device time (us, CUDA events over `reps` back-to-back gathers) of each launch
+    shape on random pools; every shape's payload must equal the default's bit for bit."""
+    from phalanx.kv_transfer.slab_copy import BLOCK, NUM_WARPS, SLABS_PER_PROGRAM
+
+    pools._flat.copy_(torch.randn_like(pools._flat))
+    index, numel, dev = tmpl.slabs(pools), pools.pools[0][0].numel(), pools.device
+    want = torch.empty(total // 2, dtype=torch.bfloat16, device=dev)
+    index.copy(pools._flat, want, msg, numel, True)
+    rows = []
+    for slabs in (2, 4, 8):
+        for block in (1024, 2048):
+            for warps in (2, 4, 8):
+                got = torch.zeros_like(want)
+                kw = dict(slabs=slabs, block=block, num_warps=warps)
+                index.copy(pools._flat, got, msg, numel, True, **kw)
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(reps):
+                    index.copy(pools._flat, got, msg, numel, True, **kw)
+                end.record()
+                torch.cuda.synchronize()
+                us = start.elapsed_time(end) * 1e3 / reps
+                rows.append({**kw, "device_us": us, "tb_per_s": 2 * total / us / 1e6,
+                             "equal": bool(torch.equal(got, want)),
+                             "default": (slabs, block, warps) == (SLABS_PER_PROGRAM, BLOCK,
+                                                                 NUM_WARPS)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--payload-mib", type=int, default=128)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the slab kernel's launch shapes (device us, TB/s moved)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kv_copy_host: CUDA only (run it on the GPU machine)")
@@ -136,6 +169,13 @@ def main() -> None:
     print("| piece | host us (median) |\n|---|---|")
     for name, us in pieces_us.items():
         print(f"| {name} | {us:.1f} |")
+    if args.sweep:
+        result["sweep"] = _kernel_sweep(pools, tmpl, msg, total, 20)
+        print("| slabs | block | warps | device us | TB/s (read+write) | equal |\n|---|---|---|---|---|---|")
+        for r in result["sweep"]:
+            mark = " (default)" if r["default"] else ""
+            print(f"| {r['slabs']} | {r['block']} | {r['num_warps']}{mark} | {r['device_us']:.1f} "
+                  f"| {r['tb_per_s']:.2f} | {r['equal']} |")
     path = os.path.join(os.environ.get("OUT", "."), "kv_copy_host.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,5 +1,6 @@
 """State of one `KVReceiver` connection (`_RecvConn`): its endpoint, the templates its
-sender defined, the requests it carried and its scratch space for refused payloads."""
+sender defined, the requests it carried, its staging buffers and its scratch space for
+refused payloads."""
 
 from __future__ import annotations
 
@@ -19,5 +20,8 @@ class _RecvConn:
         self.templates: OrderedDict[int, tuple[str, _Template]] = OrderedDict()
         self.requests: set[str] = set()
         self.scratch: Optional[torch.Tensor] = None  # drains refused direct payloads
+        # made when the first staged message arrives (a connection that only carries
+        # direct messages holds none)
+        self.staging: Optional[list[torch.Tensor]] = None
         self.broken = ""
         self.tasks: list[asyncio.Task] = []

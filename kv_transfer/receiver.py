@@ -36,7 +36,9 @@ class KVReceiver:
     """Decode side: listens on (host, port) (0: any free port) and writes incoming
     batches into its pools (per layer (k, v) of `[num_pages, kv_heads_local, page_size,
     head_dim]`). `wait_request` reports when a request's KV has landed. Per connection it
-    keeps `staging_buffers` receives of up to `max_payload_bytes` posted. direct: tell
+    keeps `staging_buffers` receives of up to `max_payload_bytes` posted, from its first
+    staged message on (the buffers are made then: a connection that only carries direct
+    messages holds none). direct: tell
     senders the pools' shape, so that blocks that are spans of them are received in
     place (no staging buffer, no scatter).
 
@@ -45,7 +47,7 @@ class KVReceiver:
     not yet `release`d), so a late write of an abandoned transfer can never land in pages
     that were given back; others get a negative ack. `stats`: counters (connections
     accepted and lost, messages and bytes written, of which received in place, messages
-    dropped for their epoch or rejected). progress_mode: ucxx's, for the process (default
+    dropped for their epoch or rejected, staging buffer bytes made). progress_mode: ucxx's, for the process (default
     `progress_mode_for` the pools' device). Async API: use on one loop (module docstring)."""
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
@@ -68,7 +70,7 @@ class KVReceiver:
         self._failed: dict[str, tuple[str, str]] = {}
         self._wakeup = asyncio.Event()
         self.stats = {"connections": 0, "messages": 0, "bytes": 0, "direct": 0,
-                      "dropped_epoch": 0, "rejected": 0, "conn_lost": 0}
+                      "dropped_epoch": 0, "rejected": 0, "conn_lost": 0, "staging_bytes": 0}
 
     @property
     def address(self) -> Address:
@@ -188,9 +190,6 @@ class KVReceiver:
             buf = bytearray(m.MAX_CTRL_BYTES)
             ctrl.append((buf, _post_recv(conn.ep, TAG_CTRL, buf)))
         staged: asyncio.Queue = asyncio.Queue()  # posted staging receives, in posting order
-        for _ in range(self._staging_buffers):
-            self._post_staging(conn, staged, torch.empty(
-                self.max_payload_bytes, dtype=torch.uint8, device=self._pools.device))
         previous: Optional[asyncio.Task] = None
         while True:
             buf, task = ctrl.popleft()
@@ -203,26 +202,40 @@ class KVReceiver:
                 conn.requests.add(msg.request_id)
             if msg.direct:
                 error, landed, done = await self._land_in_place(conn, msg)
-                repost = None
             else:  # UCX fills staging receives in posting order, so take them in that order
+                if conn.staging is None:  # first staged message: the payload waits in UCX
+                    conn.staging = [torch.empty(self.max_payload_bytes, dtype=torch.uint8,
+                                                device=self._pools.device)
+                                    for _ in range(self._staging_buffers)]
+                    for buf in conn.staging:
+                        self._post_staging(conn, staged, buf)
+                    self.stats["staging_bytes"] += self._staging_buffers * self.max_payload_bytes
                 payload, payload_task = await staged.get()
                 await asyncio.wait_for(payload_task, self.timeout_s)
                 error, landed, scattered = self._apply(msg, payload, conn.templates)
                 done = asyncio.ensure_future(self._pools.wait(scattered))
-                repost = functools.partial(self._post_staging, conn, staged, payload)
+                # reposted once copied out, not after the messages before it finish: the
+                # queue keeps posting order, which is the order UCX fills them in
+                done.add_done_callback(functools.partial(self._repost, conn, staged, payload))
             previous = asyncio.create_task(
-                self._finish(conn, msg, error, landed, done, repost, previous))
+                self._finish(conn, msg, error, landed, done, previous))
 
     def _post_staging(self, conn: _RecvConn, staged: asyncio.Queue, buf: torch.Tensor) -> None:
         staged.put_nowait((buf, _post_recv(conn.ep, TAG_PAYLOAD, _ucx_buf(buf))))
 
+    def _repost(self, conn: _RecvConn, staged: asyncio.Queue, buf: torch.Tensor,
+                copied: asyncio.Future) -> None:
+        """Done callback of a payload's copy into the pools: post `buf` again (unless the
+        copy failed, which `_finish` reports, or the connection broke)."""
+        if not copied.cancelled() and copied.exception() is None and not conn.broken:
+            self._post_staging(conn, staged, buf)
+
     async def _finish(self, conn: _RecvConn, msg: m.TransferRequest, error: str,
                       landed: Optional[tuple[dict, dict]], done: Optional[asyncio.Future],
-                      repost: Optional[Callable[[], None]],
                       previous: Optional[asyncio.Task]) -> None:
         """After message `msg`'s payload is in its pages (`done`: the scatter or the
         in-place receives) and the message before it finished: count its slots landed,
-        repost its staging receive, acknowledge it."""
+        acknowledge it."""
         try:
             if done is not None:
                 await done
@@ -244,8 +257,6 @@ class KVReceiver:
             if self.on_landed is not None:
                 self.on_landed(msg.request_id, range(msg.layer_start, msg.layer_stop), msg.epoch)
             self._notify()
-        if repost is not None:
-            repost()
         # The ack is posted, not awaited: waiting for its completion would add a
         # notifier round trip to every message (the sender's deadline covers it).
         ack = _post_send(conn.ep, TAG_REPLY, m.frame(m.TransferAck(

@@ -21,6 +21,7 @@ import triton.language as tl
 
 SLABS_PER_PROGRAM = 4
 BLOCK = 1024  # most elements per load (2 KiB of a bf16 slab); the slab loop is unrolled
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -40,7 +41,9 @@ def _slab_copy_kernel(pool_ptr, pay_ptr, slab_pool_ptr, slab_pay_ptr, slab_len_p
         s = s0 + k
         src = tl.multiple_of(pool_base + tl.load(slab_pool_ptr + s, mask=valid, other=0), ALIGN)
         dst = tl.multiple_of(pay_base + tl.load(slab_pay_ptr + s, mask=valid, other=0), ALIGN)
-        length = tl.load(slab_len_ptr + s, mask=valid, other=0)
+        # every length is a multiple of ALIGN: said so the masked loads and stores stay
+        # vectorised (a mask against an unknown bound is checked element by element)
+        length = tl.multiple_of(tl.load(slab_len_ptr + s, mask=valid, other=0), ALIGN)
         for c in tl.static_range(0, MAX_LEN, BLOCK):
             mask = c + offs < length
             if TO_PAYLOAD:
@@ -88,10 +91,12 @@ class SlabIndex:
         return np.ascontiguousarray(out), int((s1 - s0).max()) if len(b) else 0
 
     def copy(self, flat_pools: torch.Tensor, payload: torch.Tensor, blocks: np.ndarray,
-             pool_numel: int, to_payload: bool) -> None:
+             pool_numel: int, to_payload: bool, *, slabs: int = SLABS_PER_PROGRAM,
+             block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
         """Gather (`to_payload`) or scatter the blocks' slabs between `flat_pools` (the
         one allocation, 1-D) and `payload` (1-D, same dtype), queued on the current
-        stream."""
+        stream. slabs (per program), block (most elements per load), num_warps: the
+        launch's shape (bench/kv_copy_host.py --sweep)."""
         rows, most = self.block_rows(blocks, pool_numel)
         if most == 0:
             return
@@ -99,9 +104,9 @@ class SlabIndex:
         if flat_pools.device.type == "cuda":
             desc = desc.pin_memory().to(flat_pools.device, non_blocking=True)
         align = 16 if self.head_dim % 16 == 0 else 1
-        block = min(BLOCK, triton.next_power_of_2(self.max_len))
-        grid = (len(rows), triton.cdiv(most, SLABS_PER_PROGRAM))
+        block = min(block, triton.next_power_of_2(self.max_len))
+        grid = (len(rows), triton.cdiv(most, slabs))
         _slab_copy_kernel[grid](flat_pools, payload, *self._dev, desc,
-                                TO_PAYLOAD=to_payload, SLABS=SLABS_PER_PROGRAM, BLOCK=block,
+                                TO_PAYLOAD=to_payload, SLABS=slabs, BLOCK=block,
                                 MAX_LEN=triton.cdiv(self.max_len, block) * block,
-                                ALIGN=align, num_warps=4)
+                                ALIGN=align, num_warps=num_warps)

@@ -430,16 +430,20 @@ def test_pooled_spans_travel_as_one_message_beyond_the_capacity(pair):
     """A request whose whole pages are spans of both sides' pools, sent as one batch to a
     receiver whose staging receives hold 64 KiB: its 4 spans of ~600 KiB (cut into
     pieces of at most 64 KiB) travel as one direct message, straight from pool to pool;
-    only the partial last page goes staged. The pools end bit-exact."""
+    only the partial last page goes staged, and the receiver makes its staging buffers
+    only then. The pools end bit-exact."""
     prefill, decode = pair
     case = "tp1_to_tp1_runs"
     addrs = decode.call(make_receivers, case=case, max_payload_bytes=64 << 10)
     prefill.call(make_senders, case=case, addrs=addrs)
+    connected = decode.call(receiver_view, case=case, rank=0, request_id="")["stats"]
     assert prefill.call(send_all, case=case, addrs=addrs, request_id="one", form="whole") == 1
     assert decode.call(check_landed, case=case, request_id="one") == {
         0: {"vs_plan": True, "vs_layout": True}}
     stats = decode.call(receiver_view, case=case, rank=0, request_id="")["stats"]
     assert stats["direct"] == 1 and stats["messages"] > 1, stats
+    # staging buffers are made by the first staged message (the partial last page)
+    assert connected["staging_bytes"] == 0 and stats["staging_bytes"] == 3 * (64 << 10), stats
     whole_pages = (CASES[case].tokens // 16) * 16 * 4 * 64 * 4 * 2 * LAYERS
     assert stats["bytes"] > whole_pages > 10 * (64 << 10), stats
 
