@@ -9,9 +9,12 @@ client's device buffer into the server's, and the server's 64-byte acknowledgeme
 
 Modes: thread / thread-polling with Python futures (ucxx's notifier thread sets them: what
 the transport uses), thread without futures (each waiting coroutine re-checks its request
-every loop turn), thread(-polling)+spin (futures on, but the waiting coroutine
-re-checks its request every loop turn instead of awaiting the future), blocking (the loop wakes on UCX's epoll descriptor and progresses the
-worker itself), polling (the loop progresses the worker every turn).
+every loop turn), thread(-polling)+spin (futures on, but the waiting coroutine re-checks
+its request every loop turn instead of awaiting the future), blocking (the loop wakes on
+UCX's epoll descriptor and progresses the worker itself), polling (the loop progresses the
+worker every turn). The modes without futures, blocking and polling keep the loop thread
+busy (with the GIL) while anything is posted; blocking and polling also when idle.
+On a 2-core machine thread-polling+spin starves (four spinning threads).
 
     python bench/ucx_hops.py [--device cuda] [--two-gpu] [--modes ...]
 """
