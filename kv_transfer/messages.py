@@ -169,18 +169,6 @@ def encode_copies(copies: Sequence[Copy]) -> np.ndarray:
     return table
 
 
-def table_bytes(table: np.ndarray) -> bytes:
-    return np.ascontiguousarray(table, dtype=_COPY_DTYPE).tobytes()
-
-
-def decode_copies(raw: bytes) -> np.ndarray:
-    """The int32 table of a `TransferRequest.copies`; ValueError if malformed."""
-    width = len(COPY_FIELDS) * _COPY_DTYPE.itemsize
-    if len(raw) % width:
-        raise ValueError(f"copy table of {len(raw)} bytes is not a multiple of {width}")
-    return np.frombuffer(raw, dtype=_COPY_DTYPE).reshape(-1, len(COPY_FIELDS))
-
-
 def copy_nbytes(table: np.ndarray, head_dim: int, itemsize: int) -> np.ndarray:
     """Payload bytes of each copy of `table` (int64)."""
     return table[:, F_NUM_HEADS].astype(np.int64) * table[:, F_NUM_TOKENS] * head_dim * itemsize
