@@ -100,11 +100,12 @@ class RotaryEmbedding:
     def apply_and_cache(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-        eps: float = 1e-6, kv_write: tuple | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        eps: float = 1e-6, kv_write: tuple | None = None, keep_k: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`apply`, then with ``kv_write = (v, k_cache, v_cache, slot_mapping)``
         the rotated k and ``v`` stored at their KV slots as
-        :func:`~phalanx.kernels.attention.write_kv` does (one launch on GPU)."""
+        :func:`~phalanx.kernels.attention.write_kv` does (one launch on GPU). Without
+        ``keep_k`` the rotated k is not returned (None; on GPU not stored either)."""
         if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim:
             raise ValueError(f"head_dim mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, expected {self.head_dim}")
         if (q_norm is None) != (k_norm is None):
@@ -113,7 +114,7 @@ class RotaryEmbedding:
             from .gpu.rope import caches_on, rope_triton
 
             cos, sin = caches_on(self, q.device)
-            return rope_triton(q, k, positions, cos, sin, q_norm, k_norm, eps, kv_write)
+            return rope_triton(q, k, positions, cos, sin, q_norm, k_norm, eps, kv_write, keep_k)
         if positions.numel() > 0:
             lo, hi = int(positions.min()), int(positions.max())
             if hi >= self.max_position or lo < 0:
@@ -126,4 +127,4 @@ class RotaryEmbedding:
 
             v, k_cache, v_cache, slots = kv_write
             write_kv(k, v, k_cache, v_cache, slots)
-        return q, k
+        return q, (k if keep_k else None)

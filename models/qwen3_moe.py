@@ -62,7 +62,8 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, _ = rope.apply_and_cache(q, k, positions, self.q_norm, self.k_norm, self.eps,
-                                    kv_write=(v, cache[0], cache[1], meta.slot_mapping))
+                                    kv_write=(v, cache[0], cache[1], meta.slot_mapping),
+                                    keep_k=False)
         if meta.is_decode_only:
             out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
         else:

@@ -109,7 +109,19 @@ def check_rope(g: torch.Generator) -> float:
             assert torch.equal(out_k, rope.apply(q, k, pos, qw, kw, 1e-6)[1])
             assert all(torch.equal(a, b) for a, b in zip(caches, want)), "rope KV write != write_kv_ref"
             errs.append(_rel(out_q, ref_q))
+            # as the model calls it: k only into the cache, not returned
+            again = [torch.randn_like(c) for c in caches]
+            only_q, no_k = rope.apply_and_cache(q, k, pos, qw, kw, 1e-6,
+                                                kv_write=(v, *again, slots), keep_k=False)
+            assert no_k is None and torch.equal(only_q, out_q)
+            assert all(torch.equal(a[s], b[s]) for a, b in zip(again, caches)
+                       for s in _written(slots, page_size)), "keep_k=False KV write differs"
     return max(errs)
+
+
+def _written(slots: torch.Tensor, page_size: int) -> list[tuple[int, slice, int]]:
+    """Index of each written slot in a [pages, heads, page_size, D] cache."""
+    return [(int(x) // page_size, slice(None), int(x) % page_size) for x in slots if x >= 0]
 
 
 def check_write_kv(g: torch.Generator) -> float:

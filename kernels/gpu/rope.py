@@ -56,10 +56,11 @@ def _rope_kernel(
     sqt, sqh, skt, skh, NQ, NK, HALF,
     v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, kcp, kch, kct, vcp, vch, vct, PAGE,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D2: tl.constexpr,
-    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, STORE_K: tl.constexpr,
 ):
     # One program per token. WRITE_KV: also store the rotated k and the token's v at its
     # KV slot (write_kv's contract: page-major HND pages, slot < 0 = padding, no store).
+    # STORE_K: store the rotated k to ko_ptr too (off when only the cache needs it).
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D2)
@@ -71,7 +72,8 @@ def _rope_kernel(
     _store_heads(qo_ptr + t * NQ * 2 * HALF, 2 * HALF, q1, q2, qm, d, HALF, BLOCK_HQ)
     k1, k2, km = _rotate_heads(k_ptr + t * skt, kw_ptr, eps, skh, NK, HALF, c, s, d, dm,
                                BLOCK_HK, HAS_NORM)
-    _store_heads(ko_ptr + t * NK * 2 * HALF, 2 * HALF, k1, k2, km, d, HALF, BLOCK_HK)
+    if STORE_K:
+        _store_heads(ko_ptr + t * NK * 2 * HALF, 2 * HALF, k1, k2, km, d, HALF, BLOCK_HK)
     if WRITE_KV:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         hh = tl.arange(0, BLOCK_HK)
@@ -98,20 +100,21 @@ def rope_triton(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     cos_cache: torch.Tensor, sin_cache: torch.Tensor,
     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-    kv_write: tuple | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_write: tuple | None = None, keep_k: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q [T, NQ, D] and k [T, NK, D] (strided views fine; D contiguous),
     RMS-norming each head first when ``q_norm``/``k_norm`` [D] are given.
 
     ``positions`` int [T], in range (the caller checks); caches float32 contiguous
-    [max_position, D // 2] on the same device. Returns new contiguous tensors.
+    [max_position, D // 2] on the same device. Returns new contiguous tensors (k: None
+    when not ``keep_k``, e.g. when only the cache needs it).
     ``kv_write = (v, k_cache, v_cache, slot_mapping)``: in the same launch, store the
     rotated k and v [T, NK, D] at their slots (see ``write_kv_ref``).
     """
     T, nq, hd = q.shape
     nk = k.shape[1]
     q_out = torch.empty((T, nq, hd), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((T, nk, hd), dtype=k.dtype, device=k.device)
+    k_out = torch.empty((T, nk, hd), dtype=k.dtype, device=k.device) if keep_k else None
     if T == 0:
         return q_out, k_out
     if q.stride(-1) != 1:
@@ -127,11 +130,11 @@ def rope_triton(
         cache_args = (k, k, k, positions) + (0,) * 9
     half = hd // 2
     _rope_kernel[(T,)](
-        q, k, q_out, k_out, positions, cos_cache, sin_cache,
+        q, k, q_out, k_out if keep_k else q_out, positions, cos_cache, sin_cache,
         q_norm if q_norm is not None else q, k_norm if k_norm is not None else k, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), nq, nk, half, *cache_args,
         BLOCK_HQ=triton.next_power_of_2(nq), BLOCK_HK=triton.next_power_of_2(nk),
         BLOCK_D2=triton.next_power_of_2(half), HAS_NORM=q_norm is not None,
-        WRITE_KV=kv_write is not None, num_warps=4,
+        WRITE_KV=kv_write is not None, STORE_K=keep_k, num_warps=4,
     )
     return q_out, k_out
