@@ -267,10 +267,12 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
             times.append(a.elapsed_time(b))
         return sorted(times)[len(times) // 2]
 
-    src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() * 2 / (median_ms(lambda: dst.copy_(src)) * 1e-3)
-    del src, dst
+    def copy_rate() -> float:  # its 2 x 2 GiB are freed on return
+        src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        return 2 * src.numel() * 2 / (median_ms(lambda: dst.copy_(src)) * 1e-3)
+
+    bw = copy_rate()
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     flops = 2 * 8192 ** 3 / (median_ms(lambda: a @ b) * 1e-3)
