@@ -38,17 +38,16 @@ class KVReceiver:
     head_dim]`). `wait_request` reports when a request's KV has landed. Per connection it
     keeps `staging_buffers` receives of up to `max_payload_bytes` posted, from its first
     staged message on (the buffers are made then: a connection that only carries direct
-    messages holds none). direct: tell
-    senders the pools' shape, so that blocks that are spans of them are received in
-    place (no staging buffer, no scatter).
+    messages holds none). direct: tell senders the pools' shape, so that blocks that are
+    spans of them are received in place (no staging buffer, no scatter).
 
     on_landed(request_id, layers, epoch): called on the loop after a message is written,
     before its ack is sent. gated: accept only request ids announced with `expect` (and
     not yet `release`d), so a late write of an abandoned transfer can never land in pages
     that were given back; others get a negative ack. `stats`: counters (connections
     accepted and lost, messages and bytes written, of which received in place, messages
-    dropped for their epoch or rejected, staging buffer bytes made). progress_mode: ucxx's, for the process (default
-    `progress_mode_for` the pools' device). Async API: use on one loop (module docstring)."""
+    dropped for their epoch or rejected, staging buffer bytes made). progress_mode:
+    ucxx's, for the process (default `progress_mode_for` the pools' device). Async API: use on one loop (module docstring)."""
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
                  epoch: int, host: str = "127.0.0.1", port: int = 0,
@@ -204,12 +203,7 @@ class KVReceiver:
                 error, landed, done = await self._land_in_place(conn, msg)
             else:  # UCX fills staging receives in posting order, so take them in that order
                 if conn.staging is None:  # first staged message: the payload waits in UCX
-                    conn.staging = [torch.empty(self.max_payload_bytes, dtype=torch.uint8,
-                                                device=self._pools.device)
-                                    for _ in range(self._staging_buffers)]
-                    for buf in conn.staging:
-                        self._post_staging(conn, staged, buf)
-                    self.stats["staging_bytes"] += self._staging_buffers * self.max_payload_bytes
+                    self._make_staging(conn, staged)
                 payload, payload_task = await staged.get()
                 await asyncio.wait_for(payload_task, self.timeout_s)
                 error, landed, scattered = self._apply(msg, payload, conn.templates)
@@ -219,6 +213,15 @@ class KVReceiver:
                 done.add_done_callback(functools.partial(self._repost, conn, staged, payload))
             previous = asyncio.create_task(
                 self._finish(conn, msg, error, landed, done, previous))
+
+    def _make_staging(self, conn: _RecvConn, staged: asyncio.Queue) -> None:
+        """Make the connection's staging buffers and post a receive into each."""
+        conn.staging = [torch.empty(self.max_payload_bytes, dtype=torch.uint8,
+                                    device=self._pools.device)
+                        for _ in range(self._staging_buffers)]
+        for staging in conn.staging:
+            self._post_staging(conn, staged, staging)
+        self.stats["staging_bytes"] += self._staging_buffers * self.max_payload_bytes
 
     def _post_staging(self, conn: _RecvConn, staged: asyncio.Queue, buf: torch.Tensor) -> None:
         staged.put_nowait((buf, _post_recv(conn.ep, TAG_PAYLOAD, _ucx_buf(buf))))
