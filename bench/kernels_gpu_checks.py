@@ -50,9 +50,14 @@ def check_rope(c: Ctx, rec):
         slots[0] = -1
         caches = [c.randn(2 * T, nkv, page, hd) for _ in range(2)]
         want = [x.clone() for x in caches]
-        _, kr = rope.apply_and_cache(q, k, pos, kv_write=(v, *caches, slots))
+        q1, kr = rope.apply_and_cache(q, k, pos, kv_write=(v, *caches, slots))
         write_kv_ref(kr, v, *want, slots)
         rec("rope", f"T={T} + kv write == write_kv_ref", all(c.torch.equal(a, b) for a, b in zip(caches, want)))
+        # keep_k=False (the model's call): no k comes back, q and the pages are the same
+        again = [x.clone() for x in caches]
+        q2, none = rope.apply_and_cache(q, k, pos, kv_write=(v, *again, slots), keep_k=False)
+        rec("rope", f"T={T} keep_k=False: k None, q and pages equal", none is None
+            and c.torch.equal(q2, q1) and all(c.torch.equal(a, b) for a, b in zip(again, want)))
 
 
 def check_attn(c: Ctx, rec):

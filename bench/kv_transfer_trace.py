@@ -47,6 +47,20 @@ def install() -> None:
             return await inner(self, buffer, tag=tag, force_tag=force_tag)
         return wrapper
 
+    def traced_all(ep, send, tag, bufs, into=None):
+        name = f"{'send' if send else 'recv'}_{_TAGS.get(tag, tag)}"
+        out = [] if into is None else into
+
+        def marked():
+            for buf in bufs:
+                size = str(buf.nbytes if hasattr(buf, "nbytes") else len(buf))
+                mark(f"{name}_post", size)
+                yield buf
+                out[-1].add_done_callback(lambda _f, size=size: mark(f"{name}_done", size))
+
+        return rt._post_all(ep, send, tag, marked(), into=out)
+
+    sender._post_all = receiver._post_all = traced_all
     Endpoint.send = handed("send", Endpoint.send)
     Endpoint.recv = handed("recv", Endpoint.recv)
     sender._post_send = traced("send", rt._post_send)

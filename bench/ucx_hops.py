@@ -5,7 +5,9 @@ Two processes per mode (ucxx is initialised once per process). The client times,
 round: a 64-byte host message to the server and its 64-byte reply (round trip); then,
 with `--device cuda`, a 64-byte header, a payload of each `--sizes-mib` from the
 client's device buffer into the server's, and the server's 64-byte acknowledgement
-(request). Medians over `--rounds` rounds after a fifth of warm-up.
+(request); and a burst: the header, `--burst` N x MiB payload messages posted at once on
+both sides (the receiver posts after reading the header: the transport's in-place
+pattern) and the acknowledgement. Medians over `--rounds` rounds after a fifth of warm-up.
 
 Modes: thread / thread-polling with Python futures (ucxx's notifier thread sets them: what
 the transport uses), thread without futures (each waiting coroutine re-checks its request
@@ -86,10 +88,12 @@ def _buffer(device: str, nbytes: int) -> Any:
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
-async def _serve(mode: str, device: str, sizes: list[int], rounds: int, q: Any) -> None:
+async def _serve(mode: str, device: str, sizes: list[int], burst: tuple[int, int],
+                 rounds: int, q: Any) -> None:
     ucxx = _init(mode)
     done = asyncio.Event()
     bufs = [_buffer(device, s) for s in sizes]
+    parts = [_buffer(device, burst[1]) for _ in range(burst[0])]
 
     async def handler(ep: Any) -> None:
         ep = _wrap(mode, ep)
@@ -102,6 +106,10 @@ async def _serve(mode: str, device: str, sizes: list[int], rounds: int, q: Any) 
                 await ep.recv(small, tag=TAG_A)
                 await ep.recv(buf, tag=TAG_DATA)
                 await ep.send(small, tag=TAG_B)
+        for _ in range(rounds):
+            await ep.recv(small, tag=TAG_A)
+            await asyncio.gather(*[ep.recv(p, tag=TAG_DATA) for p in parts])
+            await ep.send(small, tag=TAG_B)
         done.set()
 
     listener = ucxx.create_listener(handler)
@@ -110,15 +118,17 @@ async def _serve(mode: str, device: str, sizes: list[int], rounds: int, q: Any) 
     await asyncio.sleep(0.2)
 
 
-def _server_main(mode: str, device: str, sizes: list[int], rounds: int, q: Any) -> None:
-    asyncio.run(_serve(mode, device, sizes, rounds, q))
+def _server_main(mode: str, device: str, sizes: list[int], burst: tuple[int, int],
+                 rounds: int, q: Any) -> None:
+    asyncio.run(_serve(mode, device, sizes, burst, rounds, q))
 
 
 def _median_us(ts: list[float]) -> float:
     return float(np.median(ts[len(ts) // 5:])) * 1e6
 
 
-async def _client(mode: str, device: str, sizes: list[int], rounds: int, port: int) -> dict:
+async def _client(mode: str, device: str, sizes: list[int], burst: tuple[int, int],
+                  rounds: int, port: int) -> dict:
     ucxx = _init(mode)
     ep = _wrap(mode, await ucxx.create_endpoint("127.0.0.1", port))
     small, reply = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
@@ -138,24 +148,37 @@ async def _client(mode: str, device: str, sizes: list[int], rounds: int, port: i
             await ep.recv(reply, tag=TAG_B)
             ts.append(time.perf_counter() - t0)
         row[f"req_{size >> 20}MiB_us"] = _median_us(ts)
+    parts, ts = [_buffer(device, burst[1]) for _ in range(burst[0])], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        await ep.send(small, tag=TAG_A)
+        await asyncio.gather(*[ep.send(p, tag=TAG_DATA) for p in parts])
+        await ep.recv(reply, tag=TAG_B)
+        ts.append(time.perf_counter() - t0)
+    row[_burst_key(burst)] = _median_us(ts)
     return row
 
 
-def _client_main(mode: str, device: str, sizes: list[int], rounds: int, q: Any,
-                 out: Any) -> None:
+def _burst_key(burst: tuple[int, int]) -> str:
+    return f"burst_{burst[0]}x{burst[1] >> 20}MiB_us"
+
+
+def _client_main(mode: str, device: str, sizes: list[int], burst: tuple[int, int],
+                 rounds: int, q: Any, out: Any) -> None:
     try:
-        out.put(asyncio.run(_client(mode, device, sizes, rounds, q.get(timeout=60))))
+        out.put(asyncio.run(_client(mode, device, sizes, burst, rounds, q.get(timeout=60))))
     except Exception as e:
         out.put({"mode": mode, "error": repr(e)})
 
 
 def run_mode(mode: str, device: str, server_device: str, sizes: list[int],
-             rounds: int) -> dict:
+             burst: tuple[int, int], rounds: int) -> dict:
     """One mode in two fresh processes (ucxx is initialised once per process)."""
     ctx = mp.get_context("spawn")
     q, out = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_server_main, args=(mode, server_device, sizes, rounds, q)),
-             ctx.Process(target=_client_main, args=(mode, device, sizes, rounds, q, out))]
+    procs = [ctx.Process(target=_server_main, args=(mode, server_device, sizes, burst, rounds, q)),
+             ctx.Process(target=_client_main,
+                         args=(mode, device, sizes, burst, rounds, q, out))]
     for p in procs:
         p.start()
     try:
@@ -173,21 +196,24 @@ def main() -> None:
     ap.add_argument("--two-gpu", action="store_true", help="server buffers on cuda:1")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--sizes-mib", default="1,64")
+    ap.add_argument("--burst", default="96x8", help="N x MiB: N messages posted at once")
     ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")] if args.device == "cuda" else []
     client_dev = "cuda:0" if args.device == "cuda" else "cpu"
     server_dev = "cuda:1" if args.two_gpu else client_dev
+    count, mib = (int(x) for x in args.burst.split("x"))
+    burst = (count, mib << 20)
     rows = []
     for mode in args.modes.split(","):
         try:
-            rows.append(run_mode(mode, client_dev, server_dev, sizes, args.rounds))
+            rows.append(run_mode(mode, client_dev, server_dev, sizes, burst, args.rounds))
         except Exception as e:  # one mode failing must not hide the others
             rows.append({"mode": mode, "error": repr(e)})
     with open(os.path.join(args.out, "ucx_hops.json"), "w") as f:
         json.dump({"device": args.device, "two_gpu": args.two_gpu, "rows": rows}, f, indent=1)
-    keys = ["rtt_us"] + [f"req_{s >> 20}MiB_us" for s in sizes]
+    keys = ["rtt_us"] + [f"req_{s >> 20}MiB_us" for s in sizes] + [_burst_key(burst)]
     print("| mode | " + " | ".join(keys) + " |")
     for r in rows:
         cells = [f"{r[k]:.1f}" if k in r else r.get("error", "-")[:40] for k in keys]

@@ -21,7 +21,7 @@ from .receive_connection import _RecvConn
 from .spans import direct_spans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
-                          _post_many, _post_recv, _post_send, _reason, _recv_msg, _send_msg,
+                          _post_all, _post_recv, _post_send, _reason, _recv_msg, _send_msg,
                           _settle, _ucx_buf, ensure_ucx, progress_mode_for)
 
 __all__ = ["KVReceiver"]
@@ -290,15 +290,15 @@ class KVReceiver:
         if refusal:
             await self._drain(conn, sizes)
             return refusal, None, None
-        # Registered before the first post yields to the loop: a `release` meanwhile
-        # waits for every receive posted here; the rows are taken now (as in `_apply`).
+        # Registered before posting: a `release` waits for every receive posted here;
+        # the rows are taken now (as in `_apply`).
         rows, recvs = self._rows[msg.request_id], []
         landing = asyncio.get_running_loop().create_future()
         inflight = self._inflight[msg.request_id]
         inflight.add(landing)
         landing.add_done_callback(inflight.discard)
         try:
-            await _post_many(_post_recv, conn.ep, TAG_DIRECT, (
+            _post_all(conn.ep, False, TAG_DIRECT, (
                 _ucx_buf(self._pools.region(layer, kind, span)) for layer, kind, span in spans),
                 into=recvs)
         finally:  # also when cut short: the posted ones are waited for (or fail)

@@ -22,7 +22,7 @@ from .send_connection import _Batch, _Run, _Sent, _SenderConn
 from .spans import SlabSpans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
-                          _post_many, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
+                          _post_all, _post_send, _reason, _recv_msg, _send_msg, _ucx_buf,
                           ensure_ucx, progress_mode_for)
 
 __all__ = ["Copies", "KVSender"]
@@ -328,7 +328,7 @@ class KVSender:
                 payload = payload()
             if len(payload) >= FLUSH_CTRL_PARTS:
                 await asyncio.wait(sends)  # its outcome is checked with the others'
-            sends += await _post_many(_post_send, conn.ep, tag, (_ucx_buf(p) for p in payload))
+            _post_all(conn.ep, True, tag, (_ucx_buf(p) for p in payload), into=sends)
             posted.set_result(None)
             results = await asyncio.gather(*sends, return_exceptions=True)
         except asyncio.CancelledError:

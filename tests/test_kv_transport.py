@@ -287,6 +287,20 @@ def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies
     return acked
 
 
+def posts_straight(state, key: tuple) -> list[bool]:
+    """Per live connection of the sender or receiver at `key`: whether `_post_all` posts
+    on it straight through ucxx's request API."""
+    from phalanx.kv_transfer.ucx_runtime import _posts_straight
+    obj = state[key]
+    inner = obj.sender if isinstance(obj, BlockingKVSender) else obj.receiver
+    conns = inner._conns.values() if isinstance(obj, BlockingKVSender) else inner._conns
+
+    async def check():
+        return [_posts_straight(conn.ep) for conn in conns]
+
+    return obj.thread.call(check(), CALL_TIMEOUT_S)
+
+
 def prepare_all(state, case: str, addrs: dict, request_id: str) -> str:
     """`prepare` every per-layer template batch of the request (as `send_all`'s
     "batches" form sends them), then another rank's copies: the ValueError's text."""
@@ -446,6 +460,9 @@ def test_pooled_spans_travel_as_one_message_beyond_the_capacity(pair):
     assert connected["staging_bytes"] == 0 and stats["staging_bytes"] == 3 * (64 << 10), stats
     whole_pages = (CASES[case].tokens // 16) * 16 * 4 * 64 * 4 * 2 * LAYERS
     assert stats["bytes"] > whole_pages > 10 * (64 << 10), stats
+    # both sides posted payloads straight through ucxx's request API (not as tasks)
+    assert prefill.call(posts_straight, key=("tx", case, 0)) == [True]
+    assert decode.call(posts_straight, key=("rx", case, 0)) == [True]
 
 
 def test_layers_stream_in_order(pair):
