@@ -116,6 +116,7 @@ async def _serve(mode: str, device: str, sizes: list[int], burst: tuple[int, int
     q.put(listener.port)
     await done.wait()
     await asyncio.sleep(0.2)
+    ucxx.stop_notifier_thread()  # a non-daemon thread: the process would not exit
 
 
 def _server_main(mode: str, device: str, sizes: list[int], burst: tuple[int, int],
@@ -156,6 +157,7 @@ async def _client(mode: str, device: str, sizes: list[int], burst: tuple[int, in
         await ep.recv(reply, tag=TAG_B)
         ts.append(time.perf_counter() - t0)
     row[_burst_key(burst)] = _median_us(ts)
+    ucxx.stop_notifier_thread()  # a non-daemon thread: the process would not exit
     return row
 
 
