@@ -132,7 +132,10 @@ def _post_all(ep: Any, send: bool, tag: int, bufs: Iterable[Any],
     if ep.closed:
         raise ConnectionError("endpoint closed")
     utag = make_tag(hash64(ep._tags["msg_send" if send else "msg_recv"], hash(tag)))
-    for buf in bufs:
+    refill = _futures_refill()
+    for i, buf in enumerate(bufs):
+        if refill is not None and i % _REFILL_EVERY == 0:
+            refill()
         arr = array(buf)
         req = ep._ep.tag_send(arr, utag) if send else ep._ep.tag_recv(arr, utag, mask_full)
         fut = req.future  # a request nobody references is cancelled: its future's
@@ -146,6 +149,21 @@ def _released(keep: tuple, fut: asyncio.Future) -> None:
     `keep` (its request and buffer) stayed referenced."""
     if not fut.cancelled():
         fut.exception()
+
+
+# Each request takes a future from ucxx's pool (100, refilled below 50 by the notifier
+# thread's rounds, or inline with a "No Futures available" warning once empty): a burst
+# of posts refills it every this many, which never lets it run dry.
+_REFILL_EVERY = 40
+
+
+def _futures_refill() -> Optional[Callable[[], None]]:
+    """ucxx's worker's futures-pool refill (a no-op while 50 or more are left), or None."""
+    try:
+        import ucxx.core
+        return ucxx.core._get_ctx().worker.populate_python_futures_pool
+    except AttributeError:
+        return None
 
 
 def _posts_straight(ep: Any) -> bool:

@@ -301,6 +301,50 @@ def posts_straight(state, key: tuple) -> list[bool]:
     return obj.thread.call(check(), CALL_TIMEOUT_S)
 
 
+def post_burst(state, count: int) -> tuple[bool, bool, str]:
+    """In this process: `count` receives and `count` sends of 64 bytes posted at once with
+    `_post_all` on a new loopback connection; (every receive holds its send's bytes, both
+    endpoints post straight, what the process wrote to stdout and stderr meanwhile)."""
+    import asyncio
+    import tempfile
+
+    import ucxx
+
+    from phalanx.kv_transfer import ucx_runtime as rt
+
+    async def burst():
+        rt.ensure_ucx("thread")
+        accepted = asyncio.get_running_loop().create_future()
+
+        async def on_connect(ep):
+            accepted.set_result(ep)
+
+        listener = ucxx.create_listener(on_connect)
+        client = await ucxx.create_endpoint("127.0.0.1", listener.port)
+        server = await accepted
+        got = [np.zeros(64, np.uint8) for _ in range(count)]
+        sent = [np.full(64, i % 251, np.uint8) for i in range(count)]
+        ops = rt._post_all(server, False, 9, got) + rt._post_all(client, True, 9, sent)
+        await asyncio.wait_for(asyncio.gather(*ops), CALL_TIMEOUT_S / 2)
+        straight = rt._posts_straight(server) and rt._posts_straight(client)
+        await client.close()
+        listener.close()
+        return all((a == b).all() for a, b in zip(got, sent)), straight
+
+    with tempfile.TemporaryFile() as log:  # ucxx's C++ log lines go to fd 1 (or 2)
+        saved = [os.dup(1), os.dup(2)]
+        for fd in (1, 2):
+            os.dup2(log.fileno(), fd)
+        try:
+            equal, straight = state["thread"].call(burst(), CALL_TIMEOUT_S)
+        finally:
+            for fd, old in zip((1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
+        log.seek(0)
+        return equal, straight, log.read().decode(errors="replace")
+
+
 def prepare_all(state, case: str, addrs: dict, request_id: str) -> str:
     """`prepare` every per-layer template batch of the request (as `send_all`'s
     "batches" form sends them), then another rank's copies: the ValueError's text."""
@@ -463,6 +507,15 @@ def test_pooled_spans_travel_as_one_message_beyond_the_capacity(pair):
     # both sides posted payloads straight through ucxx's request API (not as tasks)
     assert prefill.call(posts_straight, key=("tx", case, 0)) == [True]
     assert decode.call(posts_straight, key=("rx", case, 0)) == [True]
+
+
+def test_a_burst_of_posts_goes_straight_and_keeps_the_futures_pool_filled(pair):
+    """300 receives and 300 sends posted at once through `_post_all` (as a large request's
+    in-place blocks are) all land, straight through ucxx's request API, and ucxx never
+    finds its futures pool empty (it would log "No Futures available")."""
+    equal, straight, err = pair[0].call(post_burst, count=300)
+    assert equal and straight
+    assert "No Futures available" not in err, err[-500:]
 
 
 def test_layers_stream_in_order(pair):
