@@ -131,6 +131,7 @@ def _post_all(ep: Any, send: bool, tag: int, bufs: Iterable[Any],
     array, make_tag, mask_full, hash64 = _request_api()
     if ep.closed:
         raise ConnectionError("endpoint closed")
+    ep._ep.raise_on_error()  # a failed endpoint raises its error, as ucxx's own posts do
     utag = make_tag(hash64(ep._tags["msg_send" if send else "msg_recv"], hash(tag)))
     refill = _futures_refill()
     for i, buf in enumerate(bufs):
