@@ -1,16 +1,19 @@
 """State of one `KVReceiver` connection (`_RecvConn`): its endpoint, the templates its
 sender defined, the requests it carried, its staging buffers and its scratch space for
-refused payloads."""
+refused payloads; and its handshake."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
+from . import messages as m
 from .staging import _Template
+from .ucx_runtime import TAG_CTRL, TAG_REPLY, _post_recv, _recv_msg, _send_msg
 
 
 class _RecvConn:
@@ -25,3 +28,23 @@ class _RecvConn:
         self.staging: Optional[list[torch.Tensor]] = None
         self.broken = ""
         self.tasks: list[asyncio.Task] = []
+
+    async def handshake(self, mine: tuple, ack: Callable[[str], m.HelloAck],
+                        timeout_s: float) -> None:
+        """Read the sender's `Hello` and answer `ack(why it is refused, '' if not)`: its
+        (version, epoch, dtype, head_dim) must equal `mine`. A refusal waits for the
+        sender to read it and hang up (or `timeout_s`), then raises ValueError."""
+        hello = await _recv_msg(self.ep, TAG_CTRL, m.TO_RECEIVER, timeout_s)
+        self.peer = f"sender rank {getattr(hello, 'sender_rank', '?')}"
+        if not isinstance(hello, m.Hello):
+            error = f"expected Hello, got {type(hello).__name__}"
+        else:
+            theirs = (hello.version, hello.epoch, hello.dtype, hello.head_dim)
+            error = "" if mine == theirs else f"(version, epoch, dtype, head_dim) {theirs} != {mine}"
+        await _send_msg(self.ep, TAG_REPLY, ack(error), timeout_s)
+        if error:
+            try:
+                await asyncio.wait_for(_post_recv(self.ep, TAG_CTRL, bytearray(8)), timeout_s)
+            except Exception:  # the hang-up (or our deadline)
+                pass
+            raise ValueError(f"refused: {error}")

@@ -21,8 +21,8 @@ from .receive_connection import _RecvConn
 from .spans import direct_spans
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
-                          _post_all, _post_recv, _post_send, _reason, _recv_msg, _send_msg,
-                          _settle, _ucx_buf, ensure_ucx, progress_mode_for)
+                          _post_all, _post_recv, _post_send, _reason, _settle, _ucx_buf,
+                          ensure_ucx, progress_mode_for)
 
 __all__ = ["KVReceiver"]
 
@@ -160,30 +160,15 @@ class KVReceiver:
         except Exception as e:
             self._break(conn, _reason(e))
 
-    def _check_hello(self, hello: Any) -> str:
-        if not isinstance(hello, m.Hello):
-            return f"expected Hello, got {type(hello).__name__}"
-        mine = (m.PROTOCOL_VERSION, self.epoch, str(self._pools.dtype).removeprefix("torch."),
-                self._pools.head_dim)
-        theirs = (hello.version, hello.epoch, hello.dtype, hello.head_dim)
-        return "" if mine == theirs else f"(version, epoch, dtype, head_dim) {theirs} != {mine}"
-
     async def _serve(self, conn: _RecvConn) -> None:
         """Handshake, then land messages in order through ring slots whose control and
         payload receives stay posted ahead."""
-        hello = await _recv_msg(conn.ep, TAG_CTRL, m.TO_RECEIVER, self.timeout_s)
-        conn.peer = f"sender rank {getattr(hello, 'sender_rank', '?')}"
-        error = self._check_hello(hello)
-        await _send_msg(conn.ep, TAG_REPLY, m.HelloAck(
-            self.epoch, self.rank, not error, self.max_payload_bytes, error,
-            self._pools.shape if self.direct else ()), self.timeout_s)
-        if error:  # let the sender read the refusal and hang up first
-            try:
-                await asyncio.wait_for(_post_recv(conn.ep, TAG_CTRL, bytearray(8)),
-                                       self.timeout_s)
-            except Exception:  # the hang-up (or our deadline)
-                pass
-            raise ValueError(f"refused: {error}")
+        await conn.handshake(
+            (m.PROTOCOL_VERSION, self.epoch, str(self._pools.dtype).removeprefix("torch."),
+             self._pools.head_dim),
+            lambda error: m.HelloAck(self.epoch, self.rank, not error, self.max_payload_bytes,
+                                     error, self._pools.shape if self.direct else ()),
+            self.timeout_s)
         ctrl: deque[tuple[bytearray, asyncio.Task]] = deque()
         for _ in range(self._staging_buffers):
             buf = bytearray(m.MAX_CTRL_BYTES)
