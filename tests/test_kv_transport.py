@@ -5,7 +5,9 @@ transports cannot report a dead peer).
 Each process is an *actor*: it runs its transport objects on a `TransportThread` (the
 engine's threading model) and executes commands sent over a pipe, each in a worker
 thread, so a wait and a send can overlap. Every call has a wall-clock bound; the module
-fixture stops or kills every process it started, so a hang cannot stall CI.
+fixture stops or kills every process it started, so a hang cannot stall CI. The cases
+are in `kv_cases`; the transport's pieces driven in-process are tested in
+`test_kv_transport_inproc`.
 """
 
 from __future__ import annotations
@@ -17,52 +19,19 @@ import signal
 import threading
 import time
 import traceback
-from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
+from kv_cases import (CASES, IN_PLACE, LAYERS, case_batches, case_layouts, case_plan,
+                      side_pools, zero_pools)
 
-from phalanx.kv_transfer.layout import KVLayout
-from phalanx.kv_transfer.packed_table import pack_table
-from phalanx.kv_transfer.planner import plan_request
 from phalanx.kv_transfer.transport import (BlockingKVReceiver, BlockingKVSender, TransferError,
                                            TransportThread)
 
 UCX_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_SOCKADDR_TLS_PRIORITY": "tcp",
            "UCX_WARN_UNUSED_ENV_VARS": "n"}
 CALL_TIMEOUT_S = 30.0
-LAYERS = 2
-
-
-class Case(NamedTuple):
-    src_tp: int
-    dst_tp: int
-    kv_heads: int
-    src_page: int
-    dst_page: int
-    tokens: int = 45
-    head_dim: int = 8
-    runs: bool = False  # the request's pages consecutive on both sides (else shuffled)
-
-
-CASES = {
-    "tp2_to_tp1": Case(2, 1, 4, 16, 8),
-    "tp1_to_tp2": Case(1, 2, 4, 8, 16),
-    "tp4_kv2_to_tp1": Case(4, 1, 2, 4, 16),
-    "tp1_to_tp1": Case(1, 1, 4, 16, 16),
-    "big": Case(1, 1, 4, 16, 16, tokens=4096, head_dim=256),  # 32 MiB per layer
-    # consecutive pages, 295 KiB of whole pages per (layer, kind) and rank pair: spans of
-    # the receiver's pools (>= the sender's IN_PLACE_MIN_BYTES) are received in place
-    "tp1_to_tp1_runs": Case(1, 1, 4, 16, 16, tokens=603, head_dim=64, runs=True),
-    "tp1_to_tp2_runs": Case(1, 2, 4, 16, 16, tokens=603, head_dim=64, runs=True),
-    "tp2_to_tp1_runs": Case(2, 1, 4, 16, 16, tokens=603, head_dim=64, runs=True),
-}
-# per case, whether any message is received in place (the receiver's pools hold every
-# head of the copies' whole pages consecutively only when it holds no more heads than
-# each sender: tp2 -> tp1 interleaves two senders' heads in every page)
-IN_PLACE = {"tp1_to_tp1_runs": True, "tp1_to_tp2_runs": True, "tp2_to_tp1_runs": False}
-
 
 # ----------------------------------------------------------------------- actors
 
@@ -155,74 +124,11 @@ def pair(actors):
     return tuple(actors(2))
 
 
-# ----------------------------------------------------------------------- the data
-
-def _layouts(case: str) -> tuple[KVLayout, KVLayout]:
-    c = CASES[case]
-    return (KVLayout(c.src_tp, c.kv_heads, c.src_page, c.head_dim, LAYERS, 4),
-            KVLayout(c.dst_tp, c.kv_heads, c.dst_page, c.head_dim, LAYERS, 4))
-
-
-def _pages(layout: KVLayout, tokens: int, seed: int, runs: bool = False
-           ) -> tuple[int, list[int]]:
-    """(pool size, the request's page ids: a shuffled subset of the pool, or consecutive
-    pages from seed % 3 on)."""
-    need = layout.pages_for(tokens)
-    num_pages = need + 3
-    if runs:
-        return num_pages, list(range(seed % 3, seed % 3 + need))
-    ids = np.random.default_rng(seed).permutation(num_pages)[:need]
-    return num_pages, [int(p) for p in ids]
-
-
-def _logical_kv(case: str) -> torch.Tensor:
-    """The request's KV by global head and token: [layer, kind, head, token, head_dim]."""
-    c = CASES[case]
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(LAYERS, 2, c.kv_heads, c.tokens, c.head_dim, generator=g)
-
-
-def _side_pools(case: str, side: str, rank: int, fill: str) -> list[tuple[torch.Tensor, ...]]:
-    """`side`'s pools of `rank` with the request's tokens in place; other slots are
-    noise ('noise') or zero ('zero')."""
-    layout, tokens = _layouts(case)[0 if side == "src" else 1], CASES[case].tokens
-    num_pages, ids = _pages(layout, tokens, 11 if side == "src" else 12, CASES[case].runs)
-    heads = list(layout.heads_of(rank))
-    kv = _logical_kv(case)
-    g = torch.Generator().manual_seed(100 + rank)
-    t = torch.arange(tokens)
-    page = torch.tensor(ids)[t // layout.page_size]
-    off = t % layout.page_size
-    shape = (num_pages, len(heads), layout.page_size, layout.head_dim)
-    pools = []
-    for layer in range(LAYERS):
-        pair = []
-        for kind in range(2):
-            pool = torch.randn(shape, generator=g) if fill == "noise" else torch.zeros(shape)
-            pool[page, :, off, :] = kv[layer, kind, heads].permute(1, 0, 2)
-            pair.append(pool)
-        pools.append(tuple(pair))
-    return pools
-
-
-def _plan(case: str):
-    (src, dst), c = _layouts(case), CASES[case]
-    return plan_request(src, dst, c.tokens, _pages(src, c.tokens, 11, c.runs)[1],
-                        _pages(dst, c.tokens, 12, c.runs)[1])
-
-
-def _zero_pools(case: str, rank: int) -> list[tuple[torch.Tensor, ...]]:
-    layout = _layouts(case)[1]
-    shape = (_pages(layout, CASES[case].tokens, 12)[0], len(layout.heads_of(rank)),
-             layout.page_size, layout.head_dim)
-    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYERS)]
-
-
 # ----------------------------------------------------------------------- actor commands
 
 def make_receivers(state, case: str, epoch: int = 1, timeout_s: float = 10.0,
                    ranks=None, **kwargs) -> dict[int, tuple]:
-    ranks = range(_layouts(case)[1].tp) if ranks is None else ranks
+    ranks = range(case_layouts(case)[1].tp) if ranks is None else ranks
     addrs = {}
     for r in ranks:
         events = state.setdefault(("events", case, r), [])
@@ -232,7 +138,7 @@ def make_receivers(state, case: str, epoch: int = 1, timeout_s: float = 10.0,
             events.append((request_id, layers.start, layers.stop, time.monotonic(),
                            rx.landed(request_id)))
 
-        state[("pools", case, r)] = pools = _zero_pools(case, r)
+        state[("pools", case, r)] = pools = zero_pools(case, r)
         rx = BlockingKVReceiver(state["thread"], pools, rank=r, epoch=epoch,
                                 timeout_s=timeout_s, on_landed=on_landed, **kwargs)
         state[("rx", case, r)] = rx
@@ -242,21 +148,13 @@ def make_receivers(state, case: str, epoch: int = 1, timeout_s: float = 10.0,
 
 def make_senders(state, case: str, addrs: dict, epoch: int = 1, ranks=None, tag: str = "",
                  timeout_s: float = 10.0) -> None:
-    ranks = range(_layouts(case)[0].tp) if ranks is None else ranks
+    ranks = range(case_layouts(case)[0].tp) if ranks is None else ranks
     for r in ranks:
-        tx = BlockingKVSender(state["thread"], _side_pools(case, "src", r, "noise"),
+        tx = BlockingKVSender(state["thread"], side_pools(case, "src", r, "noise"),
                               rank=r, epoch=epoch, timeout_s=timeout_s)
         state[("tx", case + tag, r)] = tx
         for dst_rank, addr in addrs.items():
             assert tx.connect(tuple(addr)) == dst_rank
-
-
-def _batches(case: str) -> dict[tuple[int, int], list]:
-    """The request's copies per rank pair as `copy_table.plan_batches` builds them."""
-    from phalanx.kv_transfer.copy_table import plan_batches
-    (src, dst), c = _layouts(case), CASES[case]
-    return plan_batches(src, dst, range(c.tokens), _pages(src, c.tokens, 11, c.runs)[1],
-                        _pages(dst, c.tokens, 12, c.runs)[1])
 
 
 def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies") -> int:
@@ -264,7 +162,7 @@ def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies
     form: each batch as `planner.Copy` lists ("copies"), as template batches per layer
     ("batches"), or the whole request in one template batch per rank pair ("whole")."""
     from phalanx.kv_transfer.copy_table import layer_batches
-    plan, futures, sends = _plan(case), [], []
+    plan, futures, sends = case_plan(case), [], []
     if form == "copies":
         for layer in range(LAYERS):
             sub = plan.for_layer(layer)
@@ -273,11 +171,11 @@ def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies
     elif form == "prepared":  # prepare_all's batches, the same objects
         sends = state[("prepared", case)]
     elif form == "batches":
-        by_layer = {pair: layer_batches(b) for pair, b in _batches(case).items()}
+        by_layer = {pair: layer_batches(b) for pair, b in case_batches(case).items()}
         sends = [(s, d, by_layer[(s, d)][layer])
                  for layer in range(LAYERS) for s, d in by_layer]
     else:
-        sends = [(s, d, b) for (s, d), b in _batches(case).items()]
+        sends = [(s, d, b) for (s, d), b in case_batches(case).items()]
     for s, d, copies in sends:
         futures.append(state[("tx", case, s)].submit_layer(tuple(addrs[d]), request_id, copies))
     acked = sum(f.result(CALL_TIMEOUT_S).ok for f in futures)
@@ -349,7 +247,7 @@ def prepare_all(state, case: str, addrs: dict, request_id: str) -> str:
     """`prepare` every per-layer template batch of the request (as `send_all`'s
     "batches" form sends them), then another rank's copies: the ValueError's text."""
     from phalanx.kv_transfer.copy_table import layer_batches
-    by_layer = {pair: layer_batches(b) for pair, b in _batches(case).items()}
+    by_layer = {pair: layer_batches(b) for pair, b in case_batches(case).items()}
     sends = state[("prepared", case)] = [(s, d, by_layer[(s, d)][layer])
                                          for layer in range(LAYERS) for s, d in by_layer]
     for s in {s for s, _, _ in sends}:
@@ -358,7 +256,7 @@ def prepare_all(state, case: str, addrs: dict, request_id: str) -> str:
                                        ).result(CALL_TIMEOUT_S)
     assert all(len(state[("tx", case, s)].sender._conns[tuple(addrs[d])].prepared) > 0
                for s, d, _ in sends)
-    foreign = [c for c in _plan(case) if c.src_rank != 0]
+    foreign = [c for c in case_plan(case) if c.src_rank != 0]
     if not foreign:
         return "one rank"
     try:
@@ -375,7 +273,7 @@ def send_layer(state, case: str, addr, request_id: str, layer: int, tag: str = "
     tx = state[("tx", case + tag, rank)]
     if epoch is not None:
         tx.set_epoch(epoch)
-    copies = [c for c in _plan(case).for_layer(layer) if c.src_rank == rank]
+    copies = [c for c in case_plan(case).for_layer(layer) if c.src_rank == rank]
     start = time.monotonic()
     try:
         tx.send_layer_sync(tuple(addr), request_id, copies, timeout_s=timeout_s)
@@ -387,13 +285,13 @@ def send_layer(state, case: str, addr, request_id: str, layer: int, tag: str = "
 def check_landed(state, case: str, request_id: str) -> dict:
     """Wait for the request, then compare with (1) the plan applied in-process and (2)
     the layout's definition of where each (head, token) lives; bit-exact."""
-    plan = _plan(case)
-    src = {r: _side_pools(case, "src", r, "noise") for r in range(_layouts(case)[0].tp)}
+    plan = case_plan(case)
+    src = {r: side_pools(case, "src", r, "noise") for r in range(case_layouts(case)[0].tp)}
     out = {}
-    for r in range(_layouts(case)[1].tp):
+    for r in range(case_layouts(case)[1].tp):
         rx = state[("rx", case, r)]
         rx.wait_request_sync(request_id, CASES[case].tokens, timeout_s=10.0)
-        ref = _zero_pools(case, r)
+        ref = zero_pools(case, r)
         for c in plan:
             if c.dst_rank == r:
                 k = 0 if c.kind == "k" else 1
@@ -401,7 +299,7 @@ def check_landed(state, case: str, request_id: str) -> dict:
                                 c.dst_offset:c.dst_offset + c.num_tokens] = \
                     src[c.src_rank][c.layer][k][c.src_page, c.src_head:c.src_head + c.num_heads,
                                                c.src_offset:c.src_offset + c.num_tokens]
-        semantic = _side_pools(case, "dst", r, "zero")
+        semantic = side_pools(case, "dst", r, "zero")
         got = state[("pools", case, r)]
         out[r] = {"vs_plan": all(torch.equal(ref[l][k], got[l][k])
                                  for l in range(LAYERS) for k in range(2)),
@@ -435,7 +333,7 @@ def submit_layer(state, case: str, addr, request_id: str, layer: int, rank: int 
                  tag: str = "") -> bool:
     """Start one layer's batch and return at once (`join_layer` waits for it)."""
     tx = state[("tx", case + tag, rank)]
-    copies = [c for c in _plan(case).for_layer(layer) if c.src_rank == rank]
+    copies = [c for c in case_plan(case).for_layer(layer) if c.src_rank == rank]
     state[("inflight", case + tag, rank)] = (time.monotonic(),
                                              tx.submit_layer(tuple(addr), request_id, copies))
     return True
@@ -469,12 +367,12 @@ def test_request_kv_lands_bit_exact(pair, case, form):
     prefill.call(make_senders, case=case, addrs=addrs)
     if form == "prepared":
         refused = prefill.call(prepare_all, case=case, addrs=addrs, request_id=f"req-{case}")
-        assert ("is not from rank 0" in refused if _layouts(case)[0].tp > 1
+        assert ("is not from rank 0" in refused if case_layouts(case)[0].tp > 1
                 else refused == "one rank"), refused
         assert all(decode.call(receiver_view, case=case, rank=r, request_id="")["stats"]
                    ["messages"] == 0 for r in addrs)
     acked = prefill.call(send_all, case=case, addrs=addrs, request_id=f"req-{case}", form=form)
-    assert acked == sum(len({(c.src_rank, c.dst_rank) for c in _plan(case).for_layer(l)})
+    assert acked == sum(len({(c.src_rank, c.dst_rank) for c in case_plan(case).for_layer(l)})
                         for l in range(LAYERS))
     result = decode.call(check_landed, case=case, request_id=f"req-{case}")
     assert result == {r: {"vs_plan": True, "vs_layout": True} for r in addrs}
@@ -612,218 +510,3 @@ def test_other_epochs_are_dropped(pair, case):
     assert view["stats"]["messages"] == 2 * first["messages"] and view["stats"]["conn_lost"] == 0
     with pytest.raises(RuntimeError, match="TransferError.*rejected"):
         prefill.call(make_senders, case=case, addrs=addrs, tag="old", epoch=1)
-
-
-# ----------------------------------------------------------------------- in-process
-
-def test_wire_format_round_trips_and_validates():
-    """Framed msgspec messages round-trip; copy tables encode compactly and cut into
-    templates + blocks that replay to the same table; out-of-range copies are named."""
-    from phalanx.kv_transfer import messages as m
-    req = m.TransferRequest("r", 3, 7, 0, 2, 5, b"\x01\x02", b"", 10)
-    buf = bytearray(m.frame(req)) + bytearray(100)  # a fixed receive buffer, partly used
-    assert m.unframe(buf, m.TO_RECEIVER) == req
-    with pytest.raises(ValueError):
-        m.unframe(bytearray(16), m.TO_RECEIVER)
-    plan = _plan("tp2_to_tp1")
-    table = m.encode_copies(plan.copies)
-    assert table.shape == (len(plan), 10) and table.dtype == np.int32
-    pair = m.encode_copies([c for c in plan if c.src_rank == 0])
-    parts = m.templates_of(pair)
-    assert len(parts) == 1, "every (layer, kind) of a plan repeats one template"
-    replay = []
-    for template, blocks in m.templates_of(table):
-        for layer, kind, r0, r1 in blocks.tolist():
-            rows = template[r0:r1].copy()
-            rows[:, m.F_LAYER], rows[:, m.F_KIND] = layer, kind
-            replay.append((layer, kind, rows))
-    assert np.array_equal(np.concatenate([r for _, _, r in replay]), table)
-    blocks = parts[0][1]
-    assert np.array_equal(m.decode_blocks(m.encode_blocks(blocks)), blocks)
-    assert m.check_blocks(blocks, LAYERS, len(parts[0][0])) == ""
-    assert "out of range" in m.check_blocks(blocks + [[0, 0, 0, 1]], LAYERS, len(parts[0][0]))
-    bad = table.copy()
-    bad[3, m.F_DST_PAGE] = 10**6
-    assert "dst page" in m.check_copies(bad, "dst", LAYERS, 20, 4, 8)
-    assert m.check_copies(table, "dst", LAYERS, 20, 4, 8) == ""
-
-
-def _one_allocation(pools: list) -> list:
-    """The same pools as views of one `[layers, 2, ...]` tensor (the engine's layout)."""
-    buf = torch.stack([torch.stack(pair) for pair in pools])
-    return [(buf[i, 0], buf[i, 1]) for i in range(len(pools))]
-
-
-@pytest.mark.parametrize("one_allocation", [False, True], ids=["per_pool", "one_allocation"])
-@pytest.mark.parametrize("case", ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1"])
-def test_gather_scatter_match_the_plan_in_process(case, one_allocation):
-    """The transport's gather (every src rank) + scatter equal the plan applied slab by
-    slab, whatever granule each side picks (partial pages, different page sizes), also
-    when blocks are cut at row boundaries to fit small messages; with pools allocated
-    one by one (a copy per granule run) and as one allocation (a copy per message)."""
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.transport import _Pools
-    plan = _plan(case)
-    shape = _one_allocation if one_allocation else (lambda pools: pools)
-    for d in range(_layouts(case)[1].tp):
-        dst = _Pools(shape(_zero_pools(case, d)))
-        assert (dst._flat is not None) == one_allocation
-        for s in range(_layouts(case)[0].tp):
-            table = m.encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == (s, d)])
-            src = _Pools(shape(_side_pools(case, "src", s, "noise")))
-            for template, blocks in m.templates_of(table):
-                tx, rx = src.template(template, "src"), dst.template(template, "dst")
-                pieces = [p for b in blocks.tolist() for p, _ in tx.cut(b, 700)]
-                cut = np.array(pieces, dtype=np.int32)
-                buf = torch.empty(tx.nbytes(cut), dtype=torch.uint8)
-                assert src.gather(tx, cut, buf) is None  # CPU: done on return
-                landed, done = dst.scatter(rx, cut, buf)
-                assert done is None and sum(landed.values()) == rx.slots_cum[-1] * len(blocks)
-        want = _side_pools(case, "dst", d, "zero")
-        assert all(torch.equal(want[l][k], dst.pools[l][k]) for l in range(LAYERS)
-                   for k in range(2))
-
-
-def test_receiver_rejects_bad_batches_without_writing():
-    """An out-of-range template, a malformed packed template, a payload size that disagrees with the blocks, an
-    unknown template, or another epoch: the batch is dropped with a reason and the pools
-    stay untouched."""
-    import asyncio
-    from collections import OrderedDict
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.transport import KVReceiver
-
-    async def run():
-        pools = _zero_pools("tp1_to_tp1", 0)
-        rx = KVReceiver(pools, rank=0, epoch=2)
-        ((template, blocks),) = m.templates_of(
-            m.encode_copies(_plan("tp1_to_tp1").for_layer(0).copies))
-        n = m.payload_nbytes(template, 8, 4) * len(blocks)
-        payload = torch.ones(n, dtype=torch.uint8)
-        bad = template.copy()
-        bad[0, m.F_DST_HEAD] = 3
-        raw, tb = m.encode_blocks(blocks), pack_table(template)
-        known: OrderedDict = OrderedDict()
-        errors = [rx._apply(m.TransferRequest("r", 2, 1, 0, 1, 0, pack_table(bad), raw, n),
-                            payload, OrderedDict()),
-                  rx._apply(m.TransferRequest("r", 2, 1, 0, 1, 0, tb[:-8], raw, n),
-                            payload, OrderedDict()),
-                  rx._apply(m.TransferRequest("r", 2, 2, 0, 1, 1, tb, raw, n - 4), payload, known),
-                  rx._apply(m.TransferRequest("r", 2, 3, 0, 1, 7, b"", raw, n), payload, known),
-                  rx._apply(m.TransferRequest("r", 1, 4, 0, 1, 1, b"", raw, n), payload, known)]
-        assert all(landed is None and event is None for _, landed, event in errors)
-        return [e for e, _, _ in errors], rx.stats, all(not t.any() for pair in pools for t in pair)
-
-    errors, stats, untouched = asyncio.run(run())
-    assert "dst head range" in errors[0] and "packed table" in errors[1]
-    assert "does not match" in errors[2]
-    assert "unknown template 7" in errors[3] and "stale epoch 1" in errors[4]
-    assert stats["rejected"] == 4 and stats["dropped_epoch"] == 1 and untouched
-
-class _FakeEndpoint:
-    """Records posted receives; `deliver` fills them in posting order (as UCX matches)."""
-
-    def __init__(self) -> None:
-        self.posted: list = []  # (tag, buffer, future)
-
-    async def recv(self, buf, tag):
-        import asyncio
-        fut = asyncio.get_running_loop().create_future()
-        self.posted.append((tag, buf, fut))
-        await fut
-
-    def deliver(self, value: int) -> int:
-        n = 0
-        for _, buf, fut in self.posted:
-            if not fut.done():
-                np.asarray(buf)[...] = value
-                fut.set_result(None)
-                n += 1
-        return n
-
-    def abort(self, period=0) -> None:
-        pass
-
-
-def test_in_place_receives_land_and_release_waits_for_them():
-    """A direct message is received into the pool spans its blocks say (nothing else is
-    written; no template is needed); `release` of its request, even one called while
-    the receives are still being posted, returns only once they all completed. A direct message of another epoch, or one whose blocks do not
-    land inside the pools, is received into scratch space by its declared block sizes:
-    the pools stay as they were and the connection goes on."""
-    import asyncio
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.receive_connection import _RecvConn
-    from phalanx.kv_transfer.receiver import KVReceiver
-    from phalanx.kv_transfer.ucx_runtime import TAG_DIRECT
-
-    case = "tp1_to_tp1_runs"
-    ((template, blocks),) = m.templates_of(m.encode_copies(_plan(case).copies))
-
-    async def run():
-        pools = _zero_pools(case, 0)
-        rx = KVReceiver(pools, rank=0, epoch=1, gated=True)
-        rx.expect("r")
-        tmpl = rx._pools.template(template, "dst")
-        whole = [(layer, kind, r0, b) for layer, kind, r0, r1 in blocks.tolist()
-                 for a, b, direct in tmpl.spans.split(r0, r1, 1) if direct and a == r0]
-        direct = np.array(whole, dtype=np.int32)
-        n = tmpl.nbytes(direct)
-        sizes = (tmpl.bytes_cum[direct[:, 3]] - tmpl.bytes_cum[direct[:, 2]]).astype("<i8").tobytes()
-        starts = tmpl.spans.start[direct[:, 2]].astype("<i8")
-        conn = _RecvConn(_FakeEndpoint())
-        msg = m.TransferRequest("r", 1, 1, 0, LAYERS, -1, b"", m.encode_blocks(direct),
-                                n, True, sizes, starts.tobytes())
-        landing = asyncio.ensure_future(rx._land_in_place(conn, msg))
-        while not conn.ep.posted:  # the first receive is posted, the others are being made
-            await asyncio.sleep(0)
-        releasing = asyncio.ensure_future(rx.release("r"))
-        error, landed, done = await landing
-        while len(conn.ep.posted) < len(direct):
-            await asyncio.sleep(0.001)
-        assert error == "" and len(conn.ep.posted) == len(direct) >= 4
-        assert all(tag == TAG_DIRECT for tag, _, _ in conn.ep.posted)
-        await asyncio.sleep(0.05)
-        held = not releasing.done()
-        assert conn.ep.deliver(0x3F) == len(direct)
-        await asyncio.wait_for(releasing, 5)
-        await done
-        written = sum(int((t.view(torch.uint8) == 0x3F).sum()) for pair in pools for t in pair)
-        rx.expect("r")
-        before = [t.clone() for pair in pools for t in pair]
-        refusals = []
-        outside = starts.copy()
-        p = rx._pools
-        outside[-1] = p.num_pages * p.heads * p.page_size * p.head_dim  # just past the pool
-        for seq, (epoch, at) in enumerate([(7, starts), (1, outside)], start=2):
-            refused = m.TransferRequest("r", epoch, seq, 0, LAYERS, -1, b"",
-                                        m.encode_blocks(direct), n, True, sizes, at.tobytes())
-            drain = asyncio.ensure_future(rx._land_in_place(conn, refused))
-            while not drain.done():  # the drain posts its receives one after another
-                conn.ep.deliver(0x55)
-                await asyncio.sleep(0.001)
-            assert len(conn.ep.posted) == seq * len(direct)
-            refusals.append(await asyncio.wait_for(drain, 5))
-        after = [t for pair in pools for t in pair]
-        return (held, written, n, dict(landed[1]) == tmpl.landed(direct), refusals,
-                all(torch.equal(a, b) for a, b in zip(before, after)), rx.stats, conn.broken)
-
-    held, written, n, counted, refusals, untouched, stats, broken = asyncio.run(run())
-    assert held, "release returned while in-place receives were still posted"
-    assert written == n and counted  # exactly the spans' bytes (zeros elsewhere)
-    (stale, *rest1), (outside, *rest2) = refusals
-    assert "stale epoch 7" in stale and "not whole token slots" in outside
-    assert rest1 == rest2 == [None, None] and untouched and not broken
-    assert stats["direct"] == 1 and stats["dropped_epoch"] == 1 and stats["rejected"] == 1
-
-
-def test_device_regions_are_cuda_arrays_that_ucxx_reads():
-    """`DeviceBytes` (how pool regions go to UCX on CUDA) is read by ucxx as a 1-D uint8
-    CUDA buffer at its address and size; no device is touched to build it."""
-    from ucxx._lib.arr import Array
-
-    from phalanx.kv_transfer.staging import DeviceBytes
-
-    buf = Array(DeviceBytes(0x7F0000001000, 4096))
-    assert buf.cuda and buf.ptr == 0x7F0000001000 and buf.nbytes == 4096
-    assert buf.contiguous and buf.shape == (4096,)
