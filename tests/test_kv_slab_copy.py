@@ -1,7 +1,7 @@
 """The transport's one-launch slab kernel (kv_transfer/slab_copy.py) against its
 per-granule-run torch path, on CPU under Triton's interpreter (in a subprocess, since
 TRITON_INTERPRET must be set before triton is imported): for the resharding cases of
-test_kv_transport (partial pages, mixed granules, different page sizes), blocks cut into
+kv_cases (partial pages, mixed granules, different page sizes), blocks cut into
 small messages, gather then scatter give bit-equal payloads and pools."""
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ def _check(case: str, device: str = "cpu") -> dict:
     import torch
     from phalanx.kv_transfer import messages as m
     from phalanx.kv_transfer.staging import _Pools
-    import test_kv_transport as t
+    import kv_cases as t
 
-    plan = t._plan(case)
-    src_layout, dst_layout = t._layouts(case)
+    plan = t.case_plan(case)
+    src_layout, dst_layout = t.case_layouts(case)
     stats = {"messages": 0, "granules": set()}
     for d in range(dst_layout.tp):
         def on(pools):  # one allocation on `device`
             buf = torch.stack([torch.stack(pair) for pair in pools]).to(device)
             return [(buf[i, 0], buf[i, 1]) for i in range(len(pools))]
-        pools = {k: on(t._zero_pools(case, d)) for k in ("kernel", "torch")}
+        pools = {k: on(t.zero_pools(case, d)) for k in ("kernel", "torch")}
         dst = {"kernel": _Pools(pools["kernel"], slab_kernel=True),
                "torch": _Pools(pools["torch"], slab_kernel=False)}
         for s in range(src_layout.tp):
             table = m.encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == (s, d)])
-            src_pools = on(t._side_pools(case, "src", s, "noise"))
+            src_pools = on(t.side_pools(case, "src", s, "noise"))
             src = {"kernel": _Pools(src_pools, slab_kernel=True),
                    "torch": _Pools(src_pools, slab_kernel=False)}
             for template, blocks in m.templates_of(table):
@@ -60,7 +60,7 @@ def _check(case: str, device: str = "cpu") -> dict:
                     stats["messages"] += 1
         same = all(torch.equal(a, b) for pa, pb in zip(pools["kernel"], pools["torch"])
                    for a, b in zip(pa, pb))
-        want = t._side_pools(case, "dst", d, "zero")
+        want = t.side_pools(case, "dst", d, "zero")
         right = all(torch.equal(want[l][k], pools["kernel"][l][k].cpu())
                     for l in range(len(want)) for k in range(2))
         if not (same and right):
