@@ -106,6 +106,13 @@ def _child(args: list[str]) -> None:
     print("RESULT " + json.dumps(row), flush=True)
 
 
+def _result(stdout: str | bytes) -> dict:
+    """The child's RESULT line as a dict ({} if it printed none)."""
+    text = stdout if isinstance(stdout, str) else stdout.decode(errors="replace")
+    found = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    return json.loads(found[-1][7:]) if found else {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -127,18 +134,17 @@ def main() -> None:
             row = {"mode": mode, "delayed": delayed == "1"}
             try:
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bound_s)
-                found = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-                row.update(json.loads(found[-1][7:]) if found
-                           else {"error": (out.stderr.strip().splitlines() or ["?"])[-1]})
-            except subprocess.TimeoutExpired as e:
-                found = [l for l in (e.stdout or b"").decode().splitlines() if l.startswith("RESULT ")]
-                row.update(json.loads(found[-1][7:]) if found else {"error": "timeout"})
+                stdout, error = out.stdout, (out.stderr.strip().splitlines() or ["?"])[-1]
+            except subprocess.TimeoutExpired as e:  # what it printed before its bound
+                stdout, error = e.stdout or "", "timeout"
+            row.update(_result(stdout) or {"error": error})
             rows.append(row)
     with open(os.path.join(args.out, "ucx_posts.json"), "w") as f:
         json.dump({"device": args.device, "count": args.count, "mib": args.mib, "rows": rows},
                   f, indent=1)
     print(f"{args.count} x {args.mib} MiB, {args.device}")
-    print("| mode | delayed | straight us/post | tasks us/post | straight round ms | tasks round ms |")
+    print("| mode | delayed | straight us/post | tasks us/post | straight round ms "
+          "| tasks round ms |")
     for r in rows:
         if "error" in r:
             print(f"| {r['mode']} | {r['delayed']} | {r['error'][:60]} | | | |")

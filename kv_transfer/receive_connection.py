@@ -40,7 +40,8 @@ class _RecvConn:
             error = f"expected Hello, got {type(hello).__name__}"
         else:
             theirs = (hello.version, hello.epoch, hello.dtype, hello.head_dim)
-            error = "" if mine == theirs else f"(version, epoch, dtype, head_dim) {theirs} != {mine}"
+            error = ("" if mine == theirs
+                     else f"(version, epoch, dtype, head_dim) {theirs} != {mine}")
         await _send_msg(self.ep, TAG_REPLY, ack(error), timeout_s)
         if error:
             try:

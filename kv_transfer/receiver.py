@@ -47,7 +47,8 @@ class KVReceiver:
     that were given back; others get a negative ack. `stats`: counters (connections
     accepted and lost, messages and bytes written, of which received in place, messages
     dropped for their epoch or rejected, staging buffer bytes made). progress_mode:
-    ucxx's, for the process (default `progress_mode_for` the pools' device). Async API: use on one loop (module docstring)."""
+    ucxx's, for the process (default `progress_mode_for` the pools' device). Async API:
+    use on one loop (module docstring)."""
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
                  epoch: int, host: str = "127.0.0.1", port: int = 0,
