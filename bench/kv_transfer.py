@@ -32,6 +32,10 @@ Per (layout, tokens), in the same processes and over the same UCX worker:
 - raw_spans (pages `runs`, one sender): the request's (layer, kind) spans sent from the
   sender's pools into the receiver's pools, all posted at once on both sides: the
   in-place pattern without control messages or acks;
+- raw_spans_early: the same, with the receiver's receives posted before the start
+  instant (spans on their own tag, sent right behind the header): what a receiver that
+  posts its in-place receives ahead of the sender, when it reserves the pages, could
+  reach;
 - raw_layers: the same bytes as 48 messages (one per layer), all posted at once, the
   receiver keeping `--staging` receives posted (the transport's message pattern without
   planner, gather, scatter, control messages or acks);
@@ -52,7 +56,9 @@ Per (layout, tokens), in the same processes and over the same UCX worker:
 - nccl (cuda only, --no-nccl to leave out): the raw pattern through torch.distributed
   NCCL send/recv between the same processes' GPUs (one buffer per sender, 1-byte reply).
 Time: from a start instant all senders wait for (CLOCK_MONOTONIC, shared on one host)
-to the last sender's end; best of `--reps` after one warm-up. The receiver checks the
+to the last sender's end; best of `--reps` after one warm-up (`of raw`: best against raw's
+best; `median of raw`: raw's median against the mode's median; the modes take turns within
+each repetition). The receiver checks the
 landed slot counts after every run, and after each request size both sides hash the
 request's slots (`intact`: what landed equals what was sent, bit for bit). Planning is done before timing (reported apart).
 Prints a table last and writes JSON to $OUT/kv_transfer.json (or ./kv_transfer.json).
@@ -68,6 +74,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -91,6 +98,9 @@ DEFAULT_UCX_ENV = {"cpu": TCP_TUNING, "cuda": ""}
 def _run(procs, rx_pipe, tx_pipes, what: str, rid: str, tokens: int) -> dict:
     """One timed transfer: seconds, bytes, planning seconds (rank 0), CPU seconds used
     by the senders and by the receiver process during the run."""
+    if what == "raw_spans_early":  # the receiver posts its receives before the start
+        rx_pipe.send(("early", tokens))
+        assert _reply(rx_pipe, procs) == "posted"
     rx_pipe.send("cpu")
     rx_cpu = _reply(rx_pipe, procs)
     start = time.monotonic() + START_DELAY_S
@@ -140,7 +150,8 @@ def bench_layout(p: int, pages: str, tokens_list: list[int], args) -> list[dict]
            "spin_ms": args.spin_ms, "one_gpu": args.one_gpu,
            "switch_interval": args.switch_interval, "pages": pages,
            "direct": not args.no_direct}
-    modes = MODES + (("nccl",) if nccl else ()) + (("raw_spans",) if (p, pages) == (1, "runs") else ())
+    spans = ("raw_spans", "raw_spans_early") if (p, pages) == (1, "runs") else ()
+    modes = MODES + (("nccl",) if nccl else ()) + spans
     rx_pipe, child = ctx.Pipe()
     procs = [ctx.Process(target=receiver_main, args=(child, cfg), daemon=True)]
     tx_pipes = []
@@ -160,18 +171,25 @@ def bench_layout(p: int, pages: str, tokens_list: list[int], args) -> list[dict]
         n = 0
         for tokens in tokens_list:
             best: dict[str, dict] = {}
+            times: dict[str, list[float]] = {what: [] for what in modes}
             for rep in range(args.reps + 1):  # rep 0: warm-up
                 for what in modes:
                     n += 1
                     run = _run(procs, rx_pipe, tx_pipes, what, f"r{n}", tokens)
+                    if rep:
+                        times[what].append(run["seconds"])
                     if rep and (what not in best or run["seconds"] < best[what]["seconds"]):
                         best[what] = run
             intact = _intact(procs, rx_pipe, tx_pipes, tokens)
+            median = {what: statistics.median(ts) for what, ts in times.items() if ts}
             for what, run in best.items():
                 rows.append({"layout": f"tp{p}->tp1", "pages": pages, "tokens": tokens,
                              "what": what, "intact": intact, **run,
                              "gb_per_s": run["bytes"] / run["seconds"] / 1e9,
-                             "of_raw": best["raw"]["seconds"] / run["seconds"]})
+                             "of_raw": best["raw"]["seconds"] / run["seconds"],
+                             "median_seconds": median[what],
+                             "of_raw_median": median["raw"] / median[what],
+                             "all_seconds": times[what]})
                 print(f"  {rows[-1]}", flush=True)
     finally:
         for pipe in [rx_pipe, *tx_pipes]:
@@ -254,11 +272,13 @@ def _meta(args, requested: list[int], senders: list[int]) -> dict:
 
 
 def _print_table(rows: list[dict]) -> None:
-    print("| layout | pages | tokens | intact | what | bytes | seconds | GB/s | of raw | CPU s tx/rx |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| layout | pages | tokens | intact | what | bytes | seconds | GB/s | of raw "
+          "| median of raw | CPU s tx/rx |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['pages']} | {r['tokens']} | {r['intact']} | {r['what']} | {r['bytes']} | "
               f"{r['seconds']:.4f} | {r['gb_per_s']:.2f} | {r['of_raw']:.2f} | "
+              f"{r['of_raw_median']:.2f} | "
               f"{r['sender_cpu_s']:.2f}/{r['receiver_cpu_s']:.2f} |")
 
 

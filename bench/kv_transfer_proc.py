@@ -1,7 +1,8 @@
 """What every spawned process of `bench/kv_transfer.py` shares: its environment (UCX
 variables, one torch thread, on cuda its GPU and the NCCL group), its KV pools and raw
-buffers, commands from the parent, CPU time, optional profiling, the start instant, and
-the digest of a request's slots (the check that what landed is what was sent)."""
+buffers, commands from the parent, CPU time, optional profiling, the start instant, the
+digest of a request's slots (the check that what landed is what was sent), and the raw
+baselines' wire constants."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 import kv_transfer_gpu as gpu
 from kv_transfer_request import HEAD_DIM, LAYERS, PAGE
+
+EARLY, TAG_EARLY = 1, 7  # raw_spans_early: its header's size field; its spans' tag
 
 
 def make_pools(num_pages: int, heads: int, fill: bool, dev: torch.device):

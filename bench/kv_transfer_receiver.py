@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 import kv_transfer_gpu as gpu
-from kv_transfer_proc import (cpu_seconds, digest, make_buf, make_pools, pool_spans, profiled,
-                              recv_cmd, set_env)
+from kv_transfer_proc import (EARLY, TAG_EARLY, cpu_seconds, digest, make_buf, make_pools,
+                              pool_spans, profiled, recv_cmd, set_env)
 from kv_transfer_request import KV_HEADS, PAGE, request_plan, sender_shares
 
 
@@ -35,7 +35,8 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
     addr = await rx.start()
     raw_eps, nccl_bufs = [], {}
 
-    raw_serve = _raw_server(args, dev, pools, num_pages, raw_eps)
+    early: dict[int, list] = {}  # tokens -> raw_spans_early's receives, posted ahead
+    raw_serve = _raw_server(args, dev, pools, num_pages, raw_eps, early)
     listener = ucxx.create_listener(raw_serve, 0)
     pipe.send((addr, ("127.0.0.1", listener.port)))
     while (cmd := await recv_cmd(pipe)) is not None:
@@ -46,6 +47,11 @@ async def _receiver(pipe, args, dev: torch.device) -> None:
         if rid == "digest":  # per sender rank, its share as it landed here
             tables = request_plan(args["p"], tokens, num_pages, args["pages"])[0]
             pipe.send([digest(pools, [tables[(s, 0)]], "dst") for s in range(args["p"])])
+            continue
+        if rid == "early":
+            early[tokens] = _post_early(args, pools, num_pages, raw_eps[0], tokens)
+            await asyncio.sleep(0)  # the tasks post their receives
+            pipe.send("posted")
             continue
         if rid == "nccl":  # blocks this loop: nothing else is in flight meanwhile
             if tokens not in nccl_bufs:
@@ -71,10 +77,19 @@ def _mark(args, event: str, detail: str) -> None:
         kv_transfer_trace.mark(event, detail)
 
 
-def _raw_server(args, dev: torch.device, pools, num_pages: int, raw_eps: list):
+def _post_early(args, pools, num_pages: int, ep, tokens: int) -> list:
+    """raw_spans_early's receives of the request's spans on `ep` (tag TAG_EARLY), posted
+    now (before the run's start instant), as tasks."""
+    regions = pool_spans(pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)],
+                         "dst")
+    return [asyncio.ensure_future(ep.recv(r, tag=TAG_EARLY)) for r in regions]
+
+
+def _raw_server(args, dev: torch.device, pools, num_pages: int, raw_eps: list, early: dict):
     """The raw baselines' listener handler: per run a header [count, size, tokens], then
-    `count` messages (raw_spans: straight into the pools' spans, all posted; else into
-    `--staging` buffers of `size`); a 1-byte reply once they are in."""
+    `count` messages (raw_spans: straight into the pools' spans, all posted; raw_spans_early,
+    header size EARLY: the same, their receives in `early`, posted before the run; else
+    into `--staging` buffers of `size`); a 1-byte reply once they are in."""
     spans = {}
 
     async def raw_serve(ep):
@@ -90,6 +105,10 @@ def _raw_server(args, dev: torch.device, pools, num_pages: int, raw_eps: list):
                     regions = spans[tokens] = spans.get(tokens) or pool_spans(
                         pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)], "dst")
                     assert len(regions) == count
+                    if size == EARLY:  # raw_spans_early: its receives were posted ahead
+                        await asyncio.gather(*early.pop(tokens))
+                        await ep.send(np.ones(1, dtype=np.uint8))
+                        continue
                     await asyncio.gather(*(ep.recv(r) for r in regions))
                     await ep.send(np.ones(1, dtype=np.uint8))
                     continue
@@ -104,6 +123,8 @@ def _raw_server(args, dev: torch.device, pools, num_pages: int, raw_eps: list):
                 _mark(args, "raw_data_read", str(count))
                 await ep.send(np.ones(1, dtype=np.uint8))
             except Exception:
+                for task in (t for posted in early.values() for t in posted):
+                    task.cancel()
                 return
 
     return raw_serve

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 import kv_transfer_gpu as gpu
-from kv_transfer_proc import (cpu_seconds, digest, make_buf, make_pools, pool_spans, profiled,
-                              recv_cmd, set_env, sleep_until)
+from kv_transfer_proc import (EARLY, TAG_EARLY, cpu_seconds, digest, make_buf, make_pools,
+                              pool_spans, profiled, recv_cmd, set_env, sleep_until)
 from kv_transfer_request import LAYERS, PAGE, kv_layouts, rank_batches, request_plan
 
 
@@ -64,11 +64,16 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
         cpu0 = cpu_seconds()
         if what == "nccl":
             gpu.nccl_send(raw_buf[:nbytes], args["p"])
-        elif what == "raw_spans":
+        elif what in ("raw_spans", "raw_spans_early"):
             regions = spans[tokens] = spans.get(tokens) or pool_spans(
                 pools, request_plan(args["p"], tokens, num_pages, args["pages"])[0][(rank, 0)], "src")
-            await raw_ep.send(np.array([len(regions), 0, tokens], dtype="<u8"))
-            await asyncio.gather(*(raw_ep.send(r) for r in regions))
+            early = what == "raw_spans_early"  # the receiver's receives are already posted
+            head = raw_ep.send(np.array([len(regions), EARLY if early else 0, tokens], dtype="<u8"))
+            if early:
+                await asyncio.gather(head, *(raw_ep.send(r, tag=TAG_EARLY) for r in regions))
+            else:
+                await head
+                await asyncio.gather(*(raw_ep.send(r) for r in regions))
             await raw_ep.recv(reply)
         elif what.startswith("raw"):
             count = 1 if what == "raw" else LAYERS

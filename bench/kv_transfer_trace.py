@@ -70,12 +70,15 @@ def install() -> None:
                       (staging._Pools, "wait")):
         _wrap_method(cls, name)
     _wrap_method(receiver.KVReceiver, "_apply")
-    from phalanx.kv_transfer import slab_copy
+    from phalanx.kv_transfer import slab_copy, send_connection
+    _wrap_method(send_connection._SenderConn, "request")
     _wrap_method(slab_copy.SlabIndex, "copy")
     _wrap_method(staging._Pools, "_record")
     for cls, name in ((sender.KVSender, "_batches"), (sender.KVSender, "_template"),
                       (sender.KVSender, "_next_message"), (receiver.KVReceiver, "_template"),
-                      (receiver.KVReceiver, "_land_in_place"), (receiver.KVReceiver, "_finish")):
+                      (receiver.KVReceiver, "_land_in_place"), (receiver.KVReceiver, "_finish"),
+                      (sender.KVSender, "send_layer"), (staging._Pools, "ready_event"),
+                      (sender.KVSender, "_post"), (sender.KVSender, "_conn")):
         _wrap_method(cls, name)
 
 

@@ -7,7 +7,7 @@ as the transport hands pool regions to UCX: a bare `__cuda_array_interface__`).
 
 One process per configuration (ucxx is initialised once per process), with both
 endpoints of a loopback connection; receives on cuda:0, sends from cuda:1 when two GPUs
-are visible. Reports the host time per posted receive (median of `--reps` after two
+are visible. Reports the host time per posted receive and send (median of `--reps` after two
 warm-up rounds) and the round's total (posts, transfer, every completion seen).
 
     python bench/ucx_posts.py [--device cuda|cpu] [--modes thread-polling,thread]
@@ -70,7 +70,8 @@ async def _measure(mode: str, device: str, count: int, nbytes: int, reps: int) -
     rbufs, sbufs = [buf(0) for _ in range(count)], [buf(1 if two else 0) for _ in range(count)]
     rtag = UCXXTag(hash64bits(server._tags["msg_recv"], hash(7)))
     stag = UCXXTag(hash64bits(client._tags["msg_send"], hash(7)))
-    got: dict[str, list[float]] = {"straight": [], "tasks": [], "straight_ms": [], "tasks_ms": []}
+    got: dict[str, list[float]] = {k: [] for k in ("straight", "tasks", "straight_send",
+                                                   "tasks_send", "straight_ms", "tasks_ms")}
     for rep in range(reps + 2):
         for how in ("straight", "tasks"):
             t0 = time.perf_counter()
@@ -78,6 +79,7 @@ async def _measure(mode: str, device: str, count: int, nbytes: int, reps: int) -
                 rreq = [server._ep.tag_recv(Array(b), rtag, UCXXTagMaskFull) for b in rbufs]
                 t1 = time.perf_counter()
                 sreq = [client._ep.tag_send(Array(b), stag) for b in sbufs]
+                t2 = time.perf_counter()
                 waits = [r.future for r in rreq + sreq]
             else:
                 waits = []
@@ -87,12 +89,18 @@ async def _measure(mode: str, device: str, count: int, nbytes: int, reps: int) -
                         await asyncio.sleep(0)
                 await asyncio.sleep(0)
                 t1 = time.perf_counter()
-                waits += [asyncio.ensure_future(client.send(b, tag=7)) for b in sbufs]
+                for i, b in enumerate(sbufs):
+                    waits.append(asyncio.ensure_future(client.send(b, tag=7)))
+                    if (i + 1) & i == 0:
+                        await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                t2 = time.perf_counter()
             await asyncio.gather(*waits)
-            t2 = time.perf_counter()
+            t3 = time.perf_counter()
             if rep >= 2:
                 got[how].append((t1 - t0) / count * 1e6)
-                got[how + "_ms"].append((t2 - t0) * 1e3)
+                got[how + "_send"].append((t2 - t1) / count * 1e6)
+                got[how + "_ms"].append((t3 - t0) * 1e3)
     await client.close()
     listener.close()
     ucxx.stop_notifier_thread()  # a non-daemon thread: the process would not exit
@@ -143,13 +151,14 @@ def main() -> None:
         json.dump({"device": args.device, "count": args.count, "mib": args.mib, "rows": rows},
                   f, indent=1)
     print(f"{args.count} x {args.mib} MiB, {args.device}")
-    print("| mode | delayed | straight us/post | tasks us/post | straight round ms "
-          "| tasks round ms |")
+    print("| mode | delayed | straight us/recv | us/send | tasks us/recv | us/send "
+          "| straight round ms | tasks round ms |")
     for r in rows:
         if "error" in r:
-            print(f"| {r['mode']} | {r['delayed']} | {r['error'][:60]} | | | |")
+            print(f"| {r['mode']} | {r['delayed']} | {r['error'][:60]} | | | | | |")
         else:
-            print(f"| {r['mode']} | {r['delayed']} | {r['straight']:.1f} | {r['tasks']:.1f} | "
+            print(f"| {r['mode']} | {r['delayed']} | {r['straight']:.1f} | "
+                  f"{r['straight_send']:.1f} | {r['tasks']:.1f} | {r['tasks_send']:.1f} | "
                   f"{r['straight_ms']:.2f} | {r['tasks_ms']:.2f} |")
 
 
