@@ -67,13 +67,7 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
         elif what in ("raw_spans", "raw_spans_early"):
             regions = spans[tokens] = spans.get(tokens) or pool_spans(
                 pools, request_plan(args["p"], tokens, num_pages, args["pages"])[0][(rank, 0)], "src")
-            early = what == "raw_spans_early"  # the receiver's receives are already posted
-            head = raw_ep.send(np.array([len(regions), EARLY if early else 0, tokens], dtype="<u8"))
-            if early:
-                await asyncio.gather(head, *(raw_ep.send(r, tag=TAG_EARLY) for r in regions))
-            else:
-                await head
-                await asyncio.gather(*(raw_ep.send(r) for r in regions))
+            await _send_spans(raw_ep, regions, tokens, what == "raw_spans_early")
             await raw_ep.recv(reply)
         elif what.startswith("raw"):
             count = 1 if what == "raw" else LAYERS
@@ -95,3 +89,14 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
     await tx.close()
     raw_ep.abort()
     shutdown_ucx()
+
+
+async def _send_spans(ep, regions: list, tokens: int, early: bool) -> None:
+    """raw_spans: the header, then once it is sent every span; raw_spans_early (the
+    receiver's receives already posted, on their own tag): all at once."""
+    head = ep.send(np.array([len(regions), EARLY if early else 0, tokens], dtype="<u8"))
+    if early:
+        await asyncio.gather(head, *(ep.send(r, tag=TAG_EARLY) for r in regions))
+    else:
+        await head
+        await asyncio.gather(*(ep.send(r) for r in regions))
