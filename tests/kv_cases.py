@@ -1,6 +1,6 @@
 """The KV transport tests' cases: layouts of both sides, a request's KV and its pages in
-each side's pools, and its plan (test_kv_transport, test_kv_transport_inproc,
-test_kv_slab_copy)."""
+each side's pools, and its plan (test_kv_transport and its kv_actors,
+test_kv_transport_inproc, test_kv_slab_copy)."""
 
 from __future__ import annotations
 
