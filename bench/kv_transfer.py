@@ -58,9 +58,9 @@ Per (layout, tokens), in the same processes and over the same UCX worker:
 Time: from a start instant all senders wait for (CLOCK_MONOTONIC, shared on one host)
 to the last sender's end; best of `--reps` after one warm-up (`of raw`: best against raw's
 best; `median of raw`: raw's median against the mode's median; the modes take turns within
-each repetition). The receiver checks the
-landed slot counts after every run, and after each request size both sides hash the
-request's slots (`intact`: what landed equals what was sent, bit for bit). Planning is done before timing (reported apart).
+each repetition). The receiver checks the landed slot counts after every run, and after
+each request size both sides hash the request's slots (`intact`: what landed equals what
+was sent, bit for bit). Planning is done before timing (reported apart).
 Prints a table last and writes JSON to $OUT/kv_transfer.json (or ./kv_transfer.json).
 Code: this file parses the command line, runs the processes and reports; the processes
 are in kv_transfer_receiver.py and kv_transfer_sender.py (shared pieces in
