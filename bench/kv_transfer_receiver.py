@@ -77,12 +77,22 @@ def _mark(args, event: str, detail: str) -> None:
         kv_transfer_trace.mark(event, detail)
 
 
+_SPANS: dict[int, list] = {}  # tokens -> the request's spans (one set of pools per process)
+
+
+def _dst_spans(args, pools, num_pages: int, tokens: int) -> list:
+    """The request's (layer, kind) spans in the receiver's pools, made once per size."""
+    if tokens not in _SPANS:
+        _SPANS[tokens] = pool_spans(
+            pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)], "dst")
+    return _SPANS[tokens]
+
+
 def _post_early(args, pools, num_pages: int, ep, tokens: int) -> list:
     """raw_spans_early's receives of the request's spans on `ep` (tag TAG_EARLY), posted
     now (before the run's start instant), as tasks."""
-    regions = pool_spans(pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)],
-                         "dst")
-    return [asyncio.ensure_future(ep.recv(r, tag=TAG_EARLY)) for r in regions]
+    return [asyncio.ensure_future(ep.recv(r, tag=TAG_EARLY))
+            for r in _dst_spans(args, pools, num_pages, tokens)]
 
 
 def _raw_server(args, dev: torch.device, pools, num_pages: int, raw_eps: list, early: dict):
@@ -90,8 +100,6 @@ def _raw_server(args, dev: torch.device, pools, num_pages: int, raw_eps: list, e
     `count` messages (raw_spans: straight into the pools' spans, all posted; raw_spans_early,
     header size EARLY: the same, their receives in `early`, posted before the run; else
     into `--staging` buffers of `size`); a 1-byte reply once they are in."""
-    spans = {}
-
     async def raw_serve(ep):
         raw_eps.append(ep)
         bufs = [make_buf(0, dev)] * args["staging"]
@@ -102,8 +110,7 @@ def _raw_server(args, dev: torch.device, pools, num_pages: int, raw_eps: list, e
                 count, size, tokens = (int(x) for x in head)
                 _mark(args, "raw_head_read", str(count))
                 if tokens:
-                    regions = spans[tokens] = spans.get(tokens) or pool_spans(
-                        pools, request_plan(1, tokens, num_pages, args["pages"])[0][(0, 0)], "dst")
+                    regions = _dst_spans(args, pools, num_pages, tokens)
                     assert len(regions) == count
                     if size == EARLY:  # raw_spans_early: its receives were posted ahead
                         await asyncio.gather(*early.pop(tokens))

@@ -178,7 +178,8 @@ def run_mode(mode: str, device: str, server_device: str, sizes: list[int],
     """One mode in two fresh processes (ucxx is initialised once per process)."""
     ctx = mp.get_context("spawn")
     q, out = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_server_main, args=(mode, server_device, sizes, burst, rounds, q)),
+    procs = [ctx.Process(target=_server_main,
+                         args=(mode, server_device, sizes, burst, rounds, q)),
              ctx.Process(target=_client_main,
                          args=(mode, device, sizes, burst, rounds, q, out))]
     for p in procs:
