@@ -92,9 +92,12 @@ class PrefillRank(KVRank):
         self._enqueue_request("prefill", request_id, prompt_token_ids, params, key)
 
     def forget(self, key: int) -> None:
-        """Stop streaming `key` (its request was aborted or moved elsewhere)."""
+        """Stop streaming `key` (its request was aborted or moved elsewhere); what this
+        step announced for it is withdrawn."""
         with self._lock:
-            self._streams.pop(key, None)
+            stream = self._streams.pop(key, None)
+        if stream is not None:
+            self._sender.withdraw(stream.dest.transfer_id)
 
     def release(self, request_id: str) -> None:
         """Every reader is done: the leader frees the request's pages."""
@@ -128,7 +131,9 @@ class PrefillRank(KVRank):
         def layer_done(layer: int) -> None:
             for key, dst_rank, copies in sends.get(layer, ()):
                 self.fault_point("kv_send")
-                stream = self._streams[key]
+                stream = self._streams.get(key)
+                if stream is None:  # forgotten during the step (its batches withdrawn)
+                    continue
                 address = tuple(stream.dest.addresses[dst_rank])
                 stream.futures.append(self._sender.submit_layer(
                     address, stream.dest.transfer_id, copies))

@@ -46,8 +46,10 @@ Per (layout, tokens), in the same processes and over the same UCX worker:
   the pools excepted: one control message for all of them) and keeps `--staging` of
   them in flight;
 - whole_prepared: the same after `KVSender.prepare` of the batch before the start
-  instant (validation, templates located in both pools, messages cut: what the engine's
-  prefill ranks do while the step computes); its time is reported apart
+  instant (validation, templates located in both pools, messages cut, and the control
+  messages of the parts that go from pool to pool announced, so the receiver posts
+  their receives before the start: what the engine's prefill ranks do while the step
+  computes; `--no-announce` leaves the announcing out); its time is reported apart
   (`prepare_seconds`, like planning);
 - pipelined: each sender streams every layer with `KVSender.send_layer` (one layer's
   template batches), all layers submitted at once; the transport coalesces the backlog
@@ -149,7 +151,7 @@ def bench_layout(p: int, pages: str, tokens_list: list[int], args) -> list[dict]
            "payload_only": args.payload_only, "trace": args.trace,
            "spin_ms": args.spin_ms, "one_gpu": args.one_gpu,
            "switch_interval": args.switch_interval, "pages": pages,
-           "direct": not args.no_direct}
+           "direct": not args.no_direct, "announce": not args.no_announce}
     spans = ("raw_spans", "raw_spans_early") if (p, pages) == (1, "runs") else ()
     modes = MODES + (("nccl",) if nccl else ()) + spans
     rx_pipe, child = ctx.Pipe()
@@ -218,6 +220,8 @@ def _parse_args() -> argparse.Namespace:
                     help=f"the request's pages in both pools, any of {','.join(PAGE_ORDERS)}")
     ap.add_argument("--no-direct", action="store_true",
                     help="the receiver takes no payload in place (everything staged)")
+    ap.add_argument("--no-announce", action="store_true",
+                    help="KVSender(announce=False): prepare sends nothing ahead")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--staging", type=int, default=3, help="staging buffers per connection")
     ap.add_argument("--payload-mib", type=int, default=32,
@@ -261,6 +265,7 @@ def _meta(args, requested: list[int], senders: list[int]) -> dict:
             "ucxx": ucxx.__version__, "torch": torch.__version__, "device": args.device,
             "tls": args.tls, "ucx_env": _ucx_env(args.ucx_env), "staging": args.staging,
             "payload_mib": args.payload_mib, "reps": args.reps, "direct": not args.no_direct,
+            "announce": not args.no_announce,
             "one_gpu": args.one_gpu, "spin_ms": args.spin_ms, "progress": args.progress_mode,
             "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                       "page": PAGE, "dtype_bytes": 2,

@@ -33,7 +33,8 @@ async def _sender(pipe, rank: int, args, dev: torch.device) -> None:
     num_pages = -(-args["max_tokens"] // PAGE) + 8
     pools = make_pools(num_pages, heads, True, dev)
     tx = KVSender(pools, rank=rank, epoch=1, timeout_s=60.0,
-                  staging_buffers=args["staging"], progress_mode=args["progress"])
+                  staging_buffers=args["staging"], progress_mode=args["progress"],
+                  announce=args.get("announce", True))
     addr, raw_addr = pipe.recv()
     await tx.connect(tuple(addr))
     raw_ep = await ucxx.create_endpoint(*raw_addr)

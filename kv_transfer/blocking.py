@@ -13,7 +13,8 @@ import torch
 
 from . import messages as m
 from .receiver import KVReceiver
-from .sender import Copies, KVSender
+from .part_cutter import Copies
+from .sender import KVSender
 from .ucx_runtime import _MARGIN_S, Address, TransportThread, _on_loop
 
 __all__ = ["BlockingKVReceiver", "BlockingKVSender"]
@@ -47,6 +48,10 @@ class BlockingKVSender:
         one call (returns at once: it runs there before the sends submitted after it).
         Every batch is tried; the Future raises the first error."""
         return self.thread.submit(_on_loop(_prepare_all, self.sender, batches))
+
+    def withdraw(self, request_id: str) -> int:
+        """`KVSender.withdraw`: how many prepared batches were withdrawn."""
+        return self.thread.call(_on_loop(self.sender.withdraw, request_id), _MARGIN_S)
 
     def send_layer_sync(self, peer: Address, request_id: str, copies: Copies, *,
                         timeout_s: Optional[float] = None) -> m.TransferAck:

@@ -7,10 +7,14 @@ connection (a prefill rank -> a decode rank) the sender speaks first with `Hello
 receiver answers `HelloAck` (with the payload capacity of its receive buffers); then each
 message is a `TransferRequest` plus its payload, answered by one `TransferAck` with the
 same `seq`: either one message of exactly `payload_bytes` raw bytes into a staging
-buffer, or (`direct`) one message per block, received straight into the pool span the
-block names (`spans`). Every message carries the
-epoch of the group that produced it; a receiver drops (never applies) messages of
-another epoch.
+buffer, or (`direct`) one message per block on the message's own tag, received straight
+into the pool span the block names (`spans`). A direct message may be *announced*: its
+`TransferRequest` goes ahead (when the sender prepares it, before its pages are
+computed), so the receiver's receives wait posted, and a `Posted` follows once the
+payload is on its way, or a `Withdrawn` if it never will be (the withdrawn payload
+arrives as empty messages that complete those receives; it is not acknowledged). Every
+message carries the epoch of the group that produced it; a receiver drops (never
+applies) messages of another epoch.
 
 Copy descriptors are little-endian int32 tables `[n, 10]` (`COPY_FIELDS`), a compact
 form of `planner.Copy` without the two ranks (implicit in the connection). A request's
@@ -39,7 +43,7 @@ import numpy as np
 
 from .planner import Copy
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_CTRL_BYTES = 1 << 20   # a framed TransferRequest (header + copy table) fits in this
 MAX_REPLY_BYTES = 1 << 16  # a framed Hello, HelloAck or TransferAck fits in this
 KIND_CODES = {"k": 0, "v": 1}
@@ -92,14 +96,17 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     `blocks` is the int32 block table (`encode_blocks`).
 
     direct: every block is one span of the receiver's pools (`spans.SlabSpans`) and its
-    payload follows as its own transport message (TAG_DIRECT), block by block, received
-    in place; `block_bytes` (little-endian int64 per block) declares their sizes, so a
-    receiver that refuses the message can still take it off the wire, and `dst_starts`
-    (little-endian int64 per block) where each span starts, in elements of its
-    (layer, kind) pool. A direct message names no template (`template` -1, no table):
+    payload follows as its own transport message (`ucx_runtime.direct_tag(seq)`), block
+    by block, received in place; `block_bytes` (little-endian int64 per block) declares
+    their sizes, so a receiver that refuses the message can still take it off the wire,
+    and `dst_starts` (little-endian int64 per block) where each span starts, in elements
+    of its (layer, kind) pool. A direct message names no template (`template` -1, no table):
     the receiver writes it from the blocks' layer and kind, starts and sizes alone, so
     its receives are posted without locating any template (their rows are the
-    sender's). Otherwise the payload is one message (TAG_PAYLOAD) into a staging buffer."""
+    sender's). Otherwise the payload is one message (TAG_PAYLOAD) into a staging buffer.
+
+    announce_ms > 0 (direct only): announced ahead of its payload; the sender sends its
+    `Posted` or `Withdrawn` within this many milliseconds of sending this."""
 
     request_id: str
     epoch: int
@@ -113,6 +120,25 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     direct: bool = False
     block_bytes: bytes = b""
     dst_starts: bytes = b""
+    announce_ms: int = 0
+
+
+class Posted(msgspec.Struct, tag="posted", frozen=True):
+    """Sender -> receiver: announced message `seq`'s payload is posted (its receives'
+    deadline runs from here)."""
+
+    request_id: str
+    epoch: int
+    seq: int
+
+
+class Withdrawn(msgspec.Struct, tag="withdrawn", frozen=True):
+    """Sender -> receiver: announced message `seq` is never sent; one empty message per
+    block follows on its tag (completing the posted receives; nothing is written)."""
+
+    request_id: str
+    epoch: int
+    seq: int
 
 
 class TransferAck(msgspec.Struct, tag="ack", frozen=True):
@@ -127,7 +153,7 @@ class TransferAck(msgspec.Struct, tag="ack", frozen=True):
     error: str = ""
 
 
-ToReceiver = Union[Hello, TransferRequest]
+ToReceiver = Union[Hello, TransferRequest, Posted, Withdrawn]
 ToSender = Union[HelloAck, TransferAck]
 
 _ENCODER = msgspec.msgpack.Encoder()

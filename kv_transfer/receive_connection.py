@@ -22,6 +22,8 @@ class _RecvConn:
         # template id -> (request id, template); LRU, dropped with their request
         self.templates: OrderedDict[int, tuple[str, _Template]] = OrderedDict()
         self.requests: set[str] = set()
+        # seq -> announced direct message's verdict: True when posted, False withdrawn
+        self.verdicts: dict[int, asyncio.Future] = {}
         self.scratch: Optional[torch.Tensor] = None  # drains refused direct payloads
         # made when the first staged message arrives (a connection that only carries
         # direct messages holds none)

@@ -17,12 +17,11 @@ from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
 from .packed_table import unpack_table
+from .direct_landing import DirectLanding
 from .receive_connection import _RecvConn
-from .spans import direct_spans
 from .staging import _Pools, _Template
-from .ucx_runtime import (TAG_CTRL, TAG_DIRECT, TAG_PAYLOAD, TAG_REPLY, Address, _abort,
-                          _post_all, _post_recv, _post_send, _reason, _settle, _ucx_buf,
-                          ensure_ucx, progress_mode_for)
+from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_recv,
+                          _post_send, _reason, _ucx_buf, ensure_ucx, progress_mode_for)
 
 __all__ = ["KVReceiver"]
 
@@ -32,7 +31,7 @@ log = get_logger(__name__)
 RECEIVER_TEMPLATES = 4096  # per connection, LRU: more than a sender ever assumes known
 
 
-class KVReceiver:
+class KVReceiver(DirectLanding):
     """Decode side: listens on (host, port) (0: any free port) and writes incoming
     batches into its pools (per layer (k, v) of `[num_pages, kv_heads_local, page_size,
     head_dim]`). `wait_request` reports when a request's KV has landed. Per connection it
@@ -44,9 +43,13 @@ class KVReceiver:
     on_landed(request_id, layers, epoch): called on the loop after a message is written,
     before its ack is sent. gated: accept only request ids announced with `expect` (and
     not yet `release`d), so a late write of an abandoned transfer can never land in pages
-    that were given back; others get a negative ack. `stats`: counters (connections
+    that were given back; others get a negative ack. An announced direct message's
+    receives are posted when it is read (before its payload is sent); its deadline
+    runs from its `Posted`, which must come (or a `Withdrawn`) within the
+    announcement's `announce_ms` plus `timeout_s`. `stats`: counters (connections
     accepted and lost, messages and bytes written, of which received in place, messages
-    dropped for their epoch or rejected, staging buffer bytes made). progress_mode:
+    announced and withdrawn, messages dropped for their epoch or rejected, staging
+    buffer bytes made). progress_mode:
     ucxx's, for the process (default `progress_mode_for` the pools' device). Async API:
     use on one loop (module docstring)."""
 
@@ -70,7 +73,8 @@ class KVReceiver:
         self._failed: dict[str, tuple[str, str]] = {}
         self._wakeup = asyncio.Event()
         self.stats = {"connections": 0, "messages": 0, "bytes": 0, "direct": 0,
-                      "dropped_epoch": 0, "rejected": 0, "conn_lost": 0, "staging_bytes": 0}
+                      "announced": 0, "withdrawn": 0, "dropped_epoch": 0, "rejected": 0,
+                      "conn_lost": 0, "staging_bytes": 0}
 
     @property
     def address(self) -> Address:
@@ -181,12 +185,23 @@ class KVReceiver:
             await task  # idle: no deadline
             msg = m.unframe(buf, m.TO_RECEIVER)  # decoded into copies: repost at once
             ctrl.append((buf, _post_recv(conn.ep, TAG_CTRL, buf)))
+            if isinstance(msg, (m.Posted, m.Withdrawn)):
+                self._verdict(conn, msg)
+                continue
             if not isinstance(msg, m.TransferRequest):
                 raise ValueError(f"unexpected {type(msg).__name__}")
             if msg.epoch == self.epoch:
                 conn.requests.add(msg.request_id)
             if msg.direct:
-                error, landed, done = await self._land_in_place(conn, msg)
+                verdict = None
+                if msg.announce_ms > 0:  # landed and acked outside the order of the others
+                    verdict = conn.verdicts[msg.seq] = asyncio.get_running_loop().create_future()
+                    self.stats["announced"] += 1
+                error, landed, done = self._land_in_place(conn, msg, verdict)
+                if verdict is not None:
+                    asyncio.create_task(self._finish(conn, msg, error, landed, done, None,
+                                                     verdict))
+                    continue
             else:  # UCX fills staging receives in posting order, so take them in that order
                 if conn.staging is None:  # first staged message: the payload waits in UCX
                     self._make_staging(conn, staged)
@@ -221,10 +236,12 @@ class KVReceiver:
 
     async def _finish(self, conn: _RecvConn, msg: m.TransferRequest, error: str,
                       landed: Optional[tuple[dict, dict]], done: Optional[asyncio.Future],
-                      previous: Optional[asyncio.Task]) -> None:
+                      previous: Optional[asyncio.Task],
+                      verdict: Optional[asyncio.Future] = None) -> None:
         """After message `msg`'s payload is in its pages (`done`: the scatter or the
         in-place receives) and the message before it finished: count its slots landed,
-        acknowledge it."""
+        acknowledge it. An announced message that was withdrawn (`verdict` False) is
+        neither counted nor acknowledged."""
         try:
             if done is not None:
                 await done
@@ -236,6 +253,9 @@ class KVReceiver:
             self._break(conn, f"copy failed: {_reason(e)}")
             return
         if conn.broken:
+            return
+        if verdict is not None and not verdict.result():
+            self.stats["withdrawn"] += 1
             return
         if landed is not None:
             rows, by_layer = landed
@@ -252,71 +272,6 @@ class KVReceiver:
             msg.request_id, msg.epoch, msg.seq, msg.layer_start, msg.layer_stop,
             not error, error[:1000])))
         ack.add_done_callback(lambda t, conn=conn: self._ack_done(conn, t))
-
-    async def _land_in_place(self, conn: _RecvConn, msg: m.TransferRequest
-                             ) -> tuple[str, Optional[tuple[dict, dict]], Optional[asyncio.Future]]:
-        """Post the in-place receives of a direct message: ('', (the request's landed
-        rows, slots per layer), their completion). A direct message that cannot be
-        written (blocks outside the pools or its layers, spans that are not whole token
-        slots, another epoch, a closed gate) is received into scratch space by its
-        declared block sizes: (why, None, None). Undeclared or inconsistent sizes leave
-        the payload unknown: ValueError, the connection ends."""
-        sizes = m.direct_sizes(msg, self.max_payload_bytes)
-        p, error, spans = self._pools, "", []
-        try:
-            spans = direct_spans(m.decode_blocks(msg.blocks), msg.dst_starts, sizes,
-                                 range(msg.layer_start, msg.layer_stop), p.num_layers,
-                                 p.num_pages * p.heads * p.page_size * p.head_dim,
-                                 p.head_dim, p.row_bytes // p.head_dim)
-        except ValueError as e:
-            error = str(e)
-        if error:
-            self.stats["rejected"] += 1
-        refusal = error or self._refusal(msg)
-        if refusal:
-            await self._drain(conn, sizes)
-            return refusal, None, None
-        # Registered before posting: a `release` waits for every receive posted here;
-        # the rows are taken now (as in `_apply`).
-        rows, recvs = self._rows[msg.request_id], []
-        landing = asyncio.get_running_loop().create_future()
-        inflight = self._inflight[msg.request_id]
-        inflight.add(landing)
-        landing.add_done_callback(inflight.discard)
-        try:
-            _post_all(conn.ep, False, TAG_DIRECT, (
-                _ucx_buf(self._pools.region(layer, kind, span)) for layer, kind, span in spans),
-                into=recvs)
-        finally:  # also when cut short: the posted ones are waited for (or fail)
-            done = asyncio.ensure_future(self._received(conn, recvs))
-            done.add_done_callback(functools.partial(_settle, landing))
-        self.stats["direct"] += 1
-        landed: dict[int, int] = defaultdict(int)
-        for layer, _, (a, b) in spans:
-            landed[layer] += (b - a) // self._pools.head_dim
-        return "", (rows, landed), done
-
-    async def _received(self, conn: _RecvConn, recvs: list[asyncio.Task]) -> None:
-        """Until every in-place receive completed; at the deadline or on an error the
-        connection is broken first (its endpoint aborted: nothing more lands)."""
-        try:
-            await asyncio.wait_for(asyncio.gather(*recvs), self.timeout_s)
-        except BaseException as e:
-            self._break(conn, f"in-place receive failed: {_reason(e)}")
-            raise
-
-    async def _drain(self, conn: _RecvConn, sizes: list[int]) -> None:
-        """Receive a refused direct message's payload into scratch space (never the pools),
-        block by block (each fits `max_payload_bytes`), within one deadline."""
-        if conn.scratch is None:
-            conn.scratch = torch.empty(self.max_payload_bytes, dtype=torch.uint8,
-                                       device=self._pools.device)
-
-        async def drain() -> None:
-            for size in sizes:
-                await _post_recv(conn.ep, TAG_DIRECT, _ucx_buf(conn.scratch[:size]))
-
-        await asyncio.wait_for(drain(), self.timeout_s)
 
     def _ack_done(self, conn: _RecvConn, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -384,6 +339,9 @@ class KVReceiver:
             log.warning("kv_recv_conn_broken", peer=conn.peer, reason=reason)
         for request_id in conn.requests:
             self._failed.setdefault(request_id, (conn.peer, f"connection lost: {reason}"))
+        for verdict in conn.verdicts.values():  # their receives fail with the endpoint
+            verdict.cancel()
+        conn.verdicts.clear()
         for task in conn.tasks:
             if task is not asyncio.current_task():
                 task.cancel()

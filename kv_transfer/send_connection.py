@@ -1,12 +1,14 @@
 """State of one `KVSender` connection: its batches (`_Batch`), the templates it has
-located and defined (`_Sent`), runs of message parts (`_Run`) and the queue its pump
-sends from (`_SenderConn`)."""
+located and defined (`_Sent`), runs of message parts (`_Run`), prepared batches
+(`_Prepared`) and their announced messages (`_Announced`), and the queue its pump sends
+from (`_SenderConn`, which also numbers, builds, announces and withdraws messages)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -15,6 +17,9 @@ from . import messages as m
 from .packed_table import pack_table
 from .spans import SlabSpans
 from .staging import _Template
+from .ucx_runtime import TAG_CTRL, _post_all, _post_send, direct_tag
+
+_EMPTY = np.empty(0, dtype=np.uint8)  # a withdrawn block: completes its receive, writes nothing
 
 
 class _Batch:
@@ -56,45 +61,150 @@ class _Run:
         return _Run(self.sent, self.blocks[k:], self.nbytes[k:], self.direct, self.pooled)
 
 
+class _Announced:
+    """A direct message from this rank's pools whose `TransferRequest` went ahead of its
+    payload (`seq`, of `request_id` at `epoch`; its template, blocks `[n, 4]` and their
+    payload bytes `[n]`). The queue sends it whole; it is never merged with others."""
+
+    __slots__ = ("seq", "request_id", "epoch", "sent", "blocks", "cuts")
+
+    def __init__(self, seq: int, request_id: str, epoch: int, sent: _Sent,
+                 blocks: np.ndarray, cuts: np.ndarray) -> None:
+        self.seq, self.request_id, self.epoch = seq, request_id, epoch
+        self.sent, self.blocks, self.cuts = sent, blocks, cuts
+
+
+class _Prepared:
+    """A `prepare`d batch: its copies (their id names it while this holds them), the runs
+    of its parts not announced, its announced messages, the epoch they carry, and the
+    timer that withdraws them if the batch is not sent in time."""
+
+    __slots__ = ("copies", "runs", "announced", "epoch", "timer")
+
+    def __init__(self, copies: Any, runs: list[_Run], announced: list[_Announced],
+                 epoch: int, timer: Optional[asyncio.TimerHandle]) -> None:
+        self.copies, self.runs, self.announced = copies, runs, announced
+        self.epoch, self.timer = epoch, timer
+
+
 class _SenderConn:
     """One connection to a receiver: its endpoint, what the receiver told (rank, capacity,
     pool shape), the queue and the staging buffers; it numbers and builds the control
     messages."""
 
-    def __init__(self, peer: str, ep: Any, hello: m.HelloAck, staging: int) -> None:
+    def __init__(self, peer: str, ep: Any, hello: m.HelloAck, staging: int,
+                 fail: Callable[[str], None]) -> None:
         self.peer, self.ep, self.receiver_rank = peer, ep, hello.receiver_rank
+        self.fail = fail  # breaks the connection, with why
         self.capacity = hello.max_payload_bytes
         self.dst_shape = tuple(hello.pool_shape)  # () : the receiver takes no direct payloads
         self.free: asyncio.Queue[torch.Tensor] = asyncio.Queue()  # staging buffers
         for _ in range(max(1, staging)):
             self.free.put_nowait(torch.empty(0, dtype=torch.uint8))
         self.seq = 0
-        # (batch, run of its parts); pooled runs: direct parts that are spans of this
-        # rank's pools too (sent from them)
-        self.queue: deque[tuple[_Batch, _Run]] = deque()
+        # (batch, run of its parts or an announced message); pooled runs: direct parts
+        # that are spans of this rank's pools too (sent from them)
+        self.queue: deque[tuple[_Batch, Union[_Run, _Announced]]] = deque()
         self.templates: OrderedDict[tuple[str, bytes], _Sent] = OrderedDict()  # (request, table)
         self.defined: set[int] = set()  # template ids whose table the receiver was sent
-        # (request, id(copies)) -> (copies, their runs): `prepare`d, taken by the send
-        # (the entry holds the copies, so their id names them while it is here)
-        self.prepared: OrderedDict[tuple[str, int], tuple[Any, list]] = OrderedDict()
+        # (request, id(copies)) -> its `prepare`d batch, taken by the send
+        self.prepared: OrderedDict[tuple[str, int], _Prepared] = OrderedDict()
         self.next_template = 0
         self.wake = asyncio.Event()
         self.pending: dict[int, list[tuple[_Batch, int]]] = {}  # seq -> (batch, its parts in it)
         self.broken = ""
         self.tasks: list[asyncio.Task] = []
 
-    def request(self, batch: _Batch, sent: _Sent, blocks: np.ndarray, nbytes: int,
-                direct: bool, cuts: np.ndarray) -> m.TransferRequest:
-        """The control message of a message's blocks: a direct one says where each block
-        lands (no template); a staged one names its template (defined with its first
-        message on the connection)."""
+    def request(self, request_id: str, epoch: int, sent: _Sent, blocks: np.ndarray,
+                nbytes: int, direct: bool, cuts: np.ndarray, announce_ms: int = 0
+                ) -> m.TransferRequest:
+        """The control message of message `seq`'s blocks: a direct one says where each
+        block lands (no template); a staged one names its template (defined with its
+        first message on the connection)."""
         layers = blocks[:, 0]
-        head = (batch.request_id, batch.epoch, self.seq, int(layers.min()), int(layers.max()) + 1)
+        head = (request_id, epoch, self.seq, int(layers.min()), int(layers.max()) + 1)
         if direct:
             starts = sent.dst.start[blocks[:, 2]]  # a span starts where its first row does
             return m.TransferRequest(*head, -1, b"", m.encode_blocks(blocks), nbytes, True,
                                      cuts.astype("<i8").tobytes(),
-                                     starts.astype("<i8").tobytes())
+                                     starts.astype("<i8").tobytes(), announce_ms)
         definition = b"" if sent.tid in self.defined else pack_table(sent.tmpl.table)
         self.defined.add(sent.tid)
         return m.TransferRequest(*head, sent.tid, definition, m.encode_blocks(blocks), nbytes)
+
+    def announce(self, request_id: str, epoch: int, runs: list[_Run], wait_s: float
+                 ) -> list[_Announced]:
+        """Send ahead the control messages of `runs`' direct parts that are spans of this
+        rank's pools (up to `MAX_BLOCKS` blocks each), promising each one's `Posted` or
+        `Withdrawn` within `wait_s`: the announced messages, in order."""
+        out = []
+        for run in runs:
+            if not (run.direct and run.pooled):
+                continue
+            tmpl = run.sent.tmpl
+            for i in range(0, len(run.nbytes), m.MAX_BLOCKS):
+                blocks = run.blocks[i:i + m.MAX_BLOCKS]
+                cuts = tmpl.bytes_cum[blocks[:, 3]] - tmpl.bytes_cum[blocks[:, 2]]
+                self.seq += 1
+                msg = self.request(request_id, epoch, run.sent, blocks, int(cuts.sum()),
+                                   True, cuts, max(1, round(wait_s * 1e3)))
+                self._ctrl(msg)
+                out.append(_Announced(self.seq, request_id, epoch, run.sent, blocks, cuts))
+        return out
+
+    def withdraw(self, prepared: _Prepared) -> None:
+        """Withdraw a prepared batch's announced messages: a `Withdrawn` each, then one
+        empty message per block on its tag (the receiver's posted receives complete and
+        nothing is written). Its timer is stopped."""
+        if prepared.timer is not None:
+            prepared.timer.cancel()
+        for ann in prepared.announced if not self.broken else ():
+            self._ctrl(m.Withdrawn(ann.request_id, ann.epoch, ann.seq))
+            for send in _post_all(self.ep, True, direct_tag(ann.seq),
+                                  [_EMPTY] * len(ann.blocks)):
+                send.add_done_callback(self._check)
+        prepared.announced = []
+
+    def _ctrl(self, msg: Any) -> None:
+        """Post a control message; its failure breaks the connection."""
+        _post_send(self.ep, TAG_CTRL, m.frame(msg)).add_done_callback(self._check)
+
+    def _check(self, done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            self.fail(f"send failed: {done.exception()!r}")
+
+    def next_message(self) -> tuple[list[tuple[_Batch, int]], _Sent, np.ndarray, int,
+                                    bool, bool]:
+        """The queue's head block and the following ones of the same request, epoch,
+        template, directness and pooledness, within the receiver's capacity unless
+        pooled (a pooled message needs no buffer on either side): ((batch, its blocks
+        here) in order, template, blocks, payload bytes, direct, pooled). A run that
+        does not fit whole goes back to the queue's head less what was taken. The head
+        must be a run (announced messages are taken by the pump as they are)."""
+        head_batch, head = self.queue[0]
+        taken, blocks, total, count = [], [], 0, 0
+        while self.queue and count < m.MAX_BLOCKS:
+            batch, run = self.queue[0]
+            if (isinstance(run, _Announced)
+                    or (batch.request_id, batch.epoch) != (head_batch.request_id,
+                                                           head_batch.epoch)
+                    or run.sent is not head.sent or (run.direct, run.pooled)
+                    != (head.direct, head.pooled)):
+                break
+            k = len(run.nbytes)
+            if not head.pooled:  # pieces are cut to the capacity: the first one fits
+                k = max(int(np.searchsorted(np.cumsum(run.nbytes), self.capacity - total,
+                                            side="right")), 0 if count else 1)
+            k = min(k, m.MAX_BLOCKS - count)
+            if k == 0:
+                break
+            self.queue.popleft()
+            taken.append((batch, k))
+            blocks.append(run.blocks[:k])
+            total += int(run.nbytes[:k].sum())
+            count += k
+            if k < len(run.nbytes):
+                self.queue.appendleft((batch, run.tail(k)))
+                break
+        return (taken, head.sent, np.concatenate(blocks) if len(blocks) > 1 else blocks[0],
+                total, head.direct, head.pooled)

@@ -8,8 +8,15 @@ to its peer. The sender's pump cuts or coalesces queued batches of one request i
 messages of at most the receiver's capacity (direct messages sent from the sender's
 pools have no such bound: they need no buffer on either side), gathers each message's
 source slabs into one contiguous staging buffer (an index_select per (layer, kind) run),
-and posts the `TransferRequest` then the payload (`prepare` does the locating and
-cutting of a batch ahead, e.g. while the engine computes the layers it reads). The receiver keeps `staging_buffers` receives of
+and posts the `TransferRequest` then the payload. `prepare` does the locating and
+cutting of a batch ahead, e.g. while the engine computes the layers it reads, and
+*announces* its parts that go from pool to pool: their `TransferRequest`s leave at
+once, so the receiver's receives are posted before the pages are computed, and
+`send_layer` later posts a `Posted` and the payload (each direct message has its own
+payload tag, so announced messages may be sent in any order). An announced message
+not sent within its wait (or evicted, or `withdraw`n, or of an older epoch) is
+withdrawn: a `Withdrawn` and empty messages complete the posted receives, nothing is
+written, nothing is acked. The receiver keeps `staging_buffers` receives of
 both posted ahead (so data flows while it scatters the previous message), scatters the
 payload into its pools, then acks. Blocks that are large spans of the receiver's pools
 (`spans`: whole consecutive pages holding the same heads on both sides) skip the
@@ -17,12 +24,14 @@ staging: the message is `direct`, each block travels as its own transport messag
 (from the sender's pools when it is a span there too) and the receiver, having read and
 checked the control message (which says where each block lands: no template to locate),
 receives it straight into the pool region. `send_layer` returns once its batch is acked,
-i.e. written; batches to one peer land in call order.
+i.e. written; batches to one peer land in call order, except announced messages, each of
+which lands when its payload does.
 
 Deadlines (ARCHITECTURE §5): every wait runs under `asyncio.wait_for`: `send_layer` until
-its ack, the receiver's handshake and a payload once announced, `wait_request` until its
-KV landed. A timeout, a rejected batch or a lost peer raises `TransferError(request_id,
-epoch, peer)`. A connection that saw a timeout or an error is *broken*: it is aborted
+its ack, the receiver's handshake and a payload once its control message is read (an
+announced one's from its `Posted`, which must come within the wait the announcement
+names plus the receiver's timeout), `wait_request` until its KV landed. A timeout, a
+rejected batch or a lost peer raises `TransferError(request_id, epoch, peer)`. A connection that saw a timeout or an error is *broken*: it is aborted
 (the peer sees the close), all its pending batches fail at once, and `connect` must be
 called again. A dead peer never hangs the other side: its pending operations fail when
 UCX reports the closed endpoint, or at the deadline at the latest. Fencing: each message
@@ -48,7 +57,8 @@ from __future__ import annotations
 from .errors import TransferError
 from .blocking import BlockingKVReceiver, BlockingKVSender
 from .receiver import KVReceiver
-from .sender import Copies, KVSender
+from .part_cutter import Copies
+from .sender import KVSender
 from .staging import _Pools
 from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, TransportThread,
                           ensure_ucx, progress_mode_for, shutdown_ucx)

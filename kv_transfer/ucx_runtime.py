@@ -18,12 +18,19 @@ from ..log import get_logger
 from . import messages as m
 
 __all__ = ["Address", "TAG_CTRL", "TAG_DIRECT", "TAG_PAYLOAD", "TAG_REPLY",
-           "TransportThread", "ensure_ucx", "progress_mode_for", "shutdown_ucx"]
+           "TransportThread", "direct_tag", "ensure_ucx", "progress_mode_for", "shutdown_ucx"]
 
 log = get_logger(__name__)
 Address = tuple[str, int]
 # one tag per message kind: UCX matches the messages of one tag in posting order
 TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, TAG_DIRECT = 1, 2, 3, 4
+
+
+def direct_tag(seq: int) -> int:
+    """The tag of direct message `seq`'s payload: its own, so its receives match its
+    sends whatever order the messages of a connection are sent in (announced ones go
+    when their pages are computed)."""
+    return TAG_DIRECT | (seq << 3)
 _ABORT_PERIOD_NS = 10**9
 
 _ucx_loop: Optional[asyncio.AbstractEventLoop] = None

@@ -52,9 +52,9 @@ def _actor_main(pipe, env: dict) -> None:
 class Actor:
     """A spawned process running `_actor_main`; `call(fn, **kw)` runs `fn(state, **kw)`."""
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, env: dict = UCX_ENV) -> None:
         self._pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_actor_main, args=(child, UCX_ENV), daemon=True)
+        self.proc = ctx.Process(target=_actor_main, args=(child, env), daemon=True)
         self.proc.start()
         self._next, self._replies = 0, {}
 

@@ -1,4 +1,4 @@
-"""`KVSender._next_message`: how the queued runs of message parts become messages.
+"""`_SenderConn.next_message`: how the queued runs of message parts become messages.
 
 Pure queue logic (no UCX, no pools): the messages, in order, carry every queued block
 once and in queue order; each holds blocks of one request, epoch, template, directness
@@ -17,8 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.kv_transfer import messages as m
-from phalanx.kv_transfer.send_connection import _Batch, _Run
-from phalanx.kv_transfer.sender import KVSender
+from phalanx.kv_transfer.send_connection import _Batch, _Run, _SenderConn
 
 CAPACITY = 100
 
@@ -57,7 +56,7 @@ def test_messages_take_every_block_once_in_order_within_their_limits(case):
         try:
             messages = []
             while conn.queue:
-                messages.append(KVSender._next_message(None, conn))
+                messages.append(_SenderConn.next_message(conn))
         finally:
             m.MAX_BLOCKS = saved
         return sents, batches, order, messages

@@ -19,6 +19,7 @@ from kv_actors import (Actor, check_landed, cut_receives_then_fresh, join_layer,
                        make_receivers, make_senders, post_burst, posts_straight, prepare_all,
                        receiver_view, send_all, send_layer, set_receiver_epoch, submit_layer,
                        wait_request)
+from kv_announce import announce_lives, check_lives
 from kv_cases import CASES, IN_PLACE, LAYERS, case_layouts, case_plan
 
 from phalanx.kv_transfer.transport import TransferError
@@ -49,7 +50,8 @@ def pair(actors):
 @pytest.mark.parametrize("case,form", [
     *((case, "copies") for case in ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1", *IN_PLACE]),
     ("tp4_kv2_to_tp1", "batches"), ("tp1_to_tp2_runs", "batches"),
-    ("tp2_to_tp1", "prepared"), ("tp1_to_tp2_runs", "prepared")])
+    ("tp2_to_tp1", "prepared"), ("tp1_to_tp2_runs", "prepared"),
+    ("tp1_to_tp1_runs", "prepared")])
 def test_request_kv_lands_bit_exact(pair, case, form):
     """Planner + transport move a request's KV (2 layers, all batches in flight at once)
     across different TP degrees and page sizes; the decode pools equal the plan applied
@@ -57,7 +59,8 @@ def test_request_kv_lands_bit_exact(pair, case, form):
     With consecutive pages, spans of the receiver's pools are received in place (sent
     from the pools too when they are spans there) and the partial last page is staged.
     The copies go as `planner.Copy` lists or as `plan_batches`' template batches, the
-    latter also `prepare`d first (which sends nothing and refuses other ranks' copies)."""
+    latter also `prepare`d first (which writes nothing, announces the in-place parts,
+    and refuses other ranks' copies)."""
     prefill, decode = pair
     addrs = decode.call(make_receivers, case=case)
     prefill.call(make_senders, case=case, addrs=addrs)
@@ -76,6 +79,11 @@ def test_request_kv_lands_bit_exact(pair, case, form):
     assert all((s["direct"] > 0) == IN_PLACE.get(case, False) for s in stats), stats
     if IN_PLACE.get(case):  # the partial last page and nothing else went staged
         assert all(s["messages"] > s["direct"] for s in stats), stats
+    # prepared parts sent from pool to pool (same heads per page on both sides) went
+    # announced, and none was withdrawn
+    assert all((s["announced"] > 0) == (form == "prepared" and case == "tp1_to_tp1_runs")
+               and s["withdrawn"] == 0 for s in stats), [
+        {k: s[k] for k in ("announced", "withdrawn", "direct", "conn_lost")} for s in stats]
 
 
 def test_pooled_spans_travel_as_one_message_beyond_the_capacity(pair):
@@ -218,3 +226,13 @@ def test_other_epochs_are_dropped(pair, case):
     assert view["stats"]["messages"] == 2 * first["messages"] and view["stats"]["conn_lost"] == 0
     with pytest.raises(RuntimeError, match="TransferError.*rejected"):
         prefill.call(make_senders, case=case, addrs=addrs, tag="old", epoch=1)
+
+
+def test_announced_messages_land_withdraw_expire_and_are_bounded(pair):
+    """`prepare` announces a batch's in-place parts: the receiver posts their receives
+    before anything is sent, and other batches are written and acked meanwhile. An
+    announced message that is withdrawn, expires, or is fenced by an epoch change ends
+    its receives without writing (release returns at once; the connection goes on, and
+    the batch sent later lands bit-exact). One that is never answered is cut by the
+    receiver's bound, which breaks the connection."""
+    check_lives(pair[1].call(announce_lives, timeout_s=2.0))

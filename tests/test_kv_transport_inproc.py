@@ -151,7 +151,7 @@ def test_in_place_receives_land_and_release_waits_for_them():
     from phalanx.kv_transfer import messages as m
     from phalanx.kv_transfer.receive_connection import _RecvConn
     from phalanx.kv_transfer.receiver import KVReceiver
-    from phalanx.kv_transfer.ucx_runtime import TAG_DIRECT
+    from phalanx.kv_transfer.ucx_runtime import direct_tag
 
     case = "tp1_to_tp1_runs"
     ((template, blocks),) = m.templates_of(m.encode_copies(case_plan(case).copies))
@@ -170,15 +170,12 @@ def test_in_place_receives_land_and_release_waits_for_them():
         conn = _RecvConn(_FakeEndpoint())
         msg = m.TransferRequest("r", 1, 1, 0, LAYERS, -1, b"", m.encode_blocks(direct),
                                 n, True, sizes, starts.tobytes())
-        landing = asyncio.ensure_future(rx._land_in_place(conn, msg))
-        while not conn.ep.posted:  # the first receive is posted, the others are being made
-            await asyncio.sleep(0)
-        releasing = asyncio.ensure_future(rx.release("r"))
-        error, landed, done = await landing
+        error, landed, done = rx._land_in_place(conn, msg, None)
+        releasing = asyncio.ensure_future(rx.release("r"))  # the receives are being posted
         while len(conn.ep.posted) < len(direct):
             await asyncio.sleep(0.001)
         assert error == "" and len(conn.ep.posted) == len(direct) >= 4
-        assert all(tag == TAG_DIRECT for tag, _, _ in conn.ep.posted)
+        assert all(tag == direct_tag(1) for tag, _, _ in conn.ep.posted)
         await asyncio.sleep(0.05)
         held = not releasing.done()
         assert conn.ep.deliver(0x3F) == len(direct)
@@ -194,12 +191,13 @@ def test_in_place_receives_land_and_release_waits_for_them():
         for seq, (epoch, at) in enumerate([(7, starts), (1, outside)], start=2):
             refused = m.TransferRequest("r", epoch, seq, 0, LAYERS, -1, b"",
                                         m.encode_blocks(direct), n, True, sizes, at.tobytes())
-            drain = asyncio.ensure_future(rx._land_in_place(conn, refused))
-            while not drain.done():  # the drain posts its receives one after another
+            why, nothing, drained = rx._land_in_place(conn, refused, None)
+            while not drained.done():
                 conn.ep.deliver(0x55)
                 await asyncio.sleep(0.001)
             assert len(conn.ep.posted) == seq * len(direct)
-            refusals.append(await asyncio.wait_for(drain, 5))
+            assert all(tag == direct_tag(seq) for tag, _, _ in conn.ep.posted[-len(direct):])
+            refusals.append((why, nothing, drained.exception()))
         after = [t for pair in pools for t in pair]
         return (held, written, n, dict(landed[1]) == tmpl.landed(direct), refusals,
                 all(torch.equal(a, b) for a, b in zip(before, after)), rx.stats, conn.broken)
