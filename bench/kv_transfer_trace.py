@@ -22,15 +22,23 @@ def mark(event: str, detail: str = "") -> None:
     EVENTS.append((time.monotonic(), event, detail))
 
 
+def _tag_name(tag) -> str:
+    """ctrl, payload, reply, direct (any message's `direct_tag`) or the tag itself."""
+    if isinstance(tag, int) and tag > 7 and tag & 7 == 4:
+        return "direct"
+    return _TAGS.get(tag, str(tag))
+
+
 def install() -> None:
-    from phalanx.kv_transfer import receiver, sender, staging, ucx_runtime as rt
+    from phalanx.kv_transfer import (direct_landing, receiver, send_connection, sender,
+                                     staging, ucx_runtime as rt)
 
     _TAGS.update({rt.TAG_CTRL: "ctrl", rt.TAG_PAYLOAD: "payload", rt.TAG_REPLY: "reply",
                   rt.TAG_DIRECT: "direct"})
 
     def traced(kind: str, post):
         def wrapper(ep, tag, buf):
-            name = f"{kind}_{_TAGS.get(tag, tag)}"
+            name = f"{kind}_{_tag_name(tag)}"
             size = str(buf.nbytes if hasattr(buf, "nbytes") else len(buf))
             mark(f"{name}_post", size)
             task = post(ep, tag, buf)
@@ -48,7 +56,7 @@ def install() -> None:
         return wrapper
 
     def traced_all(ep, send, tag, bufs, into=None):
-        name = f"{'send' if send else 'recv'}_{_TAGS.get(tag, tag)}"
+        name = f"{'send' if send else 'recv'}_{_tag_name(tag)}"
         out = [] if into is None else into
 
         def marked():
@@ -60,22 +68,25 @@ def install() -> None:
 
         return rt._post_all(ep, send, tag, marked(), into=out)
 
-    sender._post_all = receiver._post_all = traced_all
+    sender._post_all = direct_landing._post_all = send_connection._post_all = traced_all
     Endpoint.send = handed("send", Endpoint.send)
     Endpoint.recv = handed("recv", Endpoint.recv)
-    sender._post_send = traced("send", rt._post_send)
+    sender._post_send = send_connection._post_send = traced("send", rt._post_send)
     receiver._post_send = traced("send", rt._post_send)
     receiver._post_recv = traced("recv", rt._post_recv)
     for cls, name in ((staging._Pools, "gather"), (staging._Pools, "scatter"),
                       (staging._Pools, "wait")):
         _wrap_method(cls, name)
     _wrap_method(receiver.KVReceiver, "_apply")
-    from phalanx.kv_transfer import slab_copy, send_connection
+    from phalanx.kv_transfer import part_cutter, slab_copy
     _wrap_method(send_connection._SenderConn, "request")
     _wrap_method(slab_copy.SlabIndex, "copy")
     _wrap_method(staging._Pools, "_record")
-    for cls, name in ((sender.KVSender, "_batches"), (sender.KVSender, "_template"),
-                      (sender.KVSender, "_next_message"), (receiver.KVReceiver, "_template"),
+    for cls, name in ((part_cutter.PartCutter, "_batches"),
+                      (part_cutter.PartCutter, "_template"),
+                      (send_connection._SenderConn, "next_message"),
+                      (send_connection._SenderConn, "announce"),
+                      (receiver.KVReceiver, "_template"),
                       (receiver.KVReceiver, "_land_in_place"), (receiver.KVReceiver, "_finish"),
                       (sender.KVSender, "send_layer"), (staging._Pools, "ready_event"),
                       (sender.KVSender, "_post"), (sender.KVSender, "_conn")):
