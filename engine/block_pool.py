@@ -94,7 +94,9 @@ class BlockPool:
             self.ref_counts[p] += 1
 
     def allocate(self, n: int) -> list[int]:
-        """`n` fresh pages, evicting the least recently used cached pages if needed."""
+        """`n` fresh pages, evicting the least recently used cached pages if needed, in
+        ascending order: pages freed together come back as runs of consecutive pages
+        (cached pages are freed tail first), which the KV transport moves in place."""
         if n > len(self._free):
             raise PoolExhausted(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
         pages = []
@@ -108,6 +110,7 @@ class BlockPool:
                 self._evicted.append((self.evictions, h))
             self.ref_counts[p] = 1
             pages.append(p)
+        pages.sort()
         return pages
 
     def register(self, page: int, h: int) -> None:
