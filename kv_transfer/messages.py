@@ -12,7 +12,8 @@ into the pool span the block names (`spans`). A direct message may be *announced
 `TransferRequest` goes ahead (when the sender prepares it, before its pages are
 computed), so the receiver's receives wait posted, and a `Posted` follows once the
 payload is on its way, or a `Withdrawn` if it never will be (the withdrawn payload
-arrives as empty messages that complete those receives; it is not acknowledged). Every
+arrives as empty messages that complete those receives; it is not acknowledged). A
+template may also go ahead of its staged messages (`DefineTemplate`). Every
 message carries the epoch of the group that produced it; a receiver drops (never
 applies) messages of another epoch.
 
@@ -123,6 +124,17 @@ class TransferRequest(msgspec.Struct, tag="xfer", frozen=True):
     announce_ms: int = 0
 
 
+class DefineTemplate(msgspec.Struct, tag="template", frozen=True):
+    """Sender -> receiver: template `template` of `request_id` (`packed_table.pack_table`
+    of its table), sent ahead of the staged messages that name it (at `prepare`), so the
+    receiver locates it while the pages are computed."""
+
+    request_id: str
+    epoch: int
+    template: int
+    table: bytes
+
+
 class Posted(msgspec.Struct, tag="posted", frozen=True):
     """Sender -> receiver: announced message `seq`'s payload is posted (its receives'
     deadline runs from here)."""
@@ -153,7 +165,7 @@ class TransferAck(msgspec.Struct, tag="ack", frozen=True):
     error: str = ""
 
 
-ToReceiver = Union[Hello, TransferRequest, Posted, Withdrawn]
+ToReceiver = Union[Hello, TransferRequest, DefineTemplate, Posted, Withdrawn]
 ToSender = Union[HelloAck, TransferAck]
 
 _ENCODER = msgspec.msgpack.Encoder()

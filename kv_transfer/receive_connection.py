@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -19,8 +19,9 @@ from .ucx_runtime import TAG_CTRL, TAG_REPLY, _post_recv, _recv_msg, _send_msg
 class _RecvConn:
     def __init__(self, ep: Any) -> None:
         self.ep, self.peer = ep, "unknown sender"
-        # template id -> (request id, template); LRU, dropped with their request
-        self.templates: OrderedDict[int, tuple[str, _Template]] = OrderedDict()
+        # template id -> (request id, template, or why the one defined ahead is invalid);
+        # LRU, dropped with their request
+        self.templates: OrderedDict[int, tuple[str, Union[_Template, str]]] = OrderedDict()
         self.requests: set[str] = set()
         # seq -> announced direct message's verdict: True when posted, False withdrawn
         self.verdicts: dict[int, asyncio.Future] = {}

@@ -20,8 +20,9 @@ from .packed_table import unpack_table
 from .direct_landing import DirectLanding
 from .receive_connection import _RecvConn
 from .staging import _Pools, _Template
-from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_recv,
-                          _post_send, _reason, _ucx_buf, ensure_ucx, progress_mode_for)
+from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_all,
+                          _post_recv, _post_send, _reason, _ucx_buf, ensure_ucx,
+                          progress_mode_for)
 
 __all__ = ["KVReceiver"]
 
@@ -48,8 +49,8 @@ class KVReceiver(DirectLanding):
     runs from its `Posted`, which must come (or a `Withdrawn`) within the
     announcement's `announce_ms` plus `timeout_s`. `stats`: counters (connections
     accepted and lost, messages and bytes written, of which received in place, messages
-    announced and withdrawn, messages dropped for their epoch or rejected, staging
-    buffer bytes made). progress_mode:
+    announced and withdrawn, templates defined ahead, messages dropped for their epoch or
+    rejected, staging buffer bytes made). progress_mode:
     ucxx's, for the process (default `progress_mode_for` the pools' device). Async API:
     use on one loop (module docstring)."""
 
@@ -73,7 +74,8 @@ class KVReceiver(DirectLanding):
         self._failed: dict[str, tuple[str, str]] = {}
         self._wakeup = asyncio.Event()
         self.stats = {"connections": 0, "messages": 0, "bytes": 0, "direct": 0,
-                      "announced": 0, "withdrawn": 0, "dropped_epoch": 0, "rejected": 0,
+                      "announced": 0, "withdrawn": 0, "defined_ahead": 0, "dropped_epoch": 0,
+                      "rejected": 0,
                       "conn_lost": 0, "staging_bytes": 0}
 
     @property
@@ -188,6 +190,9 @@ class KVReceiver(DirectLanding):
             if isinstance(msg, (m.Posted, m.Withdrawn)):
                 self._verdict(conn, msg)
                 continue
+            if isinstance(msg, m.DefineTemplate):
+                self._define(conn, msg)
+                continue
             if not isinstance(msg, m.TransferRequest):
                 raise ValueError(f"unexpected {type(msg).__name__}")
             if msg.epoch == self.epoch:
@@ -214,6 +219,8 @@ class KVReceiver(DirectLanding):
                 done.add_done_callback(functools.partial(self._repost, conn, staged, payload))
             previous = asyncio.create_task(
                 self._finish(conn, msg, error, landed, done, previous))
+            if not msg.direct:  # a loop turn: the copy's wait starts (its buffer is then
+                await asyncio.sleep(0)  # reposted when copied out, not after the next ones)
 
     def _make_staging(self, conn: _RecvConn, staged: asyncio.Queue) -> None:
         """Make the connection's staging buffers and post a receive into each."""
@@ -225,14 +232,17 @@ class KVReceiver(DirectLanding):
         self.stats["staging_bytes"] += self._staging_buffers * self.max_payload_bytes
 
     def _post_staging(self, conn: _RecvConn, staged: asyncio.Queue, buf: torch.Tensor) -> None:
-        staged.put_nowait((buf, _post_recv(conn.ep, TAG_PAYLOAD, _ucx_buf(buf))))
+        staged.put_nowait((buf, _post_all(conn.ep, False, TAG_PAYLOAD, [_ucx_buf(buf)])[0]))
 
     def _repost(self, conn: _RecvConn, staged: asyncio.Queue, buf: torch.Tensor,
                 copied: asyncio.Future) -> None:
         """Done callback of a payload's copy into the pools: post `buf` again (unless the
         copy failed, which `_finish` reports, or the connection broke)."""
         if not copied.cancelled() and copied.exception() is None and not conn.broken:
-            self._post_staging(conn, staged, buf)
+            try:
+                self._post_staging(conn, staged, buf)
+            except Exception as e:  # the endpoint failed meanwhile
+                self._break(conn, f"staging receive failed: {_reason(e)}")
 
     async def _finish(self, conn: _RecvConn, msg: m.TransferRequest, error: str,
                       landed: Optional[tuple[dict, dict]], done: Optional[asyncio.Future],
@@ -316,19 +326,33 @@ class KVReceiver(DirectLanding):
         return ""
 
     def _template(self, msg: m.TransferRequest, templates) -> _Template:
-        """The message's template: defined by it (validated for the dst side) or known."""
+        """The message's template: defined by it (validated for the dst side) or known
+        (ValueError naming why a template defined ahead was invalid)."""
         if msg.template_table:
             table = unpack_table(msg.template_table, len(m.COPY_FIELDS), m.MAX_TEMPLATE_ROWS)
             tmpl = self._pools.template(table, "dst")
-            templates[msg.template] = (msg.request_id, tmpl)
-            if len(templates) > RECEIVER_TEMPLATES:
-                templates.popitem(last=False)
+            _remember(templates, msg.template, (msg.request_id, tmpl))
             return tmpl
         found = templates.get(msg.template)
         if found is None or found[0] != msg.request_id:
             raise ValueError(f"unknown template {msg.template} for request {msg.request_id!r}")
         templates.move_to_end(msg.template)
+        if isinstance(found[1], str):
+            raise ValueError(found[1])
         return found[1]
+
+    def _define(self, conn: _RecvConn, msg: m.DefineTemplate) -> None:
+        """A template sent ahead: located (and its scatter index built) now; an invalid
+        one is remembered by why, which the messages naming it are refused with."""
+        try:
+            tmpl = self._pools.template(
+                unpack_table(msg.table, len(m.COPY_FIELDS), m.MAX_TEMPLATE_ROWS), "dst")
+            self._pools.prebuild(tmpl)
+            entry: tuple = (msg.request_id, tmpl)
+        except ValueError as e:
+            entry = (msg.request_id, f"template {msg.template}: {e}")
+        _remember(conn.templates, msg.template, entry)
+        self.stats["defined_ahead"] += 1
 
     def _break(self, conn: _RecvConn, reason: str, *, fault: bool = True) -> None:
         if conn.broken:
@@ -357,3 +381,12 @@ class KVReceiver(DirectLanding):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+
+def _remember(templates: OrderedDict, tid: int, entry: tuple) -> None:
+    """Keep a connection's template entry, the least recently used dropped past
+    `RECEIVER_TEMPLATES`."""
+    templates[tid] = entry
+    templates.move_to_end(tid)
+    if len(templates) > RECEIVER_TEMPLATES:
+        templates.popitem(last=False)

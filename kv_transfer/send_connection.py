@@ -152,6 +152,15 @@ class _SenderConn:
                 out.append(_Announced(self.seq, request_id, epoch, run.sent, blocks, cuts))
         return out
 
+    def define(self, request_id: str, epoch: int, runs: list[_Run]) -> None:
+        """Send ahead the definitions of the templates that `runs`' staged parts name and
+        the receiver does not know yet (it locates them while the pages are computed)."""
+        for run in runs:
+            if not run.direct and run.sent.tid not in self.defined:
+                self._ctrl(m.DefineTemplate(request_id, epoch, run.sent.tid,
+                                            pack_table(run.sent.tmpl.table)))
+                self.defined.add(run.sent.tid)
+
     def withdraw(self, prepared: _Prepared) -> None:
         """Withdraw a prepared batch's announced messages: a `Withdrawn` each, then one
         empty message per block on its tag (the receiver's posted receives complete and

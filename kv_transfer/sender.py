@@ -149,20 +149,27 @@ class KVSender:
                 wait_s: Optional[float] = None) -> None:
         """Do ahead what `send_layer` of these copies does before posting, e.g. while the
         engine computes the layers they read: validate them, locate their templates in
-        both sides' pools, cut their blocks into messages, and (`announce`) send the
-        control messages of the parts received in place, so that the receiver posts
-        its receives before the pages are computed. The result is kept for the
-        `send_layer` of the same copies object; one not sent within `wait_s` (default
-        `timeout_s`), or evicted by later ones, or `withdraw`n, is withdrawn from the
-        receiver (a later `send_layer` sends it unannounced). Errors as `send_layer`'s;
-        optional (send_layer does what was not done)."""
+        both sides' pools, cut their blocks into messages, build the gathers' indexes,
+        and (`announce`) send the control messages of the parts received in place, so
+        that the receiver posts their receives before the pages are computed, and the
+        templates of the staged parts, so that it locates them meanwhile. The result is
+        kept for the `send_layer` of the same copies object; one not sent within `wait_s`
+        (default `timeout_s`), or evicted by later ones, or `withdraw`n, is withdrawn
+        from the receiver (a later `send_layer` sends it unannounced). Errors as
+        `send_layer`'s; optional (send_layer does what was not done)."""
         conn = self._conn(peer, request_id)
         key, wait = (request_id, id(copies)), self.timeout_s if wait_s is None else wait_s
         runs = self._cutter.runs(conn, request_id, copies)
+        for run in runs:
+            if not run.pooled:  # gathered: its index is built now, not at the first gather
+                self._pools.prebuild(run.sent.tmpl)
         old = conn.prepared.pop(key, None)
         if old is not None:
             conn.withdraw(old)
-        announced = conn.announce(request_id, self.epoch, runs, wait) if self.announce else []
+        announced = []
+        if self.announce:
+            conn.define(request_id, self.epoch, runs)
+            announced = conn.announce(request_id, self.epoch, runs, wait)
         if announced:
             runs = [run for run in runs if not (run.direct and run.pooled)]
         timer = (asyncio.get_running_loop().call_later(wait, self._expire, conn, key)

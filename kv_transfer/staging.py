@@ -213,6 +213,14 @@ class _Pools:
         event.record(self._stream)
         return event
 
+    def prebuild(self, tmpl: "_Template") -> None:
+        """Build what a first gather or scatter of `tmpl` would (its pool rows; with the
+        slab kernel, its device index), e.g. while the engine computes."""
+        if self._slab_kernel:
+            tmpl.slabs(self)
+        else:
+            tmpl.runs
+
     async def wait(self, event: Optional["torch.cuda.Event"]) -> None:
         """Until `event` (from gather/scatter) has happened, without blocking the loop:
         the wait runs on this pool's one waiter thread (events complete in queue order)."""

@@ -80,10 +80,11 @@ def test_request_kv_lands_bit_exact(pair, case, form):
     if IN_PLACE.get(case):  # the partial last page and nothing else went staged
         assert all(s["messages"] > s["direct"] for s in stats), stats
     # prepared parts sent from pool to pool (same heads per page on both sides) went
-    # announced, and none was withdrawn
+    # announced, and none was withdrawn; staged parts' templates went ahead
     assert all((s["announced"] > 0) == (form == "prepared" and case == "tp1_to_tp1_runs")
+               and (s["defined_ahead"] > 0) == (form == "prepared")
                and s["withdrawn"] == 0 for s in stats), [
-        {k: s[k] for k in ("announced", "withdrawn", "direct", "conn_lost")} for s in stats]
+        {k: s[k] for k in ("announced", "withdrawn", "defined_ahead", "direct")} for s in stats]
 
 
 def test_pooled_spans_travel_as_one_message_beyond_the_capacity(pair):

@@ -81,12 +81,14 @@ def test_gather_scatter_match_the_plan_in_process(case, one_allocation):
 
 
 def test_receiver_rejects_bad_batches_without_writing():
-    """An out-of-range template, a malformed packed template, a payload size that disagrees with the blocks, an
-    unknown template, or another epoch: the batch is dropped with a reason and the pools
-    stay untouched."""
+    """An out-of-range template, a malformed packed template, a payload size that
+    disagrees with the blocks, an unknown template, another epoch, or a template defined
+    ahead that was out of range: the batch is dropped with a reason and the pools stay
+    untouched (a good template defined ahead is used)."""
     import asyncio
     from collections import OrderedDict
     from phalanx.kv_transfer import messages as m
+    from phalanx.kv_transfer.receive_connection import _RecvConn
     from phalanx.kv_transfer.transport import KVReceiver
 
     async def run():
@@ -107,14 +109,24 @@ def test_receiver_rejects_bad_batches_without_writing():
                   rx._apply(m.TransferRequest("r", 2, 2, 0, 1, 1, tb, raw, n - 4), payload, known),
                   rx._apply(m.TransferRequest("r", 2, 3, 0, 1, 7, b"", raw, n), payload, known),
                   rx._apply(m.TransferRequest("r", 1, 4, 0, 1, 1, b"", raw, n), payload, known)]
+        conn = _RecvConn(None)  # templates defined ahead: a bad one, then a good one
+        rx._define(conn, m.DefineTemplate("r", 2, 8, pack_table(bad)))
+        rx._define(conn, m.DefineTemplate("r", 2, 9, tb))
+        errors.append(rx._apply(m.TransferRequest("r", 2, 5, 0, 1, 8, b"", raw, n), payload,
+                                conn.templates))
         assert all(landed is None and event is None for _, landed, event in errors)
-        return [e for e, _, _ in errors], rx.stats, all(not t.any() for pair in pools for t in pair)
+        untouched = all(not t.any() for pair in pools for t in pair)
+        good = rx._apply(m.TransferRequest("r", 2, 6, 0, 1, 9, b"", raw, n), payload,
+                         conn.templates)
+        return [e for e, _, _ in errors], rx.stats, good[0], untouched
 
-    errors, stats, untouched = asyncio.run(run())
+    errors, stats, good, untouched = asyncio.run(run())
     assert "dst head range" in errors[0] and "packed table" in errors[1]
     assert "does not match" in errors[2]
     assert "unknown template 7" in errors[3] and "stale epoch 1" in errors[4]
-    assert stats["rejected"] == 4 and stats["dropped_epoch"] == 1 and untouched
+    assert errors[5].startswith("template 8: ") and "dst head range" in errors[5]
+    assert good == "" and stats["defined_ahead"] == 2
+    assert stats["rejected"] == 5 and stats["dropped_epoch"] == 1 and untouched
 
 class _FakeEndpoint:
     """Records posted receives; `deliver` fills them in posting order (as UCX matches)."""
