@@ -75,8 +75,7 @@ class KVReceiver(DirectLanding):
         self._wakeup = asyncio.Event()
         self.stats = {"connections": 0, "messages": 0, "bytes": 0, "direct": 0,
                       "announced": 0, "withdrawn": 0, "defined_ahead": 0, "dropped_epoch": 0,
-                      "rejected": 0,
-                      "conn_lost": 0, "staging_bytes": 0}
+                      "rejected": 0, "conn_lost": 0, "staging_bytes": 0}
 
     @property
     def address(self) -> Address:
@@ -203,9 +202,11 @@ class KVReceiver(DirectLanding):
                     verdict = conn.verdicts[msg.seq] = asyncio.get_running_loop().create_future()
                     self.stats["announced"] += 1
                 error, landed, done = self._land_in_place(conn, msg, verdict)
-                if verdict is not None:
-                    asyncio.create_task(self._finish(conn, msg, error, landed, done, None,
-                                                     verdict))
+                if verdict is not None:  # kept by the connection until it ends
+                    finish = asyncio.create_task(self._finish(conn, msg, error, landed, done,
+                                                              None, verdict))
+                    conn.tasks.append(finish)
+                    finish.add_done_callback(conn.tasks.remove)
                     continue
             else:  # UCX fills staging receives in posting order, so take them in that order
                 if conn.staging is None:  # first staged message: the payload waits in UCX
