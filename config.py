@@ -134,6 +134,9 @@ class ModelConfig:
         )
 
 
+KV_IN_PLACE_MIN_BYTES = 256 << 10  # one message costs more than the copy a smaller span saves
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Paged KV cache: `num_pages` pages of `page_size` tokens per layer (K and V each).
@@ -146,9 +149,15 @@ class CacheConfig:
     num_pages: int = 0
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # KV transport (disaggregated layout): a span of the receiver's pages at least this
+    # large moves in place, pool to pool; smaller pieces go through staging buffers
+    kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
 
     def __post_init__(self) -> None:
         _require(self.page_size > 0, "page_size", f"must be positive, got {self.page_size}")
+        _require(isinstance(self.kv_in_place_min_bytes, int) and self.kv_in_place_min_bytes > 0,
+                 "kv_in_place_min_bytes", f"must be a positive integer, got "
+                 f"{self.kv_in_place_min_bytes!r}")
         _require(self.num_pages >= 0, "num_pages", f"must be >= 0 (0: auto), got {self.num_pages}")
         _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                  f"must be in (0, 1], got {self.gpu_memory_utilization}")

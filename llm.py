@@ -13,7 +13,8 @@ import itertools
 import os
 from typing import Iterator, Optional, Sequence, Union
 
-from .config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from .config import (KV_IN_PLACE_MIN_BYTES, CacheConfig, EngineConfig, ParallelConfig,
+                     SchedulerConfig)
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
@@ -40,7 +41,9 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   seed: int = 0, enforce_eager: bool = False,
                   gpu_memory_utilization: float = 0.9,
                   collective_timeout_s: float = 30.0, max_recoveries: int = 5,
-                  ep_exchange: str = "exact") -> EngineConfig:
+                  ep_exchange: str = "exact",
+                  kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
+                  ) -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
     model). ValueError naming the argument for a folder that is not a model or a bad
     value."""
@@ -53,7 +56,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
         model_path=path, model=model_cfg,
         cache=CacheConfig(page_size=page_size, num_pages=num_pages,
                           enable_prefix_caching=enable_prefix_caching,
-                          gpu_memory_utilization=gpu_memory_utilization),
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          kv_in_place_min_bytes=kv_in_place_min_bytes),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len),
@@ -75,13 +79,15 @@ class LLM:
                  ray_address: Optional[str] = None,
                  prefill_tp: Optional[int] = None, decode_dp: Optional[int] = None,
                  decode_tp: Optional[int] = None, prefill_instances: Optional[int] = None,
-                 prefill_page_size: Optional[int] = None, ep_exchange: str = "exact") -> None:
+                 prefill_page_size: Optional[int] = None, ep_exchange: str = "exact",
+                 kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES) -> None:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
         prefill side's). `max_recoveries`: how many times a group that loses a rank is
         re-formed (its requests resumed) before the call fails with `GroupFailure`.
-        `ep_exchange`: the MoE all-to-all of DP×EP groups (`ParallelConfig`)."""
+        `ep_exchange`: the MoE all-to-all of DP×EP groups (`ParallelConfig`).
+        `kv_in_place_min_bytes`: the KV transport's in-place threshold (`CacheConfig`)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
@@ -89,7 +95,7 @@ class LLM:
             max_model_len=max_model_len, device=device, dtype=dtype, seed=seed,
             enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
             collective_timeout_s=collective_timeout_s, max_recoveries=max_recoveries,
-            ep_exchange=ep_exchange)
+            ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes)
         self.engine: Optional[LLMEngine] = None
         self.group = None
         disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)

@@ -73,9 +73,9 @@ class PrefillRank(KVRank):
     def start(self) -> dict:
         info = super().start()
         s = self.spec
-        self._sender = BlockingKVSender(self._transport, self.engine.runner.caches,
-                                        rank=s.tp_rank, epoch=TRANSFER_EPOCH,
-                                        timeout_s=s.deadline_s)
+        self._sender = BlockingKVSender(
+            self._transport, self.engine.runner.caches, rank=s.tp_rank, epoch=TRANSFER_EPOCH,
+            timeout_s=s.deadline_s, in_place_min_bytes=s.config.cache.kv_in_place_min_bytes)
         return info
 
     # -- caller side -----------------------------------------------------------------

@@ -23,17 +23,16 @@ __all__ = ["Copies", "PartCutter"]
 # (copy_table.plan_batches: no per-call table work)
 Copies = Union[Sequence[Copy], np.ndarray, m.CopyBatch, Sequence[m.CopyBatch]]
 SENDER_TEMPLATES = 1024  # per connection; receivers keep RECEIVER_TEMPLATES >= this
-# A span of the receiver's pools at least this large is received in place, block by
-# block; smaller pieces travel together through a staging buffer (one message each
-# costs more than the copy it saves).
-IN_PLACE_MIN_BYTES = 256 << 10
 
 
 class PartCutter:
-    """Cuts the copies of prefill rank `rank` (its `pools`) into runs of message parts."""
+    """Cuts the copies of prefill rank `rank` (its `pools`) into runs of message parts. A
+    span of the receiver's pools of at least `in_place_min_bytes` is received in place,
+    block by block; smaller pieces travel together through a staging buffer (one message
+    each would cost more than the copy it saves)."""
 
-    def __init__(self, pools: _Pools, rank: int) -> None:
-        self._pools, self.rank = pools, rank
+    def __init__(self, pools: _Pools, rank: int, in_place_min_bytes: int) -> None:
+        self._pools, self.rank, self.in_place_min_bytes = pools, rank, in_place_min_bytes
 
     def runs(self, conn: _SenderConn, request_id: str, copies: Copies) -> list[_Run]:
         """`copies` as runs of message parts, the in-place ones first (order otherwise
@@ -99,7 +98,7 @@ class PartCutter:
         found = sent.cuts.get((r0, r1))
         if found is not None:
             return found
-        least = IN_PLACE_MIN_BYTES // (self._pools.row_bytes // self._pools.head_dim)
+        least = self.in_place_min_bytes // (self._pools.row_bytes // self._pools.head_dim)
         runs = sent.dst.split(r0, r1, least) if sent.dst is not None else [(r0, r1, False)]
         found = sent.cuts[(r0, r1)] = [
             (a, b, n, direct, direct and sent.tmpl.span(a, b) is not None)

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from ..config import KV_IN_PLACE_MIN_BYTES
 from ..log import get_logger
 from . import messages as m
 from .errors import TransferError
@@ -43,16 +44,18 @@ class KVSender:
     `send_layer` (queueing, staging, send and ack). staging_buffers: messages in flight
     per connection. progress_mode: ucxx's, for the process (default
     `progress_mode_for` the pools' device). announce: `prepare` sends the control
-    messages of in-place parts ahead (see `prepare`). Async API: use on one loop (module
-    docstring).
+    messages of in-place parts ahead (see `prepare`). in_place_min_bytes: the smallest
+    span of the receiver's pools moved in place (`part_cutter`). Async API: use on one
+    loop (module docstring).
     """
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
                  epoch: int, timeout_s: float = 10.0, connect_timeout_s: float = 5.0,
                  staging_buffers: int = 3, progress_mode: Optional[str] = None,
-                 announce: bool = True) -> None:
+                 announce: bool = True, in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
+                 ) -> None:
         self._pools = _Pools(pools)
-        self._cutter = PartCutter(self._pools, rank)
+        self._cutter = PartCutter(self._pools, rank, in_place_min_bytes)
         self.rank, self.epoch, self.announce = rank, epoch, announce
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._staging_buffers = staging_buffers

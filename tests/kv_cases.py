@@ -33,7 +33,8 @@ CASES = {
     "tp1_to_tp1": Case(1, 1, 4, 16, 16),
     "big": Case(1, 1, 4, 16, 16, tokens=4096, head_dim=256),  # 32 MiB per layer
     # consecutive pages, 295 KiB of whole pages per (layer, kind) and rank pair: spans of
-    # the receiver's pools (>= the sender's IN_PLACE_MIN_BYTES) are received in place
+    # the receiver's pools (>= the sender's in-place threshold, config.KV_IN_PLACE_MIN_BYTES)
+    # are received in place
     "tp1_to_tp1_runs": Case(1, 1, 4, 16, 16, tokens=603, head_dim=64, runs=True),
     "tp1_to_tp2_runs": Case(1, 2, 4, 16, 16, tokens=603, head_dim=64, runs=True),
     "tp2_to_tp1_runs": Case(2, 1, 4, 16, 16, tokens=603, head_dim=64, runs=True),

@@ -122,6 +122,26 @@ def test_decode_rank_killed_mid_all_to_all(tiny_model, oracle):
         llm.close()
 
 
+def test_in_place_announced_transfers_match_transformers(tiny_model, oracle):
+    """With an in-place threshold of one page (the tiny model's pages are 512 B per layer
+    and kind), prefill TP 1 -> decode DP 2 moves each step's whole pages pool to pool:
+    the prefill ranks announce them when the step starts (the decode ranks post their
+    receives before the layers are computed) and send each layer when it is done. The
+    tokens equal transformers'; nothing announced was withdrawn."""
+    prompts, expected = oracle
+    llm = LLM(tiny_model, prefill_tp=1, decode_dp=2, page_size=4, kv_in_place_min_bytes=512,
+              **KW)
+    try:
+        got = _generate(llm, prompts)
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert a == b, f"prompt {i} ({len(prompts[i])} tokens)"
+        kv = [ray.get(a.kv_stats.remote()) for a in llm.group.decode.actors]
+        assert all(s["announced"] > 0 and s["direct"] > 0 and s["withdrawn"] == 0
+                   and s["rejected"] == 0 for s in kv), kv
+    finally:
+        llm.close()
+
+
 def test_second_turn_streams_only_what_decode_does_not_cache(tiny_model):
     """A follow-up prompt (the first turn's prompt + its answer + more) on the same decode
     group: the decode pool still caches the first turn's pages, so only the tail of the
