@@ -39,94 +39,119 @@ async def _lives(timeout_s: float, device: torch.device) -> dict:
     from phalanx.kv_transfer.receiver import KVReceiver
     from phalanx.kv_transfer.sender import KVSender
 
-    dst, want = _on(zero_pools(CASE, 0), device), _on(side_pools(CASE, "dst", 0, "zero"), device)
+    dst = _on(zero_pools(CASE, 0), device)
     rx = KVReceiver(dst, rank=0, epoch=1, gated=True, timeout_s=timeout_s)
     addr = await rx.start()
     tx = KVSender(_on(side_pools(CASE, "src", 0, "noise"), device), rank=0, epoch=1,
                   timeout_s=timeout_s)
     await tx.connect(addr)
-    layers = layer_batches(case_batches(CASE)[(0, 0)])
-    tokens, out = CASES[CASE].tokens, {}
-
-    def exact() -> bool:
-        return all(torch.equal(want[l][k], dst[l][k]) for l in range(LAYERS) for k in range(2))
-
-    def untouched() -> bool:
-        return not any(t.any() for pair in dst for t in pair)
-
-    def clear() -> None:
-        for pair in dst:
-            for t in pair:
-                t.zero_()
-        if device.type == "cuda":  # before UCX writes them
-            torch.cuda.synchronize(device)
-
-    async def until(what: str, n: int) -> None:  # the receiver's count reaches n
-        end = time.monotonic() + CALL_TIMEOUT_S / 3
-        while rx.stats[what] < n:
-            assert time.monotonic() < end, (what, n, rx.stats)
-            await asyncio.sleep(0.002)
-
-    def announce(request_id: str, layer: int, **kw) -> int:
-        tx.prepare(addr, request_id, layers[layer], **kw)
-        return rx.stats["announced"] + len(tx._conns[addr].prepared[
-            (request_id, id(layers[layer]))].announced)
-
-    # Sent: layer 0 announced, its receives posted before anything is sent; layer 1 sent
-    # unprepared meanwhile is written and acked without waiting for layer 0.
-    rx.expect("a")
-    await until("announced", announce("a", 0))
-    out["a_waiting"] = rx.stats["messages"] == 0 and untouched()
-    await asyncio.wait_for(tx.send_layer(addr, "a", layers[1]), timeout_s)
-    out["a_layer1_first"] = sorted(rx.landed("a"))
-    await tx.send_layer(addr, "a", layers[0])
-    await rx.wait_request("a", tokens)
-    out["a_exact"] = exact()
-    await rx.release("a")
-    clear()
-
-    # Withdrawn: release returns at once (not at a deadline), nothing is written.
-    rx.expect("b")
-    await until("announced", announce("b", 0))
-    out["b_withdrawn"] = tx.withdraw("b")
-    await asyncio.wait_for(rx.release("b"), timeout_s / 2)
-    await until("withdrawn", 1)
-    out["b_untouched"] = untouched() and rx.landed("b") == {}
-
-    # Expired: not sent within its wait, withdrawn by the sender; sent later unannounced.
-    rx.expect("c")
-    await until("announced", announce("c", 0, wait_s=0.05))
-    await until("withdrawn", 2)
-    out["c_untouched"] = untouched()
-    for layer in (0, 1):
-        await tx.send_layer(addr, "c", layers[layer])
-    await rx.wait_request("c", tokens)
-    out["c_exact"] = exact()
-    await rx.release("c")
-
-    # An epoch change between prepare and send: withdrawn, then sent under the new epoch.
-    rx.expect("d")
-    announce("d", 0)
-    await until("announced", announce("d", 1))
-    tx.set_epoch(2)
-    rx.set_epoch(2)
-    await until("withdrawn", 4)
-    for layer in (0, 1):
-        await tx.send_layer(addr, "d", layers[layer])
-    await rx.wait_request("d", tokens)
-    out["d_exact"] = exact()
-    await rx.release("d")
-    out["lost_before_e"] = rx.stats["conn_lost"]
-    clear()
-
-    # A sender that neither sends nor withdraws: the receiver's bound (the announced
-    # wait plus its timeout) breaks the connection; release returns, nothing written.
-    rx.expect("e")
-    tx._expire = lambda *args: None
-    await until("announced", announce("e", 0, wait_s=0.05))
-    await asyncio.wait_for(rx.release("e"), 3 * timeout_s)
-    out["e_lost"] = rx.stats["conn_lost"]
-    out["e_untouched"] = untouched()
+    lives = _Lives(rx, tx, addr, dst, _on(side_pools(CASE, "dst", 0, "zero"), device),
+                   layer_batches(case_batches(CASE)[(0, 0)]), timeout_s)
+    for life in (lives.sent, lives.withdrawn, lives.expired, lives.fenced, lives.unanswered):
+        await life()
     await tx.close()
     await rx.close()
-    return out
+    return lives.out
+
+
+class _Lives:
+    """One receiver and sender over loopback; each method is one life of an announced
+    message (in this order: the counts they wait for add up), its findings in `out`."""
+
+    def __init__(self, rx, tx, addr, dst: list, want: list, layers: dict,
+                 timeout_s: float) -> None:
+        self.rx, self.tx, self.addr, self.dst, self.want = rx, tx, addr, dst, want
+        self.layers, self.timeout_s, self.out = layers, timeout_s, {}
+        self.tokens = CASES[CASE].tokens
+
+    def exact(self) -> bool:
+        return all(torch.equal(self.want[l][k], self.dst[l][k])
+                   for l in range(LAYERS) for k in range(2))
+
+    def untouched(self) -> bool:
+        return not any(t.any() for pair in self.dst for t in pair)
+
+    def clear(self) -> None:
+        for pair in self.dst:
+            for t in pair:
+                t.zero_()
+        if self.dst[0][0].device.type == "cuda":  # before UCX writes them
+            torch.cuda.synchronize(self.dst[0][0].device)
+
+    async def until(self, what: str, n: int) -> None:
+        """Until the receiver's count `what` reaches n."""
+        end = time.monotonic() + CALL_TIMEOUT_S / 3
+        while self.rx.stats[what] < n:
+            assert time.monotonic() < end, (what, n, self.rx.stats)
+            await asyncio.sleep(0.002)
+
+    def announce(self, request_id: str, layer: int, **kw) -> int:
+        """Prepare one layer's batch: the receiver's announced count once it is read."""
+        self.tx.prepare(self.addr, request_id, self.layers[layer], **kw)
+        prepared = self.tx._conns[self.addr].prepared[(request_id, id(self.layers[layer]))]
+        return self.rx.stats["announced"] + len(prepared.announced)
+
+    async def send_all(self, request_id: str) -> None:
+        for layer in (0, 1):
+            await self.tx.send_layer(self.addr, request_id, self.layers[layer])
+        await self.rx.wait_request(request_id, self.tokens)
+
+    async def sent(self) -> None:
+        """Layer 0 announced: its receives wait posted before anything is sent; layer 1,
+        sent unprepared meanwhile, is written and acked without waiting for layer 0."""
+        rx, out = self.rx, self.out
+        rx.expect("a")
+        await self.until("announced", self.announce("a", 0))
+        out["a_waiting"] = rx.stats["messages"] == 0 and self.untouched()
+        await asyncio.wait_for(self.tx.send_layer(self.addr, "a", self.layers[1]),
+                               self.timeout_s)
+        out["a_layer1_first"] = sorted(rx.landed("a"))
+        await self.tx.send_layer(self.addr, "a", self.layers[0])
+        await rx.wait_request("a", self.tokens)
+        out["a_exact"] = self.exact()
+        await rx.release("a")
+        self.clear()
+
+    async def withdrawn(self) -> None:
+        """Withdrawn: release returns at once (not at a deadline), nothing is written."""
+        self.rx.expect("b")
+        await self.until("announced", self.announce("b", 0))
+        self.out["b_withdrawn"] = self.tx.withdraw("b")
+        await asyncio.wait_for(self.rx.release("b"), self.timeout_s / 2)
+        await self.until("withdrawn", 1)
+        self.out["b_untouched"] = self.untouched() and self.rx.landed("b") == {}
+
+    async def expired(self) -> None:
+        """Not sent within its wait: withdrawn by the sender; sent later unannounced."""
+        self.rx.expect("c")
+        await self.until("announced", self.announce("c", 0, wait_s=0.05))
+        await self.until("withdrawn", 2)
+        self.out["c_untouched"] = self.untouched()
+        await self.send_all("c")
+        self.out["c_exact"] = self.exact()
+        await self.rx.release("c")
+
+    async def fenced(self) -> None:
+        """An epoch change between prepare and send: withdrawn, then sent afresh under
+        the new epoch."""
+        self.rx.expect("d")
+        self.announce("d", 0)
+        await self.until("announced", self.announce("d", 1))
+        self.tx.set_epoch(2)
+        self.rx.set_epoch(2)
+        await self.until("withdrawn", 4)
+        await self.send_all("d")
+        self.out["d_exact"] = self.exact()
+        await self.rx.release("d")
+        self.out["lost_before_e"] = self.rx.stats["conn_lost"]
+        self.clear()
+
+    async def unanswered(self) -> None:
+        """A sender that neither sends nor withdraws: the receiver's bound (the announced
+        wait plus its timeout) breaks the connection; release returns, nothing written."""
+        self.rx.expect("e")
+        self.tx._expire = lambda *args: None
+        await self.until("announced", self.announce("e", 0, wait_s=0.05))
+        await asyncio.wait_for(self.rx.release("e"), 3 * self.timeout_s)
+        self.out["e_lost"] = self.rx.stats["conn_lost"]
+        self.out["e_untouched"] = self.untouched()
