@@ -14,6 +14,8 @@ every offset and length is a multiple of head_dim (`ALIGN` hints the vector widt
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 import triton
@@ -54,6 +56,34 @@ def _slab_copy_kernel(pool_ptr, pay_ptr, slab_pool_ptr, slab_pay_ptr, slab_len_p
                 tl.store(pool_ptr + src + c + offs, v, mask=mask)
 
 
+class DescRing:
+    """Pinned host memory and device memory, reused round robin, for the block rows that
+    each launch reads (CUDA): a fresh pinned tensor per launch would come back to
+    torch's pinned cache only once its copy has run, which behind a busy copy stream
+    means a new pinned allocation almost every time. Use on one stream: a row range is
+    overwritten on the device only after the launches queued before it on that stream,
+    and on the host only after a lap's copies have all run (waited for once per lap)."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 17) -> None:
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.dev = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.pos = 0
+
+    def upload(self, rows: np.ndarray) -> torch.Tensor:
+        """`rows` (int64) on the device, copied on the current stream."""
+        n = rows.size
+        if n > len(self.host):  # larger than the ring: a pinned tensor of its own
+            return torch.from_numpy(rows).pin_memory().to(self.dev.device, non_blocking=True)
+        if self.pos + n > len(self.host):
+            torch.cuda.current_stream(self.dev.device).synchronize()  # the lap's copies ran
+            self.pos = 0
+        a, self.pos = self.pos, self.pos + n
+        self.host[a:a + n].numpy()[:] = rows.reshape(-1)
+        out = self.dev[a:a + n]
+        out.copy_(self.host[a:a + n], non_blocking=True)
+        return out.view(rows.shape)
+
+
 class SlabIndex:
     """A template's slabs on `device`: per slab its offset in one pool, its offset in
     the template's payload and its length (elements); per template row its first slab
@@ -92,16 +122,20 @@ class SlabIndex:
 
     def copy(self, flat_pools: torch.Tensor, payload: torch.Tensor, blocks: np.ndarray,
              pool_numel: int, to_payload: bool, *, slabs: int = SLABS_PER_PROGRAM,
-             block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+             block: int = BLOCK, num_warps: int = NUM_WARPS,
+             ring: Optional[DescRing] = None) -> None:
         """Gather (`to_payload`) or scatter the blocks' slabs between `flat_pools` (the
         one allocation, 1-D) and `payload` (1-D, same dtype), queued on the current
         stream. slabs (per program), block (most elements per load), num_warps: the
-        launch's shape (bench/kv_copy_host.py --sweep)."""
+        launch's shape (bench/kv_copy_host.py --sweep). ring: where the block rows go
+        to the device (CUDA; default a pinned tensor per call)."""
         rows, most = self.block_rows(blocks, pool_numel)
         if most == 0:
             return
         desc = torch.from_numpy(rows)
-        if flat_pools.device.type == "cuda":
+        if ring is not None:
+            desc = ring.upload(rows)
+        elif flat_pools.device.type == "cuda":
             desc = desc.pin_memory().to(flat_pools.device, non_blocking=True)
         align = 16 if self.head_dim % 16 == 0 else 1
         block = min(block, triton.next_power_of_2(self.max_len))

@@ -91,6 +91,7 @@ class _Pools:
         if slab_kernel and self._flat is None:
             raise ValueError("the slab kernel needs the pools as one allocation")
         self._slab_kernel = slab_kernel
+        self._ring: Optional[Any] = None  # slab_copy.DescRing of the copy stream, made on use
 
     def _flat_view(self) -> Optional[torch.Tensor]:
         """One 1-D tensor over every pool when they are consecutive pieces of one
@@ -200,7 +201,8 @@ class _Pools:
                     self._stream.wait_event(event)
             if self._slab_kernel:
                 tmpl.slabs(self).copy(self._flat, out.view(self.dtype), blocks,
-                                      self.pools[0][0].numel(), to_payload=True)
+                                      self.pools[0][0].numel(), to_payload=True,
+                                      ring=self._desc_ring())
             else:
                 for pool, idx, rows in self._copies(tmpl, blocks, out):
                     torch.index_select(pool, 0, idx, out=rows)
@@ -213,11 +215,19 @@ class _Pools:
         event.record(self._stream)
         return event
 
+    def _desc_ring(self) -> Optional[Any]:
+        """The copy stream's `slab_copy.DescRing` (CUDA), or None."""
+        if self._ring is None and self._stream is not None:
+            from .slab_copy import DescRing
+            self._ring = DescRing(self.device)
+        return self._ring
+
     def prebuild(self, tmpl: "_Template") -> None:
         """Build what a first gather or scatter of `tmpl` would (its pool rows; with the
         slab kernel, its device index), e.g. while the engine computes."""
         if self._slab_kernel:
             tmpl.slabs(self)
+            self._desc_ring()
         else:
             tmpl.runs
 
@@ -249,7 +259,8 @@ class _Pools:
         with self._on_copy_stream():
             if self._slab_kernel:
                 tmpl.slabs(self).copy(self._flat, payload.view(self.dtype), blocks,
-                                      self.pools[0][0].numel(), to_payload=False)
+                                      self.pools[0][0].numel(), to_payload=False,
+                                      ring=self._desc_ring())
             else:
                 for pool, idx, rows in self._copies(tmpl, blocks, payload):
                     if pool.device.type == "cpu":

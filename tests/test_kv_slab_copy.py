@@ -97,6 +97,33 @@ def test_slab_kernel_equals_the_torch_path_on_gpu(case):
     assert got["messages"] > 3 and len(got["granules"]) > 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_desc_ring_uploads_survive_laps_behind_a_busy_stream():
+    """`DescRing` over several laps while the stream is busy: every upload, read on the
+    stream right after it (as a launch reads it), holds its rows; a lap never overwrites
+    host rows whose copy has not run."""
+    import numpy as np
+    import torch
+
+    from phalanx.kv_transfer.slab_copy import DescRing
+
+    dev = torch.device("cuda", 0)
+    stream = torch.cuda.Stream(dev)
+    rng = np.random.default_rng(5)
+    ring, wanted, seen = DescRing(dev, capacity=256), [], []
+    big = torch.randn(4096, 4096, device=dev)
+    with torch.cuda.stream(stream):
+        for i in range(200):
+            if i % 20 == 0:
+                big = big @ big / 64  # keeps the stream busy (ms of queued work)
+            rows = rng.integers(0, 1 << 40, size=(int(rng.integers(1, 12)), 4))
+            wanted.append(rows)
+            seen.append(ring.upload(rows).clone())  # ordered after its copy on the stream
+    stream.synchronize()
+    assert all(np.array_equal(w, s.cpu().numpy()) for w, s in zip(wanted, seen))
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     out = {}
