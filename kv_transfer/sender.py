@@ -232,6 +232,8 @@ class KVSender:
                 mine = asyncio.get_running_loop().create_future()
                 conn.tasks.append(asyncio.create_task(post(previous=posted, posted=mine)))
                 posted = mine
+                await asyncio.sleep(0)  # the post starts waiting for its gather now, not
+                # after the next gathers (a free staging buffer never makes the pump yield)
         except asyncio.CancelledError:
             raise
         except Exception as e:
