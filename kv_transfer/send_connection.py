@@ -141,10 +141,8 @@ class _SenderConn:
         for run in runs:
             if not (run.direct and run.pooled):
                 continue
-            tmpl = run.sent.tmpl
             for i in range(0, len(run.nbytes), m.MAX_BLOCKS):
-                blocks = run.blocks[i:i + m.MAX_BLOCKS]
-                cuts = tmpl.bytes_cum[blocks[:, 3]] - tmpl.bytes_cum[blocks[:, 2]]
+                blocks, cuts = run.blocks[i:i + m.MAX_BLOCKS], run.nbytes[i:i + m.MAX_BLOCKS]
                 self.seq += 1
                 msg = self.request(request_id, epoch, run.sent, blocks, int(cuts.sum()),
                                    True, cuts, max(1, round(wait_s * 1e3)))

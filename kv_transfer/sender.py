@@ -260,7 +260,7 @@ class KVSender:
         # pooled: the regions are made once the control message is on its way
         payload = (functools.partial(self._in_place, tmpl, blocks, True) if pooled
                    else self._in_place(tmpl, blocks, direct))
-        cuts, buf = tmpl.bytes_cum[blocks[:, 3]] - tmpl.bytes_cum[blocks[:, 2]], None
+        cuts, buf = tmpl.block_bytes(blocks), None
         if payload is None:
             buf = await conn.free.get()
             if buf.numel() < conn.capacity:  # sized once: UCX maps each buffer once

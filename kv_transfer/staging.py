@@ -331,7 +331,11 @@ class _Template:
         return self._slabs
 
     def nbytes(self, blocks: np.ndarray) -> int:
-        return int((self.bytes_cum[blocks[:, 3]] - self.bytes_cum[blocks[:, 2]]).sum())
+        return int(self.block_bytes(blocks).sum())
+
+    def block_bytes(self, blocks: np.ndarray) -> np.ndarray:
+        """Payload bytes of each block (int64)."""
+        return self.bytes_cum[blocks[:, 3]] - self.bytes_cum[blocks[:, 2]]
 
     def landed(self, blocks: np.ndarray) -> dict[int, int]:
         """Token slots (heads x tokens) that `blocks` write, per layer."""

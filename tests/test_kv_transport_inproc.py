@@ -177,7 +177,7 @@ def test_in_place_receives_land_and_release_waits_for_them():
                  for a, b, direct in tmpl.spans.split(r0, r1, 1) if direct and a == r0]
         direct = np.array(whole, dtype=np.int32)
         n = tmpl.nbytes(direct)
-        sizes = (tmpl.bytes_cum[direct[:, 3]] - tmpl.bytes_cum[direct[:, 2]]).astype("<i8").tobytes()
+        sizes = tmpl.block_bytes(direct).astype("<i8").tobytes()
         starts = tmpl.spans.start[direct[:, 2]].astype("<i8")
         conn = _RecvConn(_FakeEndpoint())
         msg = m.TransferRequest("r", 1, 1, 0, LAYERS, -1, b"", m.encode_blocks(direct),
