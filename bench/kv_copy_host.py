@@ -64,7 +64,8 @@ def _host_pieces(pools, tmpl, msg: np.ndarray, total: int, reps: int
                  ) -> tuple[dict[str, float], float, float, int]:
     """Median host us per piece of one message's gather; the slab index's first build
     (us), the kernel's device time (us) and the message's slab count."""
-    from phalanx.kv_transfer.slab_copy import SLABS_PER_PROGRAM, BLOCK, _slab_copy_kernel
+    from phalanx.kv_transfer.slab_copy import (BLOCK, SLABS_PER_PROGRAM, DescRing,
+                                               _slab_copy_kernel)
     import triton
 
     dev = pools.device
@@ -80,9 +81,10 @@ def _host_pieces(pools, tmpl, msg: np.ndarray, total: int, reps: int
     block = min(BLOCK, triton.next_power_of_2(index.max_len))
     grid = (len(rows), triton.cdiv(most, SLABS_PER_PROGRAM))
     ring = torch.empty(1 << 16, dtype=torch.int64).pin_memory()
+    desc_ring = DescRing(dev)
 
     def launch():
-        _slab_copy_kernel[grid](pools._flat, payload, *index._dev, desc, TO_PAYLOAD=True,
+        _slab_copy_kernel[grid](pools._flat, payload, *index._dev, desc, 0, TO_PAYLOAD=True,
                                 SLABS=SLABS_PER_PROGRAM, BLOCK=block,
                                 MAX_LEN=triton.cdiv(index.max_len, block) * block,
                                 ALIGN=16, num_warps=4)
@@ -109,6 +111,8 @@ def _host_pieces(pools, tmpl, msg: np.ndarray, total: int, reps: int
         "ring pinned copy + to (non_blocking)": ring_h2d,
         "kernel launch": launch,
         "SlabIndex.copy": lambda: index.copy(pools._flat, payload, msg, numel, True),
+        "SlabIndex.copy, rows in a mapped ring (compiled launch)":
+            lambda: index.copy(pools._flat, payload, msg, numel, True, ring=desc_ring),
         "_Pools.gather (+ stream, event)": lambda: pools.gather(tmpl, msg, out),
         "event record + query": record_query,
     }

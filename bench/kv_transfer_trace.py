@@ -36,16 +36,6 @@ def install() -> None:
     _TAGS.update({rt.TAG_CTRL: "ctrl", rt.TAG_PAYLOAD: "payload", rt.TAG_REPLY: "reply",
                   rt.TAG_DIRECT: "direct"})
 
-    def traced(kind: str, post):
-        def wrapper(ep, tag, buf):
-            name = f"{kind}_{_tag_name(tag)}"
-            size = str(buf.nbytes if hasattr(buf, "nbytes") else len(buf))
-            mark(f"{name}_post", size)
-            task = post(ep, tag, buf)
-            task.add_done_callback(lambda _t: mark(f"{name}_done", size))
-            return task
-        return wrapper
-
     from ucxx._lib_async.endpoint import Endpoint
 
     def handed(name: str, inner):  # when ucxx hands the operation to UCX (a task step later)
@@ -68,12 +58,10 @@ def install() -> None:
 
         return rt._post_all(ep, send, tag, marked(), into=out)
 
-    sender._post_all = direct_landing._post_all = send_connection._post_all = traced_all
+    for module in (sender, direct_landing, send_connection, receiver):
+        module._post_all = traced_all
     Endpoint.send = handed("send", Endpoint.send)
     Endpoint.recv = handed("recv", Endpoint.recv)
-    sender._post_send = send_connection._post_send = traced("send", rt._post_send)
-    receiver._post_send = traced("send", rt._post_send)
-    receiver._post_recv = traced("recv", rt._post_recv)
     for cls, name in ((staging._Pools, "gather"), (staging._Pools, "scatter"),
                       (staging._Pools, "wait")):
         _wrap_method(cls, name)
@@ -81,6 +69,9 @@ def install() -> None:
     from phalanx.kv_transfer import part_cutter, slab_copy
     _wrap_method(send_connection._SenderConn, "request")
     _wrap_method(slab_copy.SlabIndex, "copy")
+    _wrap_method(slab_copy.SlabIndex, "block_rows")
+    _wrap_method(slab_copy.DescRing, "upload")
+    _wrap_launch(slab_copy._slab_copy_kernel)
     _wrap_method(staging._Pools, "_record")
     for cls, name in ((part_cutter.PartCutter, "_batches"),
                       (part_cutter.PartCutter, "_template"),
@@ -94,6 +85,9 @@ def install() -> None:
 
 
 def _wrap_method(cls, name: str) -> None:
+    """Marks `name`_start and `name`_end around every call of cls.name; a synchronous
+    call's end carries the calling thread's CPU time inside it (`cpu=` µs: far below
+    the wall time between the marks, the thread was waiting, e.g. for the GIL)."""
     inner = getattr(cls, name)
     if inspect.iscoroutinefunction(inner):
         async def wrapper(self, *args, **kwargs):
@@ -105,12 +99,28 @@ def _wrap_method(cls, name: str) -> None:
     else:
         def wrapper(self, *args, **kwargs):
             mark(f"{name}_start")
+            cpu = time.thread_time()
             try:
                 return inner(self, *args, **kwargs)
             finally:
-                mark(f"{name}_end")
+                mark(f"{name}_end", f"cpu={(time.thread_time() - cpu) * 1e6:.0f}")
 
     setattr(cls, name, wrapper)
+
+
+def _wrap_launch(kernel) -> None:
+    """Marks launch_start / launch_end (with CPU µs) around a Triton kernel's launches."""
+    inner = kernel.run
+
+    def run(*args, **kwargs):
+        mark("launch_start")
+        cpu = time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            mark("launch_end", f"cpu={(time.thread_time() - cpu) * 1e6:.0f}")
+
+    kernel.run = run
 
 
 def dump(role: str) -> None:
@@ -143,13 +153,16 @@ def timeline(out_dir: str, mode: str = "pipelined", limit: int = 120) -> list[st
 def summary(lines: list[str]) -> list[str]:
     """Per event kind of a timeline: count, and the median gap (ms) from each occurrence
     to the next of the same kind, plus the median duration of start/end and post/done
-    pairs taken in order."""
+    pairs taken in order (and of a start/end pair, its median CPU time, ms)."""
     import statistics
     times: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}  # CPU µs of the calls that ended
     for line in lines:
         parts = line.split()
         if len(parts) >= 3:
             times.setdefault((parts[1], parts[2]), []).append(float(parts[0]))
+        if len(parts) >= 4 and parts[3].startswith("cpu="):
+            cpus.setdefault((parts[1], parts[2]), []).append(float(parts[3][4:]))
     out = []
     for (role, event), ts in sorted(times.items()):
         gaps = [b - a for a, b in zip(ts, ts[1:])]
@@ -160,6 +173,9 @@ def summary(lines: list[str]) -> list[str]:
                 durs = [e - s for s, e in zip(ts, ends)]
                 if durs:
                     row += f" dur={statistics.median(durs):7.3f} max={max(durs):7.3f}"
+                spent = cpus.get((role, event[:-len(a)] + b))
+                if a == "_start" and spent:
+                    row += f" cpu={statistics.median(spent) / 1e3:7.3f}"
         out.append(row)
     return out
 

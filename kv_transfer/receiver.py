@@ -21,8 +21,7 @@ from .direct_landing import DirectLanding
 from .receive_connection import _RecvConn
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_all,
-                          _post_recv, _post_send, _reason, _ucx_buf, ensure_ucx,
-                          progress_mode_for)
+                          _reason, _ucx_buf, ensure_ucx, progress_mode_for)
 
 __all__ = ["KVReceiver"]
 
@@ -175,17 +174,17 @@ class KVReceiver(DirectLanding):
             lambda error: m.HelloAck(self.epoch, self.rank, not error, self.max_payload_bytes,
                                      error, self._pools.shape if self.direct else ()),
             self.timeout_s)
-        ctrl: deque[tuple[bytearray, asyncio.Task]] = deque()
+        ctrl: deque[tuple[bytearray, asyncio.Future]] = deque()
         for _ in range(self._staging_buffers):
             buf = bytearray(m.MAX_CTRL_BYTES)
-            ctrl.append((buf, _post_recv(conn.ep, TAG_CTRL, buf)))
+            ctrl.append((buf, _post_all(conn.ep, False, TAG_CTRL, [buf])[0]))
         staged: asyncio.Queue = asyncio.Queue()  # posted staging receives, in posting order
         previous: Optional[asyncio.Task] = None
         while True:
             buf, task = ctrl.popleft()
             await task  # idle: no deadline
             msg = m.unframe(buf, m.TO_RECEIVER)  # decoded into copies: repost at once
-            ctrl.append((buf, _post_recv(conn.ep, TAG_CTRL, buf)))
+            ctrl.append((buf, _post_all(conn.ep, False, TAG_CTRL, [buf])[0]))
             if isinstance(msg, (m.Posted, m.Withdrawn)):
                 self._verdict(conn, msg)
                 continue
@@ -279,14 +278,18 @@ class KVReceiver(DirectLanding):
             self._notify()
         # The ack is posted, not awaited: waiting for its completion would add a
         # notifier round trip to every message (the sender's deadline covers it).
-        ack = _post_send(conn.ep, TAG_REPLY, m.frame(m.TransferAck(
-            msg.request_id, msg.epoch, msg.seq, msg.layer_start, msg.layer_stop,
-            not error, error[:1000])))
-        ack.add_done_callback(lambda t, conn=conn: self._ack_done(conn, t))
+        try:
+            ack = _post_all(conn.ep, True, TAG_REPLY, [m.frame(m.TransferAck(
+                msg.request_id, msg.epoch, msg.seq, msg.layer_start, msg.layer_stop,
+                not error, error[:1000]))])[0]
+        except Exception as e:  # the endpoint failed meanwhile
+            self._break(conn, f"ack send failed: {_reason(e)}")
+            return
+        ack.add_done_callback(lambda done, conn=conn: self._ack_done(conn, done))
 
-    def _ack_done(self, conn: _RecvConn, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self._break(conn, f"ack send failed: {_reason(task.exception())}")
+    def _ack_done(self, conn: _RecvConn, done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            self._break(conn, f"ack send failed: {_reason(done.exception())}")
 
     def _apply(self, msg: m.TransferRequest, buf: torch.Tensor,
                templates: "OrderedDict[int, tuple[str, _Template]]"

@@ -17,7 +17,7 @@ from . import messages as m
 from .packed_table import pack_table
 from .spans import SlabSpans
 from .staging import _Template
-from .ucx_runtime import TAG_CTRL, _post_all, _post_send, direct_tag
+from .ucx_runtime import TAG_CTRL, _post_all, direct_tag
 
 _EMPTY = np.empty(0, dtype=np.uint8)  # a withdrawn block: completes its receive, writes nothing
 
@@ -173,8 +173,12 @@ class _SenderConn:
         prepared.announced = []
 
     def _ctrl(self, msg: Any) -> None:
-        """Post a control message; its failure breaks the connection."""
-        _post_send(self.ep, TAG_CTRL, m.frame(msg)).add_done_callback(self._check)
+        """Post a control message (straight: control messages reach UCX in call order);
+        its failure breaks the connection."""
+        try:
+            _post_all(self.ep, True, TAG_CTRL, [m.frame(msg)])[0].add_done_callback(self._check)
+        except Exception as e:  # the endpoint failed meanwhile
+            self.fail(f"send failed: {e!r}")
 
     def _check(self, done: asyncio.Future) -> None:
         if not done.cancelled() and done.exception() is not None:

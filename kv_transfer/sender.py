@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -21,7 +22,7 @@ from .part_cutter import Copies, PartCutter
 from .send_connection import _Announced, _Batch, _Prepared, _SenderConn
 from .staging import _Pools, _Template
 from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_all,
-                          _post_send, _reason, _recv_msg, _send_msg, _ucx_buf, direct_tag,
+                          _reason, _recv_msg, _send_msg, _ucx_buf, direct_tag,
                           ensure_ucx, progress_mode_for)
 
 __all__ = ["Copies", "KVSender"]
@@ -34,6 +35,7 @@ PREPARED = 1024  # prepared batches kept per connection (oldest withdrawn: sent 
 # (~1.5 ms for 96 on an H200 host), and the receiver, which posts its in-place receives
 # only after reading it, would wait that long. (Announced messages are read long before.)
 FLUSH_CTRL_PARTS = 8
+ACKS_AHEAD = 4  # ack receives a connection keeps posted
 
 
 class KVSender:
@@ -289,10 +291,8 @@ class KVSender:
             if previous is not None:
                 await previous
             ahead = isinstance(msg, m.TransferRequest)  # the receiver posts after reading it
-            sends = [_post_send(conn.ep, TAG_CTRL, m.frame(msg))]
+            sends = _post_all(conn.ep, True, TAG_CTRL, [m.frame(msg)])
             if callable(payload):
-                if ahead:
-                    await asyncio.sleep(0)  # the control message reaches UCX first
                 payload = payload()
             if ahead and len(payload) >= FLUSH_CTRL_PARTS:
                 await asyncio.wait(sends)  # its outcome is checked with the others'
@@ -317,9 +317,17 @@ class KVSender:
             conn.free.put_nowait(buf)
 
     async def _read_acks(self, conn: _SenderConn) -> None:
+        """Take the connection's acks, with `ACKS_AHEAD` receives kept posted."""
         try:
+            posted: deque[tuple[bytearray, asyncio.Future]] = deque()
+            for _ in range(ACKS_AHEAD):
+                buf = bytearray(m.MAX_REPLY_BYTES)
+                posted.append((buf, _post_all(conn.ep, False, TAG_REPLY, [buf])[0]))
             while True:
-                ack = await _recv_msg(conn.ep, TAG_REPLY, m.TO_SENDER, None)  # idle: no deadline
+                buf, received = posted.popleft()
+                await received  # idle: no deadline
+                ack = m.unframe(buf, m.TO_SENDER)  # decoded: repost at once
+                posted.append((buf, _post_all(conn.ep, False, TAG_REPLY, [buf])[0]))
                 if not isinstance(ack, m.TransferAck):
                     raise ValueError(f"unexpected {type(ack).__name__}")
                 taken = conn.pending.pop(ack.seq, None)

@@ -10,11 +10,16 @@ granules it spans; the host sends only one 4-int64 row per block.
 Layout contract: the pools are consecutive pieces of one allocation (K0, V0, K1, V1,
 ...), so pool (layer, kind) starts `(2 * layer + kind) * pool_numel` elements into it;
 every offset and length is a multiple of head_dim (`ALIGN` hints the vector width).
+
+Host cost per message (it is on the transport's per-message path, bench/NOTES.md v13):
+the block rows are written into pinned host memory that the kernel reads in place (UVA:
+pinned memory is device-accessible at its host address), and after a launch shape's
+first launch through Triton's JIT, later ones go straight to its compiled kernel.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -26,16 +31,17 @@ BLOCK = 1024  # most elements per load (2 KiB of a bf16 slab); the slab loop is 
 NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks_off"])
 def _slab_copy_kernel(pool_ptr, pay_ptr, slab_pool_ptr, slab_pay_ptr, slab_len_ptr,
-                      blocks_ptr, TO_PAYLOAD: tl.constexpr, SLABS: tl.constexpr,
+                      blocks_ptr, blocks_off, TO_PAYLOAD: tl.constexpr, SLABS: tl.constexpr,
                       BLOCK: tl.constexpr, MAX_LEN: tl.constexpr, ALIGN: tl.constexpr):
     b = tl.program_id(0)
     p = tl.program_id(1)
-    s0 = tl.load(blocks_ptr + b * 4)
-    n = tl.load(blocks_ptr + b * 4 + 1)
-    pool_base = tl.load(blocks_ptr + b * 4 + 2)
-    pay_base = tl.load(blocks_ptr + b * 4 + 3)
+    row = blocks_ptr + blocks_off + b * 4
+    s0 = tl.load(row)
+    n = tl.load(row + 1)
+    pool_base = tl.load(row + 2)
+    pay_base = tl.load(row + 3)
     offs = tl.arange(0, BLOCK)
     for i in tl.static_range(SLABS):
         k = p * SLABS + i
@@ -57,31 +63,48 @@ def _slab_copy_kernel(pool_ptr, pay_ptr, slab_pool_ptr, slab_pay_ptr, slab_len_p
 
 
 class DescRing:
-    """Pinned host memory and device memory, reused round robin, for the block rows that
-    each launch reads (CUDA): a fresh pinned tensor per launch would come back to
-    torch's pinned cache only once its copy has run, which behind a busy copy stream
-    means a new pinned allocation almost every time. Use on one stream: a row range is
-    overwritten on the device only after the launches queued before it on that stream,
-    and on the host only after a lap's copies have all run (waited for once per lap)."""
+    """Pinned host memory (and device memory, for when the kernel cannot read the host
+    memory) reused round robin for the block rows that each launch reads (CUDA). Use on
+    one stream: rows are overwritten on the host only after a lap's launches have all
+    run (waited for once per lap), and on the device only after the launches queued
+    before them on that stream. Every slot starts 16-byte aligned."""
 
     def __init__(self, device: torch.device, capacity: int = 1 << 17) -> None:
         self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self._host_np = self.host.numpy()
+        self.host_ptr = self.host.data_ptr()
         self.dev = torch.empty(capacity, dtype=torch.int64, device=device)
         self.pos = 0
+        self.mapped = True  # kernels read the rows in host memory (until that fails once)
+
+    def place(self, rows: np.ndarray) -> Optional[int]:
+        """`rows` (int64) written into the host ring: their offset (elements), or None if
+        they are larger than the ring."""
+        n = rows.size
+        if n > len(self._host_np):
+            return None
+        if self.pos + n > len(self._host_np):
+            torch.cuda.current_stream(self.dev.device).synchronize()  # the lap's launches ran
+            self.pos = 0
+        a = self.pos
+        self.pos += n + (n & 1)
+        self._host_np[a:a + n] = rows.reshape(-1)
+        return a
 
     def upload(self, rows: np.ndarray) -> torch.Tensor:
         """`rows` (int64) on the device, copied on the current stream."""
-        n = rows.size
-        if n > len(self.host):  # larger than the ring: a pinned tensor of its own
+        a = self.place(rows)
+        if a is None:  # larger than the ring: a pinned tensor of its own
             return torch.from_numpy(rows).pin_memory().to(self.dev.device, non_blocking=True)
-        if self.pos + n > len(self.host):
-            torch.cuda.current_stream(self.dev.device).synchronize()  # the lap's copies ran
-            self.pos = 0
-        a, self.pos = self.pos, self.pos + n
-        self.host[a:a + n].numpy()[:] = rows.reshape(-1)
+        n = rows.size
         out = self.dev[a:a + n]
         out.copy_(self.host[a:a + n], non_blocking=True)
         return out.view(rows.shape)
+
+
+# launch shape (constexprs, warps, dtype, device) -> its compiled kernel, once launched
+# through the JIT with every pointer 16-byte aligned (the JIT specialises on that)
+_COMPILED: dict[tuple, Any] = {}
 
 
 class SlabIndex:
@@ -108,6 +131,7 @@ class SlabIndex:
         self.max_len = int(length.max()) if len(length) else 0
         self._dev = [torch.from_numpy(x).to(device)
                      for x in (pool_off, np.ascontiguousarray(self.pay_cum[:-1]), length)]
+        self._dev_ptrs = tuple(t.data_ptr() for t in self._dev)
 
     def block_rows(self, blocks: np.ndarray, pool_numel: int) -> tuple[np.ndarray, int]:
         """Per block (first slab, slabs, pool base, payload base) in elements, the
@@ -127,20 +151,49 @@ class SlabIndex:
         """Gather (`to_payload`) or scatter the blocks' slabs between `flat_pools` (the
         one allocation, 1-D) and `payload` (1-D, same dtype), queued on the current
         stream. slabs (per program), block (most elements per load), num_warps: the
-        launch's shape (bench/kv_copy_host.py --sweep). ring: where the block rows go
-        to the device (CUDA; default a pinned tensor per call)."""
+        launch's shape (bench/kv_copy_host.py --sweep). ring (CUDA): holds the block rows,
+        which the kernel reads in place (or from the ring's device copy where it cannot);
+        default a pinned tensor per call, copied to the device."""
         rows, most = self.block_rows(blocks, pool_numel)
         if most == 0:
             return
+        block = min(block, triton.next_power_of_2(self.max_len))
+        consts = (to_payload, slabs, block, triton.cdiv(self.max_len, block) * block,
+                  16 if self.head_dim % 16 == 0 else 1)
+        grid = (len(rows), triton.cdiv(most, slabs))
+        if ring is not None and ring.mapped:
+            off = ring.place(rows)
+            if off is not None and self._launch_mapped(flat_pools, payload, ring, off, grid,
+                                                       consts, num_warps):
+                return
         desc = torch.from_numpy(rows)
         if ring is not None:
             desc = ring.upload(rows)
         elif flat_pools.device.type == "cuda":
             desc = desc.pin_memory().to(flat_pools.device, non_blocking=True)
-        align = 16 if self.head_dim % 16 == 0 else 1
-        block = min(block, triton.next_power_of_2(self.max_len))
-        grid = (len(rows), triton.cdiv(most, slabs))
-        _slab_copy_kernel[grid](flat_pools, payload, *self._dev, desc,
-                                TO_PAYLOAD=to_payload, SLABS=slabs, BLOCK=block,
-                                MAX_LEN=triton.cdiv(self.max_len, block) * block,
-                                ALIGN=align, num_warps=num_warps)
+        _slab_copy_kernel[grid](flat_pools, payload, *self._dev, desc, 0, *consts,
+                                num_warps=num_warps)
+
+    def _launch_mapped(self, flat_pools: torch.Tensor, payload: torch.Tensor,
+                       ring: DescRing, off: int, grid: tuple[int, int], consts: tuple,
+                       num_warps: int) -> bool:
+        """Launch reading the block rows at `off` in the ring's host memory: straight
+        through the shape's compiled kernel when there is one and every pointer is
+        aligned, else through the JIT (keeping the compiled kernel). False, and the ring
+        no longer read in place, if the kernel cannot address host memory."""
+        ptrs = (flat_pools.data_ptr(), payload.data_ptr(), *self._dev_ptrs, ring.host_ptr)
+        aligned = not any(p % 16 for p in ptrs)
+        key = (*consts, num_warps, flat_pools.dtype, flat_pools.device)
+        kernel = _COMPILED.get(key) if aligned else None
+        if kernel is not None:
+            kernel[(*grid, 1)](*ptrs, off, *consts)  # a compiled kernel takes 3-d grids
+            return True
+        try:
+            kernel = _slab_copy_kernel[grid](flat_pools, payload, *self._dev, ring.host, off,
+                                             *consts, num_warps=num_warps)
+        except ValueError:  # "cannot be accessed from Triton": no UVA mapping here
+            ring.mapped = False
+            return False
+        if aligned and hasattr(kernel, "__getitem__"):
+            _COMPILED[key] = kernel
+        return True

@@ -16,7 +16,9 @@ import pytest
 CASES = ["tp2_to_tp1", "tp1_to_tp2", "tp4_kv2_to_tp1"]
 
 
-def _check(case: str, device: str = "cpu") -> dict:
+def _check(case: str, device: str = "cpu", ring_capacity: int = 0) -> dict:
+    """ring_capacity (CUDA): the kernel pools' block rows go through a `DescRing` this
+    small (laps every few launches) instead of the default one."""
     import numpy as np
     import torch
     from phalanx.kv_transfer import messages as m
@@ -38,6 +40,10 @@ def _check(case: str, device: str = "cpu") -> dict:
             src_pools = on(t.side_pools(case, "src", s, "noise"))
             src = {"kernel": _Pools(src_pools, slab_kernel=True),
                    "torch": _Pools(src_pools, slab_kernel=False)}
+            if ring_capacity:
+                from phalanx.kv_transfer.slab_copy import DescRing
+                for p in (src["kernel"], dst["kernel"]):
+                    p._ring = DescRing(p.device, capacity=ring_capacity)
             for template, blocks in m.templates_of(table):
                 tx = {k: p.template(template, "src") for k, p in src.items()}
                 rx = {k: p.template(template, "dst") for k, p in dst.items()}
@@ -99,16 +105,47 @@ def test_slab_kernel_equals_the_torch_path_on_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
-def test_desc_ring_uploads_survive_laps_behind_a_busy_stream():
-    """`DescRing` over several laps while the stream is busy: every upload, read on the
-    stream right after it (as a launch reads it), holds its rows; a lap never overwrites
-    host rows whose copy has not run."""
+def test_slab_kernel_reading_rows_in_host_memory_over_ring_laps():
+    """The block rows read in place from a small pinned ring (laps every few launches),
+    through the compiled kernel after each shape's first launch: still bit-equal."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from phalanx.kv_transfer import slab_copy
+
+    slab_copy._COMPILED.clear()
+    got = _check("tp2_to_tp1", "cuda", ring_capacity=32)
+    assert "error" not in got, got
+    assert slab_copy._COMPILED  # the later launches took the compiled kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("how", ["upload", "in_place"])
+def test_desc_ring_rows_survive_laps_behind_a_busy_stream(how):
+    """`DescRing` over several laps while the stream is busy: each launch's rows, read on
+    the stream right after they were placed (copied to the device by `upload`, or read
+    from host memory by a kernel, as the slab kernel reads them), hold what was placed;
+    a lap never overwrites rows that a queued copy or kernel has not read yet."""
     import numpy as np
     import torch
+    import triton
+    import triton.language as tl
 
     from phalanx.kv_transfer.slab_copy import DescRing
 
+    @triton.jit
+    def read_rows(src_ptr, off, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, tl.load(src_ptr + off + i, mask=i < n), mask=i < n)
+
+    def in_place(ring, rows):
+        out = torch.empty(rows.size, dtype=torch.int64, device=dev)
+        off = ring.place(rows)
+        assert off % 2 == 0  # 16-byte aligned slots
+        read_rows[(1,)](ring.host, off, out, rows.size, BLOCK=64)
+        return out
+
     dev = torch.device("cuda", 0)
+    read = in_place if how == "in_place" else lambda ring, rows: ring.upload(rows).clone()
     stream = torch.cuda.Stream(dev)
     rng = np.random.default_rng(5)
     ring, wanted, seen = DescRing(dev, capacity=256), [], []
@@ -118,8 +155,8 @@ def test_desc_ring_uploads_survive_laps_behind_a_busy_stream():
             if i % 20 == 0:
                 big = big @ big / 64  # keeps the stream busy (ms of queued work)
             rows = rng.integers(0, 1 << 40, size=(int(rng.integers(1, 12)), 4))
-            wanted.append(rows)
-            seen.append(ring.upload(rows).clone())  # ordered after its copy on the stream
+            wanted.append(rows.reshape(-1))
+            seen.append(read(ring, rows).view(-1))  # ordered after the placement
     stream.synchronize()
     assert all(np.array_equal(w, s.cpu().numpy()) for w, s in zip(wanted, seen))
 
