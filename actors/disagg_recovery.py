@@ -15,7 +15,7 @@ under a new epoch, and every request it held goes back to the queue.
 from __future__ import annotations
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..engine.rank_engine import RankFailure
 from ..log import get_logger
@@ -45,15 +45,31 @@ class DisaggRecovery:
             raise DecodeLost(f"decode group epoch {self.decode.epoch - 1} failed") from e
 
     def _abandon(self, req, instance_alive: bool) -> None:
-        """Give up this prefill attempt: gates closed, then the decode pages returned;
-        the request goes back to the front of the queue (unless it was aborted)."""
+        """Give up this prefill attempt: its prefill ranks stop streaming it (what they
+        announced is withdrawn, which ends the receives the decode ranks posted for it),
+        the gates are closed (which waits for receives into its pages still running),
+        the decode pages are returned, then the prefill pages; the request goes back to
+        the front of the queue (unless it was aborted)."""
+        if instance_alive:
+            self._stop_streaming(req)
         ranks = self._decode_ranks(req.dp_rank)
         self._decode_call(lambda: ray.get([r.close_gate.remote(req.transfer_id) for r in ranks]))
         leader = self.decode.leaders[req.dp_rank]
         self._decode_call(lambda: ray.get(leader.unreserve.remote(req.request_id)))
         if instance_alive:
-            self._withdraw_prefill(req)
+            self.prefill[req.instance].leaders[0].abort.remote(req.request_id)
         self._requeue(req)
+
+    def _stop_streaming(self, req) -> None:
+        """Every rank of `req`'s prefill instance forgets its stream; returns once they
+        have (their announced messages withdrawn). A rank that fails meanwhile is left to
+        the next poll, which replaces its instance."""
+        group = self.prefill[req.instance]
+        try:
+            ray.get([a.forget.remote(req.key) for a in group.actors], timeout=group.deadline_s)
+        except (*ACTOR_ERRORS, GetTimeoutError) as e:
+            log.warning("prefill_forget_failed", instance=req.instance, epoch=group.epoch,
+                        request_id=req.request_id, error=str(e)[:200])
 
     def _withdraw_prefill(self, req) -> None:
         """Stop the prefill side of `req`'s attempt: no more streaming, pages freed."""

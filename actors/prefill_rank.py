@@ -171,8 +171,11 @@ class PrefillRank(KVRank):
         return sends
 
     def _after_forward(self, inputs) -> None:
-        for key, end in self._step_keys:
-            self._streams[key].sent_upto = end
+        with self._lock:
+            for key, end in self._step_keys:
+                stream = self._streams.get(key)  # None: forgotten during the step
+                if stream is not None:
+                    stream.sent_upto = end
         self._step_keys = []
 
     def _service(self) -> None:

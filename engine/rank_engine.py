@@ -104,7 +104,7 @@ class RankEngine:
         self._failure: Optional[RankFailure] = None
         self._stop = False
         self._done = threading.Event()
-        self._faults: dict[str, int] = {}
+        self._faults: dict[str, tuple[int, float]] = {}  # point -> (passes left, stall_s)
         self._thread: Optional[threading.Thread] = None
         self._padded: Optional[EPDispatcher] = None  # its padded exchange is sized per step
         self.steps = 0
@@ -196,18 +196,27 @@ class RankEngine:
             raise self._failure
 
     # -- fault injection (chaos drills) ----------------------------------------------
-    def arm_fault(self, point: str, after: int = 0) -> None:
-        """Exit the process at the `after`-th next pass through `point`."""
-        self._faults[point] = after
+    def arm_fault(self, point: str, after: int = 0, stall_s: float = 0.0) -> None:
+        """At the `after`-th next pass through `point`: exit the process, or (`stall_s`
+        > 0) hold the passing thread that long, once (a rank that stalls mid-step)."""
+        if after < 0 or stall_s < 0:
+            raise ValueError(f"after and stall_s must be >= 0, got {after}, {stall_s}")
+        self._faults[point] = (after, stall_s)
 
     def fault_point(self, point: str) -> None:
-        left = self._faults.get(point)
-        if left is None:
+        armed = self._faults.get(point)
+        if armed is None:
             return
-        if left <= 0:
-            log.warning("fault_injected", rank=self.spec.rank, epoch=self.spec.epoch, point=point)
+        left, stall_s = armed
+        if left > 0:
+            self._faults[point] = (left - 1, stall_s)
+            return
+        log.warning("fault_injected", rank=self.spec.rank, epoch=self.spec.epoch, point=point,
+                    stall_s=stall_s)
+        if not stall_s:
             os._exit(17)
-        self._faults[point] = left - 1
+        del self._faults[point]
+        time.sleep(stall_s)
 
     # -- the loop --------------------------------------------------------------------
     def _run(self) -> None:

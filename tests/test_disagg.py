@@ -205,6 +205,49 @@ def test_requests_aborted_mid_flight_leave_nothing_behind(tiny_model, oracle):
         llm.close()
 
 
+def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_model, oracle):
+    """The prefill rank stalls inside the first step of a long prompt, after the step
+    announced its pool-to-pool messages (at its start) and before it sent any layer; the
+    request is aborted meanwhile. Its prefill rank forgets it first, so every announced
+    message is withdrawn (the decode rank's posted receives complete empty) and closing
+    the decode gate does not wait for the stalled step; nothing of it lands, both sides
+    free every page, no connection breaks, and the oracle's prompts then run with the
+    same tokens."""
+    import time
+
+    prompts, expected = oracle
+    long = make_prompts(2048, seed=7)[11]  # 255 tokens: several prefill steps
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    llm = LLM(tiny_model, prefill_tp=1, decode_dp=1, page_size=4, kv_in_place_min_bytes=512,
+              **KW)
+    try:
+        client, rank = llm.group, llm.group.prefill[0].actors[0]
+        receiver = client.decode.actors[0]
+        ray.get(rank.arm_fault.remote("kv_send", 0, stall_s=3.0))  # before its first send
+        client.submit("long", long, params)
+        deadline = time.monotonic() + 20
+        while (kv := ray.get(receiver.kv_stats.remote()))["announced"] == 0:
+            assert time.monotonic() < deadline, "the step announced nothing"
+            time.sleep(0.05)
+        client.abort("long")
+        deadline = time.monotonic() + 20  # the decode rank counts them as they come
+        while (kv := ray.get(receiver.kv_stats.remote()))["withdrawn"] < kv["announced"]:
+            assert time.monotonic() < deadline and kv["messages"] == 0, kv
+            time.sleep(0.05)
+        assert kv["messages"] == 0, kv  # nothing of the stalled step was sent
+        announced = kv["announced"]
+        leaders = [client.decode.leaders[0], client.prefill[0].leaders[0]]
+        deadline = time.monotonic() + 30  # the stalled step ends, then its pages go
+        while any(usage := [ray.get(a.stats.remote())["kv_usage"] for a in leaders]):
+            assert time.monotonic() < deadline, f"pages still held after the abort: {usage}"
+            client.poll()
+        assert _generate(llm, prompts) == expected
+        kv = ray.get(receiver.kv_stats.remote())
+        assert kv["conn_lost"] == 0 and kv["withdrawn"] == announced, kv
+    finally:
+        llm.close()
+
+
 def test_second_turn_streams_only_what_decode_does_not_cache(tiny_model):
     """A follow-up prompt (the first turn's prompt + its answer + more) on the same decode
     group: the decode pool still caches the first turn's pages, so only the tail of the
