@@ -103,8 +103,10 @@ class DescRing:
 
 
 # launch shape (constexprs, warps, dtype, device) -> its compiled kernel, once launched
-# through the JIT with every pointer 16-byte aligned (the JIT specialises on that)
+# through the JIT with every pointer 16-byte aligned (the JIT specialises on that);
+# emptied for good if this Triton's compiled kernels take their arguments otherwise
 _COMPILED: dict[tuple, Any] = {}
+_compiled_launches = True
 
 
 class SlabIndex:
@@ -186,14 +188,25 @@ class SlabIndex:
         key = (*consts, num_warps, flat_pools.dtype, flat_pools.device)
         kernel = _COMPILED.get(key) if aligned else None
         if kernel is not None:
-            kernel[(*grid, 1)](*ptrs, off, *consts)  # a compiled kernel takes 3-d grids
-            return True
+            try:
+                kernel[(*grid, 1)](*ptrs, off, *consts)  # a compiled kernel takes 3-d grids
+                return True
+            except (TypeError, IndexError, AttributeError):  # rejected before launching
+                _disable_compiled_launches()
         try:
             kernel = _slab_copy_kernel[grid](flat_pools, payload, *self._dev, ring.host, off,
                                              *consts, num_warps=num_warps)
         except ValueError:  # "cannot be accessed from Triton": no UVA mapping here
             ring.mapped = False
             return False
-        if aligned and hasattr(kernel, "__getitem__"):
+        if aligned and _compiled_launches and hasattr(kernel, "__getitem__"):
             _COMPILED[key] = kernel
         return True
+
+
+def _disable_compiled_launches() -> None:
+    """Every later launch goes through the JIT (a compiled kernel refused its
+    arguments: another Triton's launcher)."""
+    global _compiled_launches
+    _compiled_launches = False
+    _COMPILED.clear()

@@ -117,6 +117,66 @@ def test_slab_kernel_reading_rows_in_host_memory_over_ring_laps():
     assert slab_copy._COMPILED  # the later launches took the compiled kernel
 
 
+def test_launch_choice_between_compiled_kernel_jit_and_device_rows(monkeypatch):
+    """`SlabIndex._launch_mapped`'s choices, with the kernel replaced by a recorder (CPU):
+    a shape's first launch goes through the JIT and keeps the compiled kernel (pointers
+    aligned), later ones go to it with the pointers as integers; a compiled kernel that
+    refuses its arguments turns compiled launches off for good (the launch goes through
+    the JIT); a JIT that cannot address host memory turns in-place rows off (False)."""
+    import numpy as np
+    import torch
+
+    from phalanx.kv_transfer import slab_copy
+
+    calls = []
+
+    class Compiled:
+        def __init__(self, refuse=False):
+            self.refuse = refuse
+
+        def __getitem__(self, grid):
+            def run(*args):
+                if self.refuse:
+                    raise TypeError("takes its arguments otherwise")
+                calls.append(("compiled", grid, args))
+            return run
+
+    class Jit:
+        error = None
+
+        def __getitem__(self, grid):
+            def run(*args, num_warps):
+                if self.error is not None:
+                    raise self.error
+                calls.append(("jit", grid, args))
+                return Compiled()
+            return run
+
+    class Ring:
+        host = torch.zeros(8, dtype=torch.int64)
+        host_ptr, mapped = 1 << 20, True
+
+    jit = Jit()
+    monkeypatch.setattr(slab_copy, "_slab_copy_kernel", jit)
+    monkeypatch.setattr(slab_copy, "_COMPILED", {})
+    monkeypatch.setattr(slab_copy, "_compiled_launches", True)
+    index = slab_copy.SlabIndex([(0, 1, 1, np.array([0, 1]), np.array([0, 2]))], 1, 16,
+                                torch.device("cpu"))
+    pools, payload, ring = torch.zeros(64), torch.zeros(32), Ring()
+    launch = lambda off: index._launch_mapped(pools, payload, ring, off, (1, 1),  # noqa: E731
+                                              (True, 4, 16, 16, 16), 4)
+    assert launch(0) and launch(2)
+    assert [c[0] for c in calls] == ["jit", "compiled"]
+    assert calls[1][1] == (1, 1, 1) and calls[1][2][-6:] == (2, True, 4, 16, 16, 16)
+    assert all(isinstance(p, int) for p in calls[1][2][:6])  # pointers as integers
+    slab_copy._COMPILED[next(iter(slab_copy._COMPILED))] = Compiled(refuse=True)
+    assert launch(4) and calls[-1][0] == "jit"
+    assert not slab_copy._compiled_launches and not slab_copy._COMPILED
+    assert launch(6) and calls[-1][0] == "jit" and not slab_copy._COMPILED
+    jit.error = ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+    assert not launch(0) and not ring.mapped
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("how", ["upload", "in_place"])
