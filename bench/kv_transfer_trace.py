@@ -97,30 +97,25 @@ def _wrap_method(cls, name: str) -> None:
             finally:
                 mark(f"{name}_end")
     else:
-        def wrapper(self, *args, **kwargs):
-            mark(f"{name}_start")
-            cpu = time.thread_time()
-            try:
-                return inner(self, *args, **kwargs)
-            finally:
-                mark(f"{name}_end", f"cpu={(time.thread_time() - cpu) * 1e6:.0f}")
-
+        wrapper = _timed(name, inner)
     setattr(cls, name, wrapper)
+
+
+def _timed(name: str, fn):
+    """`fn` marking `name`_start and `name`_end, the end with the thread's CPU µs."""
+    def wrapper(*args, **kwargs):
+        mark(f"{name}_start")
+        cpu = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mark(f"{name}_end", f"cpu={(time.thread_time() - cpu) * 1e6:.0f}")
+    return wrapper
 
 
 def _wrap_launch(kernel) -> None:
     """Marks launch_start / launch_end (with CPU µs) around a Triton kernel's launches."""
-    inner = kernel.run
-
-    def run(*args, **kwargs):
-        mark("launch_start")
-        cpu = time.thread_time()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            mark("launch_end", f"cpu={(time.thread_time() - cpu) * 1e6:.0f}")
-
-    kernel.run = run
+    kernel.run = _timed("launch", kernel.run)
 
 
 def dump(role: str) -> None:

@@ -8,6 +8,8 @@ is prefilled again on a re-formed instance and completes with the same tokens.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -142,31 +144,40 @@ def test_in_place_announced_transfers_match_transformers(tiny_model, oracle):
         llm.close()
 
 
+def _wait_until_no_page_is_held(client) -> None:
+    """Poll `client` until every decode DP leader and prefill instance leader holds no KV
+    page (releases are asynchronous); fails after 30 s."""
+    leaders = [*client.decode.leaders, *(g.leaders[0] for g in client.prefill)]
+    deadline = time.monotonic() + 30
+    while any(usage := [ray.get(a.stats.remote())["kv_usage"] for a in leaders]):
+        assert time.monotonic() < deadline, f"pages still held after the abort: {usage}"
+        client.poll()
+
+
 def _run_aborting(client, victims, prompts, params, after_first_poll: bool, tag: str):
     """Submit `victims` then `prompts` (ids `tag`v0.., `tag`p0..) and abort the victims
     at once (prefilling) or after the first poll (decoding by then, on this model);
     every prompt's tokens once they have all finished, after checking that the victims
     got no token after their abort and never finished."""
-    import time
-
     ids = [f"{tag}v{i}" for i in range(len(victims))] + [f"{tag}p{i}" for i in range(len(prompts))]
-    got, finished, cut = {rid: [] for rid in ids}, set(), None
+    got, finished = {rid: [] for rid in ids}, set()
     for rid, p in zip(ids, victims + prompts):
         client.submit(rid, p, params)
+
+    def abort() -> dict[str, int]:  # victim -> its tokens when aborted
+        for rid in ids[:len(victims)]:
+            client.abort(rid)
+        return {rid: len(got[rid]) for rid in ids[:len(victims)]}
+
+    cut = None if after_first_poll else abort()
     deadline = time.monotonic() + 120
     while len(finished) < len(prompts):
         assert time.monotonic() < deadline, f"finished only {sorted(finished)}"
-        if cut is None and not after_first_poll:
-            cut = {rid: 0 for rid in ids[:len(victims)]}
-            for rid in cut:
-                client.abort(rid)
         for o in client.poll():
             got[o.request_id].extend(o.new_token_ids)
             finished.update([o.request_id] if o.finished else [])
         if cut is None:
-            cut = {rid: len(got[rid]) for rid in ids[:len(victims)]}
-            for rid in cut:
-                client.abort(rid)
+            cut = abort()
     for o in client.poll() + client.poll():  # a late token of a victim would show here
         got[o.request_id].extend(o.new_token_ids)
     assert all(len(got[rid]) == n and rid not in finished for rid, n in cut.items()), cut
@@ -180,10 +191,8 @@ def test_requests_aborted_mid_flight_leave_nothing_behind(tiny_model, oracle):
     aborted ones get no token after the abort, every page is freed on both sides, no
     transport connection breaks, the others' tokens equal transformers', and all of
     them run again afterwards with the same tokens. (Whether an abort lands between a
-    step's announcement and its sends is up to timing here; the transport tests cover
-    that window.)"""
-    import time
-
+    step's announcement and its sends is up to timing here; the next test stalls a
+    step in that window.)"""
     prompts, expected = oracle
     long = make_prompts(2048, seed=7)[10:12]  # 200 and 255 tokens
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -193,11 +202,7 @@ def test_requests_aborted_mid_flight_leave_nothing_behind(tiny_model, oracle):
         client = llm.group
         for tag, after_first_poll in (("a", False), ("b", True)):
             assert _run_aborting(client, long, prompts, params, after_first_poll, tag) == expected
-        leaders = [*client.decode.leaders, *(g.leaders[0] for g in client.prefill)]
-        deadline = time.monotonic() + 30  # releases are asynchronous
-        while any(usage := [ray.get(a.stats.remote())["kv_usage"] for a in leaders]):
-            assert time.monotonic() < deadline, f"pages still held after the aborts: {usage}"
-            client.poll()
+        _wait_until_no_page_is_held(client)
         kv = [ray.get(a.kv_stats.remote()) for a in client.decode.actors]
         assert all(s["conn_lost"] == 0 for s in kv), kv
         assert _generate(llm, long + prompts)[2:] == expected
@@ -213,8 +218,6 @@ def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_mo
     the decode gate does not wait for the stalled step; nothing of it lands, both sides
     free every page, no connection breaks, and the oracle's prompts then run with the
     same tokens."""
-    import time
-
     prompts, expected = oracle
     long = make_prompts(2048, seed=7)[11]  # 255 tokens: several prefill steps
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -236,11 +239,7 @@ def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_mo
             time.sleep(0.05)
         assert kv["messages"] == 0, kv  # nothing of the stalled step was sent
         announced = kv["announced"]
-        leaders = [client.decode.leaders[0], client.prefill[0].leaders[0]]
-        deadline = time.monotonic() + 30  # the stalled step ends, then its pages go
-        while any(usage := [ray.get(a.stats.remote())["kv_usage"] for a in leaders]):
-            assert time.monotonic() < deadline, f"pages still held after the abort: {usage}"
-            client.poll()
+        _wait_until_no_page_is_held(client)  # once the stalled step has ended
         assert _generate(llm, prompts) == expected
         kv = ray.get(receiver.kv_stats.remote())
         assert kv["conn_lost"] == 0 and kv["withdrawn"] == announced, kv
