@@ -43,9 +43,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ep-exchange", choices=("exact", "padded"), default="exact",
-                   help="MoE all-to-all of DP×EP groups: uneven splits, or padded to the "
-                        "step's agreed token count (no counts exchange); same tokens")
+    p.add_argument("--ep-exchange", choices=("exact", "padded", "peer"), default="exact",
+                   help="MoE all-to-all of DP×EP groups: uneven splits, padded to the "
+                        "step's agreed token count (no counts exchange), or padded rows "
+                        "stored into the peers' symmetric memory and waited for on the "
+                        "device (NVSHMEM on GPU); same tokens")
     g = p.add_argument_group("disaggregated layout (any of these selects it)")
     g.add_argument("--prefill-tp", type=int, default=None, help="TP ranks of each prefill instance")
     g.add_argument("--prefill-instances", type=int, default=None, help="prefill TP groups")

@@ -198,7 +198,10 @@ class ParallelConfig:
     # MoE all-to-all over a DP×EP world (`kernels.dispatch`): "exact" (uneven splits; the
     # host reads the counts every layer) or "padded" (equal splits sized by the step's
     # agreed token count, padding rows skipped by the experts; no counts exchange, no
-    # host read of them). Same tokens either way.
+    # host read of them), or "peer" (the padded rows stored straight into the peers'
+    # symmetric memory, NVSHMEM on GPU and /dev/shm on CPU, and waited for in device code,
+    # each step bounded by the collective deadline; steps of more than max_num_seqs
+    # tokens per rank take the padded path). Same tokens every way.
     ep_exchange: str = "exact"
 
     def __post_init__(self) -> None:
@@ -208,8 +211,8 @@ class ParallelConfig:
         _require(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
         _require(self.collective_timeout_s > 0, "collective_timeout_s",
                  f"must be positive, got {self.collective_timeout_s}")
-        _require(self.ep_exchange in ("exact", "padded"), "ep_exchange",
-                 f"{self.ep_exchange!r} is not 'exact' or 'padded'")
+        _require(self.ep_exchange in ("exact", "padded", "peer"), "ep_exchange",
+                 f"{self.ep_exchange!r} is not 'exact', 'padded' or 'peer'")
 
     @property
     def world_size(self) -> int:

@@ -100,11 +100,16 @@ class GroupSupervisor:
         # a node's fast links); DP groups may land on different nodes.
         self._pgs = [placement_group([bundle] * self.tp, strategy="STRICT_PACK") for _ in range(self.dp)]
         ray.get([pg.ready() for pg in self._pgs], timeout=START_TIMEOUT_S)
+        # The peer exchange's kernels run on CPU under Triton's interpreter, which
+        # Triton reads from its environment when first imported.
+        interpret = not gpu and self.config.parallel.ep_exchange == "peer" and self.dp > 1
+        env = {"runtime_env": {"env_vars": {"TRITON_INTERPRET": "1"}}} if interpret else {}
         self.actors = [
             self.actor_cls.options(
                 num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=MAX_CONCURRENCY,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pgs[r // self.tp], placement_group_bundle_index=r % self.tp),
+                **env,
             ).remote(None) for r in range(self.world_size)]
         address = ray.get(self.actors[0].rendezvous_address.remote(), timeout=START_TIMEOUT_S)
         specs = [RankSpec(r, self.tp, self.dp, self.epoch, address, self.deadline_s, self.config)

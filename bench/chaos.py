@@ -40,6 +40,7 @@ LAYOUTS = {
     "dp2": (dict(dp=2), {"group": "moe_dispatch"}),
     "tp2": (dict(tp=2), {"group": "step"}),
     "dp2tp2": (dict(dp=2, tp=2), {"group": "moe_dispatch"}),
+    "dp2-peer": (dict(dp=2, ep_exchange="peer"), {"group": "moe_dispatch"}),
     "disagg": (dict(prefill_tp=1, decode_dp=2), {"decode": "moe_dispatch", "prefill": "kv_send"}),
 }
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=128, page_size=4, num_pages=400)

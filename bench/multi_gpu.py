@@ -91,7 +91,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-new", type=int, default=8)
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--no-graphs", action="store_true", help="skip the single-GPU CUDA-graph baseline")
-    ap.add_argument("--ep-exchange", choices=("exact", "padded"), default="exact",
+    ap.add_argument("--ep-exchange", choices=("exact", "padded", "peer"), default="exact",
                     help="MoE all-to-all of the DPN x EPN ranks (ParallelConfig.ep_exchange)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=60.0)
@@ -176,6 +176,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     phases = [p for p in args.phases.split(",") if p]
     check_layout(args, phases)
+    if args.device == "cpu" and args.ep_exchange == "peer":  # its kernels, on CPU tensors
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # (inherited by the rank processes)
     rdv_dir = tempfile.mkdtemp(prefix="multi_gpu_rdv_")  # file rendezvous of every group
     try:
         opts = make_opts(args, phases, rdv_dir)

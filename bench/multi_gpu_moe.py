@@ -124,13 +124,13 @@ def _moe_case(comm, moe, cfg, owner, b: int, opts: dict, dev: torch.device, time
         return rx
 
     disp = ep.dispatcher
-    padded = opts["ep_exchange"] == "padded"
+    padded = opts["ep_exchange"] in ("padded", "peer")  # peer: padded rows, own channels
     disp.step_tokens = None  # the exact exchange's rows: the raw all-to-alls' buffers
     ep.moe(x, weights, ids, capture)
     buf = _a2a_buffers(comm, x, ids, owner, k, got["rx"].contiguous())
     nccl = lambda out, inp, o=None, i=None: dist.all_to_all_single(out, inp, o, i)  # noqa: E731
     ours = lambda out, inp, o=None, i=None: comm.all_to_all_single(out, inp, o, i)  # noqa: E731
-    row = dict(batch=b, exchange="padded" if padded else "exact",
+    row = dict(batch=b, exchange=opts["ep_exchange"],
                **_wire_bytes(buf["ss"], buf["rs"], H * x.element_size(), rank))
     disp.step_tokens = b if padded else None  # the ranks' batches are equal here
 

@@ -28,6 +28,8 @@ import torch
 from ..config import EngineConfig
 from ..kernels.comm import GroupComm
 from ..kernels.dispatch import EPDispatcher, make_expert_placement
+from ..kernels.peer_exchange import PeerExchange
+from ..kernels.peer_memory import open_peer_memory
 from ..log import get_logger
 from ..models.parallel import ExpertParallel
 from ..models.shard import ModelShard
@@ -107,6 +109,8 @@ class RankEngine:
         self._faults: dict[str, tuple[int, float]] = {}  # point -> (passes left, stall_s)
         self._thread: Optional[threading.Thread] = None
         self._padded: Optional[EPDispatcher] = None  # its padded exchange is sized per step
+        self._exchanges: tuple[PeerExchange, ...] = ()  # ep_exchange "peer": its channels
+        self._peers = None
         self.steps = 0
 
     # -- life cycle ------------------------------------------------------------------
@@ -145,10 +149,38 @@ class RankEngine:
                 "num_pages": self.engine.num_pages}
 
     def use_exchange(self, ep: Optional[ExpertParallel]) -> None:
-        """Use the MoE exchange `ParallelConfig.ep_exchange` picks (padded: sized per
-        step from the token count the ranks agree on)."""
-        padded = self.spec.config.parallel.ep_exchange == "padded"
-        self._padded = ep.dispatcher if ep is not None and padded else None
+        """Use the MoE exchange `ParallelConfig.ep_exchange` picks (padded and peer:
+        sized per step from the token count the ranks agree on; peer: through the
+        world's symmetric memory, collective)."""
+        mode = self.spec.config.parallel.ep_exchange
+        self._padded = ep.dispatcher if ep is not None and mode in ("padded", "peer") else None
+        if ep is not None and mode == "peer":
+            self._exchanges = self._open_peer_exchanges(ep.dispatcher)
+
+    def _open_peer_exchanges(self, dispatcher: EPDispatcher) -> tuple[PeerExchange, ...]:
+        """The dispatch and combine channels, sized for decode steps: up to
+        `max_num_seqs` tokens per DP rank (split over its TP ranks), top-k rows each."""
+        s, cfg = self.spec, self.spec.config
+        dtype = getattr(torch, cfg.torch_dtype_name)
+        device = torch.device(cfg.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        rows = -(-cfg.scheduler.max_num_seqs // s.tp) * cfg.model.num_experts_per_tok
+        hidden = cfg.model.hidden_size
+        peers = open_peer_memory(self.comm, device)
+        channels = tuple(PeerExchange(peers, name, rows, width, dtype, epoch=s.epoch,
+                                      deadline_s=s.deadline_s)
+                         for name, width in (("dispatch", hidden + 16 // dtype.itemsize),
+                                             ("combine", hidden)))
+        dispatcher.use_peer_exchanges(*channels)
+        self._peers = peers
+        return channels
+
+    def _settle_exchanges(self) -> None:
+        """End a step's peer exchanges within the deadline (CollectiveError if one of
+        them failed): before anything reads what the step computed."""
+        for ex in self._exchanges:
+            ex.settle(self.spec.deadline_s)
 
     def stop(self) -> None:
         with self._lock:
@@ -317,8 +349,10 @@ class RankEngine:
             self._padded.step_tokens = -(-tokens // s.tp)
         if inputs is None:
             self.engine.model.dummy_forward()
+            self._settle_exchanges()
             return status
         logits = runner.forward(inputs, self._layer_hook(inputs))
+        self._settle_exchanges()
         self._after_forward(inputs)
         self.steps += 1
         if self.is_leader:
@@ -350,6 +384,8 @@ class RankEngine:
     def stats(self) -> dict:
         out = {"rank": self.spec.rank, "epoch": self.spec.epoch, "steps": self.steps,
                "failed": self._failure is not None}
+        if self._exchanges:
+            out["peer_exchanges"] = sum(ex.exchanges for ex in self._exchanges)
         if self.is_leader and self.engine is not None:
             out.update(self.engine.stats())
             out["prefix_query_tokens"] = self.engine.pool.query_tokens

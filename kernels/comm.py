@@ -286,6 +286,13 @@ class GroupComm:
                   list(input_split_sizes) if input_split_sizes is not None else None)
         return output
 
+    def broadcast_world(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite the CPU tensor ``t`` in place with rank ``src``'s copy (gloo)."""
+        if t.is_cuda:
+            raise ValueError("broadcast_world carries CPU tensors (control data) only")
+        self._run("broadcast_world", dist.broadcast, t, src=src)
+        return t
+
     def barrier(self) -> None:
         """Wait until every rank of the world got here (within the deadline; over gloo)."""
         self._run("barrier", dist.all_reduce, torch.zeros(1, dtype=torch.int64))

@@ -13,8 +13,12 @@ step). Two exchanges, same results bit for bit:
   rank, its pairs first and padding rows (local expert -1, which experts skip) after;
   no counts, no host sync, so a GPU step is queued without waiting for the device.
 
-Torch reference over :class:`~phalanx.kernels.comm.GroupComm` (gloo on CPU); a GPU
-build swaps the transport (NVSHMEM) behind the same ``moe`` contract.
+Torch reference over :class:`~phalanx.kernels.comm.GroupComm` (gloo on CPU). The padded
+exchange can instead go through two :class:`~phalanx.kernels.peer_exchange.PeerExchange`
+channels (:meth:`EPDispatcher.use_peer_exchanges`: symmetric memory, NVSHMEM on GPU):
+each block carries only its pairs (the receiver marks the rest as padding from the
+counts that travel with the flags), nothing waits on the host, and a step whose rows
+exceed the channels' capacity goes through ``GroupComm`` as before.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from .comm import GroupComm
 from .moe import fused_experts_ref
+from .peer_exchange import PeerExchange
 
 __all__ = ["EPDispatcher", "make_expert_placement", "moe_reference"]
 
@@ -95,6 +100,16 @@ class EPDispatcher:
         self._local_index = torch.tensor(local_index, dtype=torch.int64)
         # padded exchange: the most tokens any rank passes to `moe` this step (None: exact)
         self.step_tokens: int | None = None
+        self._peer: tuple[PeerExchange, PeerExchange] | None = None
+
+    def use_peer_exchanges(self, dispatch: PeerExchange, combine: PeerExchange) -> None:
+        """Send the padded exchange's rows through `dispatch` (width H + the pair
+        metadata) and `combine` (width H) whenever a step fits their `max_rows`."""
+        for ex in (dispatch, combine):
+            if (ex.rank, ex.world_size) != (self.comm.rank, self.comm.world_size):
+                raise ValueError(f"exchange of rank {ex.rank}/{ex.world_size} for dispatcher "
+                                 f"of rank {self.comm.rank}/{self.comm.world_size}")
+        self._peer = (dispatch, combine)
 
     @property
     def local_experts(self) -> list[int]:
@@ -154,8 +169,21 @@ class EPDispatcher:
         first = torch.searchsorted(sorted_dest, torch.arange(world, device=x.device))
         rows = sorted_dest * capacity + torch.arange(len(order), device=x.device) - first[sorted_dest]
         send = self._pair_rows(x, topk_weights, topk_ids, order, k)
-        padded = torch.zeros((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
         no_expert = torch.tensor([-1, 0], dtype=torch.int64, device=x.device).view(x.dtype)
+        peer = self._peer
+        if peer is not None and capacity <= min(ex.max_rows for ex in peer):
+            counts = torch.bincount(sorted_dest, minlength=world)
+            padded = torch.empty((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
+            padded[rows] = send
+            recv = peer[0].exchange(padded, counts)  # rows past a block's count: undefined
+            got = peer[0].recv_counts
+            live = torch.arange(capacity, device=x.device)[None, :] < got[:, None]
+            recv = torch.cat([recv[:, :H], torch.where(live.reshape(-1, 1), recv[:, H:],
+                                                       no_expert)], dim=1)
+            y = self._experts(compute, self._unpack(recv, H, topk_weights.dtype), x.dtype)
+            back = peer[1].exchange(y, got)
+            return self._combine(back[rows], order, T, k, x.dtype)
+        padded = torch.zeros((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
         padded[:, H:] = no_expert  # padding rows: local expert -1, weight 0
         padded[rows] = send
         recv = torch.empty_like(padded)

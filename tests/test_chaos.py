@@ -1,4 +1,5 @@
-"""bench/chaos.py as a test: a colocated DP×EP group and the disaggregated layout each
+"""bench/chaos.py as a test: a colocated DP×EP group (its MoE exchange over gloo, or
+through shared memory with the waits in Triton kernels) and the disaggregated layout each
 lose a rank twice in a row (the second fault is armed on the re-formed group) while
 serving; every request, greedy or seeded-sampled, completes with the single-rank
 engine's tokens, each token once."""
@@ -35,7 +36,7 @@ def workload(tiny_model):
     return prompts, params, chaos.oracle(tiny_model, prompts, params)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "disagg"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2-peer", "disagg"])
 def test_two_faults_in_a_row_lose_and_change_nothing(tiny_model, workload, layout):
     prompts, params, expected = workload
     r = chaos.drill(tiny_model, layout, 2, prompts, expected, params, seed=1, deadline_s=5.0)

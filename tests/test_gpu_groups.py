@@ -42,11 +42,13 @@ def cpu_tokens(tiny_model):
     return prompts, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)], ids=["tp2", "dp2"])
-def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp):
+@pytest.mark.parametrize("tp, dp, exchange", [(2, 1, "exact"), (1, 2, "exact"), (1, 2, "peer")],
+                         ids=["tp2", "dp2", "dp2-peer"])
+def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp, exchange):
+    """dp2-peer: the MoE rows of decode steps through NVSHMEM symmetric memory."""
     prompts, expected = cpu_tokens
     llm = LLM(tiny_model, tp=tp, dp=dp, device="cuda", dtype="float32",
-              collective_timeout_s=30, **KW)
+              collective_timeout_s=30, ep_exchange=exchange, **KW)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -54,14 +56,20 @@ def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp):
             assert out.outputs[0].token_ids == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
         stats = llm.group.stats()
         assert all(not s["failed"] for s in stats)
+        if exchange == "peer":
+            assert all(s["peer_exchanges"] > 0 for s in stats), stats
     finally:
         llm.close()
 
 
-def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model):
+@pytest.mark.parametrize("exchange", ["exact", "peer"])
+def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model, exchange):
+    """peer: the survivor's wait kernel spins on the dead rank's flags until the
+    watchdog raises the abort word at the deadline."""
     deadline = 5.0
     llm = LLM(tiny_model, dp=2, device="cuda", dtype="bfloat16", page_size=8, num_pages=256,
-              collective_timeout_s=deadline, max_recoveries=0)  # the fail-fast path
+              collective_timeout_s=deadline, max_recoveries=0,  # the fail-fast path
+              ep_exchange=exchange)
     try:
         victim = llm.group.supervisor.actors[1]
         ray.get(victim.arm_fault.remote("moe_dispatch", 40))
@@ -75,6 +83,8 @@ def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model):
         survivor = {d.rank: d.reason for d in failure.deaths if d.rank != 1}
         assert set(survivor) == {0}, failure
         assert "CollectiveError" in survivor[0] and "epoch 1" in survivor[0], survivor
+        if exchange == "peer":
+            assert "peer_exchange" in survivor[0], survivor
         print(f"caller got GroupFailure after {elapsed:.2f}s: {failure}")
         assert elapsed < deadline + 15, f"caller waited {elapsed:.1f}s"
     finally:

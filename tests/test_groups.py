@@ -50,11 +50,14 @@ def _uneven(dp: int):
 
 @pytest.mark.parametrize("tp, dp, exchange", [
     (2, 1, "exact"), (4, 1, "exact"), (1, 2, "exact"), (1, 4, "exact"), (2, 2, "exact"),
-    (1, 2, "padded"), (2, 2, "padded")],
-    ids=["tp2", "tp4", "dp2", "dp4", "dp2xtp2", "dp2-padded", "dp2xtp2-padded"])
+    (1, 2, "padded"), (2, 2, "padded"), (1, 2, "peer"), (2, 2, "peer")],
+    ids=["tp2", "tp4", "dp2", "dp4", "dp2xtp2", "dp2-padded", "dp2xtp2-padded", "dp2-peer",
+         "dp2xtp2-peer"])
 def test_layouts_match_transformers(tiny_model, oracle, tp, dp, exchange):
-    """Every layout's greedy tokens equal transformers'; DP×EP groups with both MoE
-    exchanges (uneven splits, and padded to the step's agreed token count)."""
+    """Every layout's greedy tokens equal transformers'; DP×EP groups with every MoE
+    exchange (uneven splits, padded to the step's agreed token count, and the padded
+    rows through shared memory with the waits in Triton kernels: decode steps of up to
+    max_num_seqs tokens per rank take it, longer prefill steps the padded one)."""
     prompts, expected = oracle
     llm = LLM(tiny_model, tp=tp, dp=dp, max_num_seqs=8, max_num_batched_tokens=96, page_size=4,
               num_pages=120, collective_timeout_s=30, ep_exchange=exchange)
@@ -71,6 +74,8 @@ def test_layouts_match_transformers(tiny_model, oracle, tp, dp, exchange):
             assert out.outputs[0].token_ids == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
         stats = llm.group.stats()
         assert all(not s["failed"] for s in stats)
+        if exchange == "peer":  # decode steps went through the peers' memory
+            assert all(s["peer_exchanges"] > 0 for s in stats), stats
         if dp > 1:
             leaders = stats[::tp]
             # lockstep: every rank ran the same number of real-or-dummy MoE steps, but the
@@ -109,11 +114,14 @@ class _ShapeOnlyComm:
         return t
 
 
-def test_rank_killed_mid_all_to_all_fails_fast(tiny_model):
+@pytest.mark.parametrize("exchange", ["exact", "peer"])
+def test_rank_killed_mid_all_to_all_fails_fast(tiny_model, exchange):
+    """peer: the survivors spin in the wait kernel for the dead rank's rows until the
+    watchdog raises the abort word at the deadline; the step's settle then fails."""
     deadline = 5.0
     # max_recoveries=0: the fail-fast path, no re-formed group
     llm = LLM(tiny_model, dp=3, page_size=8, num_pages=256, collective_timeout_s=deadline,
-              max_recoveries=0)
+              max_recoveries=0, ep_exchange=exchange)
     try:
         victim = llm.group.supervisor.actors[2]
         # exit at the 40th MoE dispatch (real or dummy): peers are inside the all-to-all
@@ -129,6 +137,8 @@ def test_rank_killed_mid_all_to_all_fails_fast(tiny_model):
         survivors = {d.rank: d.reason for d in failure.deaths if d.rank != 2}
         assert set(survivors) == {0, 1}, failure
         assert all("CollectiveError" in r and "epoch 1" in r for r in survivors.values()), survivors
+        if exchange == "peer":
+            assert all("peer_exchange" in r for r in survivors.values()), survivors
         print(f"caller got GroupFailure after {elapsed:.2f}s: {failure}")
         assert elapsed < deadline + 15, f"caller waited {elapsed:.1f}s"
     finally:

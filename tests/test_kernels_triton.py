@@ -12,15 +12,12 @@ dispatch too. Inputs are fresh random values (never zeros).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
 import zlib
 
 import pytest
 import torch
+from interpreter_checks import checks_in, print_results, run_checks, run_module
 
 TOL = 1e-4  # float32 under the interpreter lands near 1e-7
 
@@ -484,41 +481,25 @@ def check_dispatch(g: torch.Generator) -> float:
     return 0.0
 
 
-def _run_checks() -> dict:
-    from phalanx.kernels.backend import force_triton
-
-    force_triton(True)
-    results = {}
-    for name, fn in sorted(globals().items()):
-        if name.startswith("check_") and callable(fn):
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            try:
-                results[name] = {"err": fn(g)}
-            except Exception:  # reported per check by the pytest side
-                results[name] = {"error": traceback.format_exc()}
-    return results
+def _seeded(name: str, fn) -> dict:
+    """A check's relative error, from a generator seeded by its name."""
+    return {"err": fn(torch.Generator().manual_seed(zlib.crc32(name.encode())))}
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1")
-    print("RESULTS " + json.dumps(_run_checks()))
+    from phalanx.kernels.backend import force_triton
+    force_triton(True)
+    print_results(run_checks(globals(), _seeded))
     sys.exit(0)
 
 # ---------------------------------------------------------------- pytest side
 
-CHECKS = sorted(n for n in list(globals()) if n.startswith("check_"))
+CHECKS = checks_in(globals())
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"check script failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_module(__file__)
 
 
 @pytest.mark.parametrize("name", CHECKS)

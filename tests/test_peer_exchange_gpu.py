@@ -1,0 +1,156 @@
+"""The peer exchange on a GPU (GPU machine only; the CPU runs are in
+test_peer_exchange.py): a world simulated on one GPU, each rank a stream, so the waits
+spin in device code while the other ranks' stores land; the host's abort word ending a
+wait whose peer never sends; and one NVSHMEM process exchanging with itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _ranks(world: int, max_rows: int, width: int):
+    from phalanx.kernels.peer_exchange import PeerExchange
+    from phalanx.kernels.peer_memory import LocalWorld
+    lw = LocalWorld(world, "cuda")
+    return [PeerExchange(lw.rank(r), "ch", max_rows, width, torch.bfloat16) for r in range(world)]
+
+
+@pytest.mark.parametrize("world,cap,width", [(2, 1024, 2056), (4, 130, 2056), (8, 16, 136)])
+def test_blocks_land_on_one_gpu_with_ranks_on_streams(world, cap, width):
+    ex = _ranks(world, cap, width)
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    g = torch.Generator(device="cuda").manual_seed(world)
+    for rnd in range(3):
+        sends = [torch.randn(world * cap, width, device="cuda", generator=g).bfloat16()
+                 for _ in range(world)]
+        counts = [torch.randint(0, cap + 1, (world,), device="cuda", generator=g)
+                  if rnd == 1 else None for _ in range(world)]
+        torch.cuda.synchronize()
+        recvs = []
+        for r in range(world):  # every put before any wait (streams may share a queue)
+            with torch.cuda.stream(streams[r]):
+                ex[r].put(sends[r], counts[r])
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                recvs.append(ex[r].wait().clone())
+        torch.cuda.synchronize()
+        for d in range(world):
+            assert not ex[d].failed()
+            for s in range(world):
+                n = cap if counts[s] is None else int(counts[s][d])
+                assert int(ex[d].recv_counts[s]) == n
+                assert torch.equal(recvs[d][s * cap:s * cap + n], sends[s][d * cap:d * cap + n]), \
+                    f"round {rnd}: block {s}->{d}"
+
+
+def test_abort_word_ends_a_wait_whose_peer_never_sends():
+    from phalanx.kernels.comm import CollectiveError
+    ex = _ranks(2, 64, 256)
+    ex[0].put(torch.ones(128, 256, dtype=torch.bfloat16, device="cuda"))
+    ex[0].wait()
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError):
+        ex[0].settle(0.3)
+    took = time.monotonic() - t0
+    assert ex[0].status.tolist() == [0, 1]
+    assert took < 5.0, f"settle took {took:.2f} s with a 0.3 s deadline"
+    assert float(torch.ones(4, device="cuda").sum()) == 4.0  # the GPU goes on
+
+
+_NVSHMEM_ONE_PE = """
+import torch
+from phalanx.kernels.gpu.nvshmem_peers import NvshmemPeers
+from phalanx.kernels.peer_exchange import PeerExchange
+torch.cuda.set_device(0)
+peers = NvshmemPeers(0, 1, torch.device("cuda", 0), broadcast=lambda t: t, barrier=lambda: None)
+ex = PeerExchange(peers, "ch", 32, 64, torch.bfloat16)
+for rnd in range(3):
+    send = torch.randn(32, 64, device="cuda").bfloat16()
+    got = ex.exchange(send).clone()
+    ex.settle(5.0)
+    assert torch.equal(got, send), rnd
+peers.close()
+print("NVSHMEM_OK")
+"""
+
+
+def test_nvshmem_world_of_one_exchanges_with_itself():
+    pytest.importorskip("nvshmem.core")
+    proc = subprocess.run([sys.executable, "-c", _NVSHMEM_ONE_PE], capture_output=True,
+                          text=True, timeout=120)
+    assert "NVSHMEM_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _nvshmem_rank(rank: int, port: int, out) -> None:
+    """One process per GPU: NVSHMEM joined over gloo, three exchanges checked against
+    the peer's (seeded) rows, then rank 1 exits before its fourth put, and rank 0's
+    step must end with CollectiveError at its deadline."""
+    import os
+    import traceback
+    try:
+        from phalanx.kernels.comm import CollectiveError, GroupComm
+        from phalanx.kernels.gpu.nvshmem_peers import NvshmemPeers
+        from phalanx.kernels.peer_exchange import PeerExchange
+        torch.cuda.set_device(rank)
+        comm = GroupComm.init(rank, 2, 1, f"tcp://127.0.0.1:{port}", 1, 30.0)
+        peers = NvshmemPeers(rank, 2, torch.device("cuda", rank), comm.broadcast_world,
+                             comm.barrier)
+        ex = PeerExchange(peers, "ch", 256, 2056, torch.bfloat16, epoch=1, deadline_s=2.0)
+
+        def rows(r: int, rnd: int) -> torch.Tensor:
+            g = torch.Generator(device="cuda").manual_seed(100 * rnd + r)
+            return torch.randn(2 * 256, 2056, device="cuda", generator=g).bfloat16()
+
+        for rnd in range(3):
+            got = ex.exchange(rows(rank, rnd)).clone()
+            ex.settle(10.0)
+            for s in range(2):
+                want = rows(s, rnd)[rank * 256:(rank + 1) * 256]
+                if not torch.equal(got[s * 256:(s + 1) * 256], want):
+                    out.put((rank, f"round {rnd}: block from {s} differs"))
+                    return
+        comm.barrier()
+        if rank == 1:
+            out.put((rank, "ok"))
+            os._exit(0)  # dies before its fourth put
+        ex.exchange(rows(rank, 3))
+        t0 = time.monotonic()
+        try:
+            ex.settle(2.0)
+            out.put((rank, "settle did not raise with the peer gone"))
+        except CollectiveError:
+            took = time.monotonic() - t0
+            out.put((rank, "ok" if took < 10 else f"settle took {took:.1f} s"))
+    except Exception:
+        out.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nvshmem_two_gpus_exchange_and_a_dead_peer_ends_the_step():
+    import multiprocessing as mp
+    import socket
+    pytest.importorskip("nvshmem.core")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_nvshmem_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    assert got == {0: "ok", 1: "ok"}, got
