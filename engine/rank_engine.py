@@ -28,8 +28,7 @@ import torch
 from ..config import EngineConfig
 from ..kernels.comm import GroupComm
 from ..kernels.dispatch import EPDispatcher, make_expert_placement
-from ..kernels.peer_exchange import PeerExchange
-from ..kernels.peer_memory import open_peer_memory
+from ..kernels.peer_exchange import PeerExchange, open_moe_channels
 from ..log import get_logger
 from ..models.parallel import ExpertParallel
 from ..models.shard import ModelShard
@@ -161,19 +160,14 @@ class RankEngine:
         """The dispatch and combine channels, sized for decode steps: up to
         `max_num_seqs` tokens per DP rank (split over its TP ranks), top-k rows each."""
         s, cfg = self.spec, self.spec.config
-        dtype = getattr(torch, cfg.torch_dtype_name)
         device = torch.device(cfg.device)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-        rows = -(-cfg.scheduler.max_num_seqs // s.tp) * cfg.model.num_experts_per_tok
-        hidden = cfg.model.hidden_size
-        peers = open_peer_memory(self.comm, device)
-        channels = tuple(PeerExchange(peers, name, rows, width, dtype, epoch=s.epoch,
-                                      deadline_s=s.deadline_s)
-                         for name, width in (("dispatch", hidden + 16 // dtype.itemsize),
-                                             ("combine", hidden)))
+        self._peers, channels = open_moe_channels(
+            self.comm, device, -(-cfg.scheduler.max_num_seqs // s.tp),
+            cfg.model.num_experts_per_tok, cfg.model.hidden_size,
+            getattr(torch, cfg.torch_dtype_name), s.epoch, s.deadline_s)
         dispatcher.use_peer_exchanges(*channels)
-        self._peers = peers
         return channels
 
     def _settle_exchanges(self) -> None:

@@ -31,9 +31,9 @@ import time
 import torch
 
 from .comm import CollectiveError
-from .peer_memory import PeerMemory
+from .peer_memory import PeerMemory, open_peer_memory
 
-__all__ = ["PeerExchange"]
+__all__ = ["PeerExchange", "open_moe_channels"]
 
 DEFAULT_MAX_SPINS = 2**31 - 1  # the abort word, not the spin bound, ends a wait on GPU
 
@@ -73,6 +73,7 @@ class PeerExchange:
         self._abort = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._cap: int | None = None
         self.exchanges = 0  # waits queued so far
+        self._unsettled = False  # a wait queued since the last settle
         self.deadline_s = deadline_s
         self._watchdog = None if deadline_s is None else _Watchdog(self.abort, f"{name}-watchdog")
 
@@ -118,6 +119,7 @@ class PeerExchange:
                      self.max_spins, cap, self.max_chunks)
         self._cap = None
         self.exchanges += 1
+        self._unsettled = True
         return self.data[:self.world_size * cap * W].view(self.world_size * cap, W)
 
     def abort(self) -> None:
@@ -131,9 +133,13 @@ class PeerExchange:
     def settle(self, deadline_s: float, op: str = "peer_exchange") -> None:
         """Wait for everything queued on the current stream, at most `deadline_s`;
         past it, abort the waits (so the stream drains). Raises CollectiveError if a
-        wait failed, or if the stream does not drain within a second deadline."""
+        wait failed, or if the stream does not drain within a second deadline. Returns
+        at once when no wait was queued since the last settle."""
+        if not self._unsettled:
+            return
         try:
             self._settle(deadline_s, op)
+            self._unsettled = False
         finally:
             if self._watchdog is not None:
                 self._watchdog.disarm()
@@ -157,6 +163,21 @@ class PeerExchange:
         """Stop the watchdog (the buffers belong to the `PeerMemory`)."""
         if self._watchdog is not None:
             self._watchdog.close()
+
+
+def open_moe_channels(comm, device: torch.device, tokens: int, top_k: int, hidden: int,
+                      dtype: torch.dtype, epoch: int, deadline_s: float
+                      ) -> tuple[PeerMemory, tuple[PeerExchange, PeerExchange]]:
+    """Collective over `comm`'s world: its symmetric memory on `device` and the MoE
+    layer's two channels for steps of up to `tokens` tokens per rank: dispatch (rows of
+    `hidden` plus the pair's 16 bytes of metadata) and combine (rows of `hidden`)."""
+    peers = open_peer_memory(comm, device)
+    rows = tokens * top_k
+    channels = tuple(PeerExchange(peers, name, rows, width, dtype, epoch=epoch,
+                                  deadline_s=deadline_s)
+                     for name, width in (("dispatch", hidden + 16 // dtype.itemsize),
+                                         ("combine", hidden)))
+    return peers, channels
 
 
 class _Watchdog:

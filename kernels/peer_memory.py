@@ -19,6 +19,7 @@ interpreter); ``kernels/gpu/nvshmem_peers.py`` is the one over NVSHMEM on GPUs.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from abc import ABC, abstractmethod
 
@@ -95,7 +96,7 @@ class LocalPeers(PeerMemory):
 
 class ShmPeers(PeerMemory):
     """Rank `rank` of a world of processes on one machine sharing files in `root`
-    (``/dev/shm``): a buffer is a file per rank, ``{root}/phalanx-{tag}-{name}-{rank}``,
+    (default ``/dev/shm``, else the temp folder): a buffer is a file per rank, ``{root}/phalanx-{tag}-{name}-{rank}``,
     that every rank maps. `tag` names the world (unique per formation: a stale file of
     an earlier world must never be mapped). :meth:`alloc` waits up to `deadline_s` for
     the peers' files (else TimeoutError); with `barrier` (every rank's mappings made,
@@ -103,12 +104,14 @@ class ShmPeers(PeerMemory):
     nothing behind in `root`."""
 
     def __init__(self, rank: int, world_size: int, tag: str, deadline_s: float = 30.0,
-                 root: str = "/dev/shm", barrier=None) -> None:
+                 root: str | None = None, barrier=None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside [0, {world_size})")
         if not tag or "/" in tag:
             raise ValueError(f"tag must be a non-empty file name part, got {tag!r}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+        if root is None:  # memory-backed where the machine has it
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self._tag, self._deadline_s, self._root = tag, deadline_s, root
         self._maps: dict[str, list[torch.Tensor]] = {}
         self._own: list[str] = []

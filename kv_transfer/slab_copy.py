@@ -19,12 +19,14 @@ first launch through Triton's JIT, later ones go straight to its compiled kernel
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from ..kernels.gpu.compiled_launch import CompiledLaunches
 
 SLABS_PER_PROGRAM = 4
 BLOCK = 1024  # most elements per load (2 KiB of a bf16 slab); the slab loop is unrolled
@@ -72,7 +74,6 @@ class DescRing:
     def __init__(self, device: torch.device, capacity: int = 1 << 17) -> None:
         self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
         self._host_np = self.host.numpy()
-        self.host_ptr = self.host.data_ptr()
         self.dev = torch.empty(capacity, dtype=torch.int64, device=device)
         self.pos = 0
         self.mapped = True  # kernels read the rows in host memory (until that fails once)
@@ -102,11 +103,8 @@ class DescRing:
         return out.view(rows.shape)
 
 
-# launch shape (constexprs, warps, dtype, device) -> its compiled kernel, once launched
-# through the JIT with every pointer 16-byte aligned (the JIT specialises on that);
-# emptied for good if this Triton's compiled kernels take their arguments otherwise
-_COMPILED: dict[tuple, Any] = {}
-_compiled_launches = True
+# the slab kernel's launches after a shape's first go straight to its compiled kernel
+_launches = CompiledLaunches(_slab_copy_kernel)
 
 
 class SlabIndex:
@@ -133,7 +131,6 @@ class SlabIndex:
         self.max_len = int(length.max()) if len(length) else 0
         self._dev = [torch.from_numpy(x).to(device)
                      for x in (pool_off, np.ascontiguousarray(self.pay_cum[:-1]), length)]
-        self._dev_ptrs = tuple(t.data_ptr() for t in self._dev)
 
     def block_rows(self, blocks: np.ndarray, pool_numel: int) -> tuple[np.ndarray, int]:
         """Per block (first slab, slabs, pool base, payload base) in elements, the
@@ -179,34 +176,13 @@ class SlabIndex:
     def _launch_mapped(self, flat_pools: torch.Tensor, payload: torch.Tensor,
                        ring: DescRing, off: int, grid: tuple[int, int], consts: tuple,
                        num_warps: int) -> bool:
-        """Launch reading the block rows at `off` in the ring's host memory: straight
-        through the shape's compiled kernel when there is one and every pointer is
-        aligned, else through the JIT (keeping the compiled kernel). False, and the ring
-        no longer read in place, if the kernel cannot address host memory."""
-        ptrs = (flat_pools.data_ptr(), payload.data_ptr(), *self._dev_ptrs, ring.host_ptr)
-        aligned = not any(p % 16 for p in ptrs)
-        key = (*consts, num_warps, flat_pools.dtype, flat_pools.device)
-        kernel = _COMPILED.get(key) if aligned else None
-        if kernel is not None:
-            try:
-                kernel[(*grid, 1)](*ptrs, off, *consts)  # a compiled kernel takes 3-d grids
-                return True
-            except (TypeError, IndexError, AttributeError):  # rejected before launching
-                _disable_compiled_launches()
+        """Launch reading the block rows at `off` in the ring's host memory (through
+        the shape's compiled kernel once there is one). False, and the ring no longer
+        read in place, if the kernel cannot address host memory."""
         try:
-            kernel = _slab_copy_kernel[grid](flat_pools, payload, *self._dev, ring.host, off,
-                                             *consts, num_warps=num_warps)
+            _launches(grid, (flat_pools, payload, *self._dev, ring.host, off), consts, num_warps)
         except ValueError:  # "cannot be accessed from Triton": no UVA mapping here
             ring.mapped = False
             return False
-        if aligned and _compiled_launches and hasattr(kernel, "__getitem__"):
-            _COMPILED[key] = kernel
         return True
 
-
-def _disable_compiled_launches() -> None:
-    """Every later launch goes through the JIT (a compiled kernel refused its
-    arguments: another Triton's launcher)."""
-    global _compiled_launches
-    _compiled_launches = False
-    _COMPILED.clear()

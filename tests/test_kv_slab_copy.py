@@ -111,21 +111,23 @@ def test_slab_kernel_reading_rows_in_host_memory_over_ring_laps():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from phalanx.kv_transfer import slab_copy
 
-    slab_copy._COMPILED.clear()
+    slab_copy._launches._compiled.clear()
     got = _check("tp2_to_tp1", "cuda", ring_capacity=32)
     assert "error" not in got, got
-    assert slab_copy._COMPILED  # the later launches took the compiled kernel
+    assert slab_copy._launches._compiled  # the later launches took the compiled kernel
 
 
 def test_launch_choice_between_compiled_kernel_jit_and_device_rows(monkeypatch):
-    """`SlabIndex._launch_mapped`'s choices, with the kernel replaced by a recorder (CPU):
-    a shape's first launch goes through the JIT and keeps the compiled kernel (pointers
-    aligned), later ones go to it with the pointers as integers; a compiled kernel that
-    refuses its arguments turns compiled launches off for good (the launch goes through
-    the JIT); a JIT that cannot address host memory turns in-place rows off (False)."""
+    """`SlabIndex._launch_mapped` through `CompiledLaunches`, with the kernel replaced by
+    a recorder (CPU): a shape's first launch goes through the JIT and keeps the compiled
+    kernel (pointers aligned), later ones go to it with the pointers as integers and a
+    3-d grid; a compiled kernel that refuses its arguments turns compiled launches off
+    for good (the launch goes through the JIT); a JIT that cannot address host memory
+    turns in-place rows off (False)."""
     import numpy as np
     import torch
 
+    from phalanx.kernels.gpu.compiled_launch import CompiledLaunches
     from phalanx.kv_transfer import slab_copy
 
     calls = []
@@ -154,12 +156,11 @@ def test_launch_choice_between_compiled_kernel_jit_and_device_rows(monkeypatch):
 
     class Ring:
         host = torch.zeros(8, dtype=torch.int64)
-        host_ptr, mapped = 1 << 20, True
+        mapped = True
 
     jit = Jit()
-    monkeypatch.setattr(slab_copy, "_slab_copy_kernel", jit)
-    monkeypatch.setattr(slab_copy, "_COMPILED", {})
-    monkeypatch.setattr(slab_copy, "_compiled_launches", True)
+    launches = CompiledLaunches(jit)
+    monkeypatch.setattr(slab_copy, "_launches", launches)
     index = slab_copy.SlabIndex([(0, 1, 1, np.array([0, 1]), np.array([0, 2]))], 1, 16,
                                 torch.device("cpu"))
     pools, payload, ring = torch.zeros(64), torch.zeros(32), Ring()
@@ -169,10 +170,11 @@ def test_launch_choice_between_compiled_kernel_jit_and_device_rows(monkeypatch):
     assert [c[0] for c in calls] == ["jit", "compiled"]
     assert calls[1][1] == (1, 1, 1) and calls[1][2][-6:] == (2, True, 4, 16, 16, 16)
     assert all(isinstance(p, int) for p in calls[1][2][:6])  # pointers as integers
-    slab_copy._COMPILED[next(iter(slab_copy._COMPILED))] = Compiled(refuse=True)
+    assert calls[1][2][5] == ring.host.data_ptr()  # the rows read in host memory
+    launches._compiled[next(iter(launches._compiled))] = Compiled(refuse=True)
     assert launch(4) and calls[-1][0] == "jit"
-    assert not slab_copy._compiled_launches and not slab_copy._COMPILED
-    assert launch(6) and calls[-1][0] == "jit" and not slab_copy._COMPILED
+    assert not launches.enabled and not launches._compiled
+    assert launch(6) and calls[-1][0] == "jit" and not launches._compiled
     jit.error = ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
     assert not launch(0) and not ring.mapped
 

@@ -27,14 +27,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .compiled_launch import CompiledLaunches
+
 ROWS = 16          # rows per put program
 BLOCK_W = 256      # elements per row tile
 ABORT_EVERY = 64   # spins between two reads of the abort word (host memory on CUDA)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["me", "cap", "W", "max_chunks"])
 def _put_kernel(send, counts, peer_data, peer_flags, seq_ptr, me, cap, W, max_chunks,
-                HAS_COUNTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+                HAS_COUNTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+                VEC: tl.constexpr):
     d = tl.program_id(0)
     c = tl.program_id(1)
     seq = tl.load(seq_ptr + me) + 1
@@ -43,13 +46,14 @@ def _put_kernel(send, counts, peer_data, peer_flags, seq_ptr, me, cap, W, max_ch
     else:
         n = seq * 0 + cap
     dst = tl.load(peer_data + d).to(tl.pointer_type(send.dtype.element_ty))
+    dst = tl.multiple_of(dst, 16)  # symmetric buffers start 16-byte aligned
     rows = c * ROWS + tl.arange(0, ROWS)
     live = rows < n
-    src_off = (d * cap + rows).to(tl.int64) * W
-    dst_off = (me * cap + rows).to(tl.int64) * W
-    for w0 in range(0, W, BLOCK_W):
-        cols = w0 + tl.arange(0, BLOCK_W)
-        m = live[:, None] & (cols < W)[None, :]
+    src_off = tl.multiple_of((d * cap + rows).to(tl.int64) * W, VEC)  # VEC divides W
+    dst_off = tl.multiple_of((me * cap + rows).to(tl.int64) * W, VEC)
+    for t in range(0, tl.cdiv(W, BLOCK_W)):
+        cols = t * BLOCK_W + tl.arange(0, BLOCK_W)
+        m = live[:, None] & ((cols // VEC) < (W // VEC))[None, :]  # = cols < W, VEC-wide
         v = tl.load(send + src_off[:, None] + cols[None, :], mask=m)
         tl.store(dst + dst_off[:, None] + cols[None, :], v, mask=m)
     tl.debug_barrier()
@@ -57,7 +61,7 @@ def _put_kernel(send, counts, peer_data, peer_flags, seq_ptr, me, cap, W, max_ch
     tl.atomic_xchg(flags + me * max_chunks + c, (seq << 32) | n, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_spins", "chunks", "max_chunks"])
 def _wait_kernel(flags, seq_ptr, recv_counts, status, abort, max_spins, chunks, max_chunks,
                  ABORT_EVERY: tl.constexpr):
     s = tl.program_id(0)
@@ -82,14 +86,21 @@ def _wait_kernel(flags, seq_ptr, recv_counts, status, abort, max_spins, chunks, 
         tl.store(status + s, 1)
 
 
+_puts = CompiledLaunches(_put_kernel)
+_waits = CompiledLaunches(_wait_kernel)
+
+
 def put(send, counts, peer_data, peer_flags, seq, me: int, cap: int, max_chunks: int) -> None:
     """Store this rank's blocks into every peer's data and raise its flags (queued on the
     current stream). counts: int tensor [world] on send's device, or None (full blocks)."""
     world, W = send.shape[0] // cap, send.shape[1]
-    grid = (world, triton.cdiv(cap, ROWS))
-    _put_kernel[grid](send, counts if counts is not None else seq, peer_data, peer_flags, seq,
-                      me, cap, W, max_chunks, HAS_COUNTS=counts is not None, ROWS=ROWS,
-                      BLOCK_W=min(BLOCK_W, triton.next_power_of_2(W)))
+    vec = 16 // send.element_size()
+    while W % vec:
+        vec //= 2
+    _puts((world, triton.cdiv(cap, ROWS)),
+          (send, counts if counts is not None else seq, peer_data, peer_flags, seq, me, cap, W,
+           max_chunks),
+          (counts is not None, ROWS, min(BLOCK_W, triton.next_power_of_2(W)), max(vec, 1)))
 
 
 def wait(flags, seq, recv_counts, status, abort, max_spins: int, cap: int,
@@ -97,7 +108,6 @@ def wait(flags, seq, recv_counts, status, abort, max_spins: int, cap: int,
     """Spin until every source's chunks of its next exchange (``seq[s] + 1``) are
     flagged, the abort word is set or ``max_spins`` pass (then ``status[s]`` becomes 1);
     writes the rows each source sent into ``recv_counts`` and advances ``seq``."""
-    world = recv_counts.shape[0]
-    _wait_kernel[(world,)](flags, seq, recv_counts, status, abort, max_spins,
-                           triton.cdiv(cap, ROWS), max_chunks, ABORT_EVERY=ABORT_EVERY,
-                           num_warps=1)
+    _waits((recv_counts.shape[0],),
+           (flags, seq, recv_counts, status, abort, max_spins, triton.cdiv(cap, ROWS), max_chunks),
+           (ABORT_EVERY,), num_warps=1)
