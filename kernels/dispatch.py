@@ -98,6 +98,7 @@ class EPDispatcher:
         self.experts_of_rank = experts_of_rank
         self._owner = torch.tensor(owner, dtype=torch.int64)
         self._local_index = torch.tensor(local_index, dtype=torch.int64)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         # padded exchange: the most tokens any rank passes to `moe` this step (None: exact)
         self.step_tokens: int | None = None
         self._peer: tuple[PeerExchange, PeerExchange] | None = None
@@ -163,16 +164,18 @@ class EPDispatcher:
         k, world = topk_ids.shape[1], self.comm.world_size
         if T * k > capacity:
             raise ValueError(f"{T} tokens x {k} slots exceed the step's {capacity} rows per rank")
-        dest = self._owner.to(x.device)[topk_ids.reshape(-1)]
+        owner, _, no_expert = self._constants(x.device)
+        dest = owner[topk_ids.reshape(-1)]
         order = torch.argsort(dest, stable=True)
         sorted_dest = dest[order]
-        first = torch.searchsorted(sorted_dest, torch.arange(world, device=x.device))
+        bounds = torch.searchsorted(sorted_dest, torch.arange(world + 1, device=x.device))
+        first = bounds[:-1]
         rows = sorted_dest * capacity + torch.arange(len(order), device=x.device) - first[sorted_dest]
         send = self._pair_rows(x, topk_weights, topk_ids, order, k)
-        no_expert = torch.tensor([-1, 0], dtype=torch.int64, device=x.device).view(x.dtype)
+        no_expert = no_expert.view(x.dtype)
         peer = self._peer
         if peer is not None and capacity <= min(ex.max_rows for ex in peer):
-            counts = torch.bincount(sorted_dest, minlength=world)
+            counts = bounds[1:] - first  # pairs per destination (bincount would sync)
             padded = torch.empty((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
             padded[rows] = send
             recv = peer[0].exchange(padded, counts)  # rows past a block's count: undefined
@@ -193,6 +196,18 @@ class EPDispatcher:
         self.comm.all_to_all_single(back, y)
         return self._combine(back[rows], order, T, k, x.dtype)
 
+    def _constants(self, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(owner, local_index, the padding row's metadata as int64 [-1, 0]) on
+        `device`, copied there once: a copy from host memory per layer would make the
+        host wait for the device's queue every layer."""
+        got = self._on_device.get(device)
+        if got is None:
+            got = tuple(t.to(device) for t in (self._owner, self._local_index,
+                                               torch.tensor([-1, 0], dtype=torch.int64)))
+            self._on_device[device] = got
+        return got
+
     @staticmethod
     def _experts(compute: ExpertCompute, received: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  dtype: torch.dtype) -> torch.Tensor:
@@ -212,7 +227,7 @@ class EPDispatcher:
         if flat.numel() and not flat.is_cuda and (
                 int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
-        dest = self._owner.to(flat.device)[flat]
+        dest = self._constants(flat.device)[0][flat]
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=self.comm.world_size)
         return order, send_counts
@@ -236,7 +251,7 @@ class EPDispatcher:
         """Per pair in `order`: x's row with (local expert id, weight bits) as int64 [2]
         appended in x's dtype."""
         int_dtype = _INT_OF_SIZE[topk_weights.element_size()]
-        ids = self._local_index.to(x.device)[topk_ids.reshape(-1)[order]]
+        ids = self._constants(x.device)[1][topk_ids.reshape(-1)[order]]
         # Sign-extending the same-size int view to int64 and narrowing back is exact.
         bits = topk_weights.reshape(-1)[order].contiguous().view(int_dtype).to(torch.int64)
         meta = torch.stack([ids, bits], dim=1).view(x.dtype)  # [P, 16 / itemsize]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -154,3 +155,68 @@ def test_nvshmem_two_gpus_exchange_and_a_dead_peer_ends_the_step():
             if p.is_alive():
                 p.kill()
     assert got == {0: "ok", 1: "ok"}, got
+
+
+def test_padded_moe_through_peer_exchanges_queues_without_host_syncs():
+    """Two ranks' MoE layers (bf16, Triton experts) through peer exchanges on one GPU,
+    queued one rank after the other from one host thread (after a first round on a thread
+    per rank has loaded every kernel): possible only if nothing in a layer waits for the
+    device (rank 0's waits need rank 1's stores, queued later), and checked with torch's
+    sync debug mode set to raise. Equals the single-rank reference."""
+    from types import SimpleNamespace
+
+    from phalanx.kernels.dispatch import EPDispatcher, make_expert_placement, moe_reference
+    from phalanx.kernels.moe import fused_experts
+    from phalanx.kernels.peer_exchange import PeerExchange
+    from phalanx.kernels.peer_memory import LocalWorld
+    world, E, k, H, I = 2, 16, 4, 128, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    dt = torch.bfloat16
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.05).to(dt)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * 0.05).to(dt)
+    owner, local_index, experts_of_rank = make_expert_placement(E, world)
+    lw = LocalWorld(world, "cuda")
+    tokens = [6, 3]
+    xs = [torch.randn(t, H, device="cuda", generator=g).to(dt) for t in tokens]
+    ids = [torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(t)])
+           for t in tokens]
+    wts = [torch.rand(t, k, device="cuda", generator=g).to(dt) for t in tokens]
+    ranks = []
+    for r in range(world):
+        d = EPDispatcher(SimpleNamespace(rank=r, world_size=world), E, owner, local_index)
+        d.step_tokens = max(tokens)
+        d.use_peer_exchanges(*(PeerExchange(lw.rank(r), name, 8 * k, width, dt, deadline_s=10.0)
+                               for name, width in (("d", H + 8), ("c", H))))
+        mine = experts_of_rank[r]
+        compute = (lambda a, b: lambda x, lid, w: fused_experts(x, w[:, None], lid[:, None], a, b)
+                   )(w13[mine].contiguous(), w2[mine].contiguous())
+        ranks.append((d, compute, torch.cuda.Stream()))
+    def layer(r: int) -> None:
+        d, compute, stream = ranks[r]
+        with torch.cuda.stream(stream):
+            outs[r] = d.moe(xs[r], wts[r], ids[r], compute)
+
+    for rnd in range(2):
+        outs = [None] * world
+        torch.cuda.synchronize()
+        if rnd == 0:  # a thread per rank: kernels load lazily on first use, and a load may
+            threads = [threading.Thread(target=layer, args=(r,)) for r in range(world)]
+            for t in threads:  # wait for the device to go idle, so a rank whose wait
+                t.start()  # spins for a peer not yet queued from this thread would stall
+            for t in threads:
+                t.join(60)
+        else:  # one thread, one rank after the other: nothing may wait for the device
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for r in range(world):
+                    layer(r)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        for d, _, _ in ranks:
+            d._peer[0].settle(5.0)
+            d._peer[1].settle(5.0)
+        for r in range(world):
+            ref = moe_reference(xs[r].float(), wts[r].float(), ids[r], w13.float(), w2.float())
+            err = float((outs[r].float() - ref).abs().max() / ref.abs().max())
+            assert err < 3e-2, f"round {rnd} rank {r}: relative error {err:.3e}"
