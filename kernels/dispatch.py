@@ -111,6 +111,7 @@ class EPDispatcher:
                 raise ValueError(f"exchange of rank {ex.rank}/{ex.world_size} for dispatcher "
                                  f"of rank {self.comm.rank}/{self.comm.world_size}")
         self._peer = (dispatch, combine)
+        self._constants(dispatch.device)  # copied now, not inside the first step
 
     @property
     def local_experts(self) -> list[int]:

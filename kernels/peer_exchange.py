@@ -9,10 +9,12 @@ queued without the host waiting per collective, and can be captured in a CUDA gr
 Failure (ARCHITECTURE §5): a wait ends when every block is flagged, when the host sets
 the abort word, or after ``max_spins``; a wait that ended otherwise than flagged marks
 ``status`` (sticky), and everything computed from that step is garbage. With
-``deadline_s``, the first wait of a step arms a watchdog thread that raises the abort
-word ``deadline_s`` later unless :meth:`settle` disarmed it first, so a host blocked
-anywhere in the step (a sync behind a spinning wait, or the interpreter running the wait
-itself on CPU) is freed at the deadline. :meth:`settle` ends a step: it waits for the
+``deadline_s``, every wait (re)arms a watchdog thread that raises the abort word
+``deadline_s`` after the last wait was queued if that wait has not finished by then (a
+CUDA event recorded behind it; on CPU the interpreter runs the wait itself, so it is
+over when the call returns), so a host blocked anywhere (a sync behind a spinning wait,
+or the interpreter spinning) is freed at the deadline, and a finished wait is never
+aborted later, settled or not. :meth:`settle` ends a step: it waits for the
 stream within the deadline (aborting past it) and raises :class:`CollectiveError` if
 any wait failed. After a failure the exchange is finished: the group re-forms with new
 buffers under a new epoch.
@@ -76,6 +78,11 @@ class PeerExchange:
         self._unsettled = False  # a wait queued since the last settle
         self.deadline_s = deadline_s
         self._watchdog = None if deadline_s is None else _Watchdog(self.abort, f"{name}-watchdog")
+        self._queued = torch.cuda.Event() if self.device.type == "cuda" else None  # last wait
+
+    def _outstanding(self) -> bool:
+        """Whether the last queued wait may still be running (the watchdog's test)."""
+        return self._queued is None or not self._queued.query()
 
     def exchange(self, send: torch.Tensor, counts: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -107,16 +114,24 @@ class PeerExchange:
 
     def wait(self) -> torch.Tensor:
         """Queue the wait for every peer's block of the last :meth:`put`; returns the
-        received rows [world * cap, W] (a view of the symmetric buffer, valid until
-        the next exchange after this one) and leaves each source's row count in
-        ``recv_counts``."""
+        received rows [world * cap, W] and leaves each source's row count in
+        ``recv_counts``. The rows are a view of the symmetric buffer: read them on this
+        stream before this rank's next put on another channel, after which a peer may
+        store its next blocks over them (the module docstring's alternation); a lone
+        channel must have its rounds ordered by other means (the tests synchronize)."""
         if self._cap is None:
             raise RuntimeError("wait without a put")
         cap, W = self._cap, self._width
-        if self._watchdog is not None:
-            self._watchdog.arm(self.deadline_s)
+        dog = self._watchdog
+        if dog is not None:
+            dog.arm(self.deadline_s, self._outstanding)
         self._k.wait(self.flags, self._seq, self.recv_counts, self.status, self._abort,
                      self.max_spins, cap, self.max_chunks)
+        if dog is not None:
+            if self.device.type != "cuda":  # the interpreter ran the wait: it is over
+                dog.disarm()
+            elif not torch.cuda.is_current_stream_capturing():
+                self._queued.record()  # the watchdog aborts only while this is pending
         self._cap = None
         self.exchanges += 1
         self._unsettled = True
@@ -181,21 +196,24 @@ def open_moe_channels(comm, device: torch.device, tokens: int, top_k: int, hidde
 
 
 class _Watchdog:
-    """Calls `expire()` once an armed deadline passes; `arm` keeps an earlier deadline,
-    `disarm` clears it. One daemon thread, asleep while disarmed."""
+    """Calls `expire()` once an armed deadline passes while the armed `pending()` still
+    holds (a wait that finished in time is no fault, settled or not); each `arm` moves
+    the deadline to `deadline_s` from now, `disarm` clears it. One daemon thread, asleep
+    while disarmed."""
 
     def __init__(self, expire, name: str) -> None:
         self._expire = expire
+        self._pending = lambda: True
         self._cond = threading.Condition()
         self._end: float | None = None
         self._closed = False
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def arm(self, deadline_s: float) -> None:
+    def arm(self, deadline_s: float, pending) -> None:
         with self._cond:
-            if self._end is None:
-                self._end = time.monotonic() + deadline_s
-                self._cond.notify()
+            self._end = time.monotonic() + deadline_s
+            self._pending = pending
+            self._cond.notify()
 
     def disarm(self) -> None:
         with self._cond:
@@ -217,7 +235,8 @@ class _Watchdog:
                     self._cond.wait(left)
                     continue
                 self._end = None
-                self._expire()
+                if self._pending():
+                    self._expire()
 
 
 def _until(ready, deadline_s: float) -> bool:

@@ -6,8 +6,9 @@ process (`LocalWorld`).
 - blocks land bit for bit where `all_to_all_single` would put them, over several
   exchanges of one channel (each with its own sequence number), full or cut by counts;
 - a peer that never sends: the wait ends after its spin bound (or at once when the host
-  raises the abort word from another thread), only that source is marked failed, and
-  `settle` raises CollectiveError; an earlier exchange's flags never satisfy a later wait;
+  raises the abort word from another thread, or when the watchdog does at the deadline),
+  only that source is marked failed, and `settle` raises CollectiveError; an earlier
+  exchange's flags never satisfy a later wait; finished waits are never aborted later;
 - the padded MoE through two channels equals the single-rank reference, with ranks as
   processes sharing /dev/shm (`ShmPeers`), one rank with no tokens.
 """
@@ -108,6 +109,32 @@ def check_host_abort_ends_a_spinning_wait() -> dict:
         return {"error": f"status {ex[0].status.tolist()}, want [0, 1]"}
     if not 0.4 < took < 30:
         return {"error": f"wait took {took:.2f} s with the abort raised at 0.5 s"}
+    return {"took_s": took}
+
+
+def check_watchdog_aborts_a_pending_wait_and_spares_finished_ones() -> dict:
+    import torch
+    from phalanx.kernels.peer_exchange import PeerExchange
+    from phalanx.kernels.peer_memory import LocalWorld
+    lw = LocalWorld(2)
+    ex = [PeerExchange(lw.rank(r), "ch", 4, 8, torch.bfloat16, max_spins=2**31 - 1,
+                       deadline_s=0.3) for r in range(2)]
+    rows = torch.ones(8, 8, dtype=torch.bfloat16)
+    for _ in range(2):  # finished waits, left unsettled past the deadline: no abort
+        for e in ex:
+            e.put(rows)
+        for e in ex:
+            e.wait()
+        time.sleep(0.5)
+    if any(e.failed() for e in ex):
+        return {"error": "a finished wait was aborted by the watchdog"}
+    ex[0].put(rows)  # rank 1 never sends: the watchdog ends the spinning wait
+    t0 = time.monotonic()
+    ex[0].wait()
+    took = time.monotonic() - t0
+    if ex[0].status.tolist() != [0, 1] or not 0.25 < took < 30:
+        return {"error": f"status {ex[0].status.tolist()} after {took:.2f} s, want [0, 1] "
+                         "after ~0.3 s"}
     return {"took_s": took}
 
 

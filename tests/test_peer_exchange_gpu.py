@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -64,6 +63,37 @@ def test_abort_word_ends_a_wait_whose_peer_never_sends():
     assert ex[0].status.tolist() == [0, 1]
     assert took < 5.0, f"settle took {took:.2f} s with a 0.3 s deadline"
     assert float(torch.ones(4, device="cuda").sum()) == 4.0  # the GPU goes on
+
+
+def test_watchdog_aborts_a_pending_wait_and_spares_finished_ones():
+    """deadline_s: a wait whose event is still pending at the deadline is aborted (the
+    host never syncs here: the watchdog thread alone ends the spin); waits that finished
+    are not, though nothing settled them."""
+    from phalanx.kernels.peer_exchange import PeerExchange
+    from phalanx.kernels.peer_memory import LocalWorld
+    lw = LocalWorld(2, "cuda")
+    ex = [PeerExchange(lw.rank(r), "ch", 64, 256, torch.bfloat16, deadline_s=0.3)
+          for r in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    rows = torch.ones(128, 256, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(2):
+        for e, st in zip(ex, streams):
+            with torch.cuda.stream(st):
+                e.put(rows)
+        for e, st in zip(ex, streams):
+            with torch.cuda.stream(st):
+                e.wait()
+        torch.cuda.synchronize()
+        time.sleep(0.5)
+    assert not any(e.failed() for e in ex)
+    ex[0].put(rows)
+    ex[0].wait()
+    t0 = time.monotonic()
+    torch.cuda.synchronize()  # returns only once the watchdog raised the abort word
+    took = time.monotonic() - t0
+    assert ex[0].status.tolist() == [0, 1]
+    assert took < 10, f"the pending wait ended after {took:.1f} s with a 0.3 s deadline"
 
 
 _NVSHMEM_ONE_PE = """
@@ -159,8 +189,8 @@ def test_nvshmem_two_gpus_exchange_and_a_dead_peer_ends_the_step():
 
 def test_padded_moe_through_peer_exchanges_queues_without_host_syncs():
     """Two ranks' MoE layers (bf16, Triton experts) through peer exchanges on one GPU,
-    queued one rank after the other from one host thread (after a first round on a thread
-    per rank has loaded every kernel): possible only if nothing in a layer waits for the
+    queued one rank after the other from one host thread (after every kernel of a layer
+    was launched once without peers): possible only if nothing in a layer waits for the
     device (rank 0's waits need rank 1's stores, queued later), and checked with torch's
     sync debug mode set to raise. Equals the single-rank reference."""
     from types import SimpleNamespace
@@ -196,22 +226,30 @@ def test_padded_moe_through_peer_exchanges_queues_without_host_syncs():
         with torch.cuda.stream(stream):
             outs[r] = d.moe(xs[r], wts[r], ids[r], compute)
 
-    for rnd in range(2):
+    # CUDA loads a kernel on its first launch, and a load may wait for the device to go
+    # idle: in one process, with rank 0's wait spinning for rank 1's stores not queued
+    # yet, that stalls. So every kernel of a layer is launched once first, without
+    # peers: each rank's experts at the round's shapes, the rest in a world of one.
+    rows = world * max(tokens) * k
+    for r, (_, compute, _) in enumerate(ranks):
+        n = len(experts_of_rank[r])
+        compute(torch.zeros(rows, H, device="cuda", dtype=dt),
+                torch.randint(-1, n, (rows,), device="cuda"), torch.ones(rows, device="cuda", dtype=dt))
+    alone = EPDispatcher(SimpleNamespace(rank=0, world_size=1), E, [0] * E, list(range(E)))
+    alone.step_tokens = max(tokens)
+    alone.use_peer_exchanges(*(PeerExchange(LocalWorld(1, "cuda").rank(0), name, 8 * k, width, dt)
+                               for name, width in (("d", H + 8), ("c", H))))
+    alone.moe(xs[0], wts[0], ids[0], lambda x, lid, w: fused_experts(x, w[:, None], lid[:, None],
+                                                                      w13, w2))
+    for rnd in range(2):  # one thread, one rank after the other: nothing may wait for the device
         outs = [None] * world
         torch.cuda.synchronize()
-        if rnd == 0:  # a thread per rank: kernels load lazily on first use, and a load may
-            threads = [threading.Thread(target=layer, args=(r,)) for r in range(world)]
-            for t in threads:  # wait for the device to go idle, so a rank whose wait
-                t.start()  # spins for a peer not yet queued from this thread would stall
-            for t in threads:
-                t.join(60)
-        else:  # one thread, one rank after the other: nothing may wait for the device
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                for r in range(world):
-                    layer(r)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for r in range(world):
+                layer(r)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
         for d, _, _ in ranks:
             d._peer[0].settle(5.0)
