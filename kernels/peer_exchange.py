@@ -35,7 +35,7 @@ import torch
 from .comm import CollectiveError
 from .peer_memory import PeerMemory, open_peer_memory
 
-__all__ = ["PeerExchange", "open_moe_channels"]
+__all__ = ["PeerExchange", "new_abort_word", "open_moe_channels"]
 
 DEFAULT_MAX_SPINS = 2**31 - 1  # the abort word, not the spin bound, ends a wait on GPU
 
@@ -50,7 +50,11 @@ class PeerExchange:
 
     def __init__(self, peers: PeerMemory, name: str, max_rows: int, width: int,
                  dtype: torch.dtype, epoch: int = 0, max_spins: int = DEFAULT_MAX_SPINS,
-                 deadline_s: float | None = None) -> None:
+                 deadline_s: float | None = None,
+                 abort_word: torch.Tensor | None = None) -> None:
+        """abort_word: an int32 [1] (pinned host memory on CUDA) shared with the rank's
+        other channels, so that one channel's abort ends the waits of all of them (a
+        step's dispatch and combine); default its own."""
         from .gpu import exchange as k
         if max_rows < 1 or width < 1:
             raise ValueError(f"max_rows and width must be >= 1, got {max_rows}, {width}")
@@ -71,8 +75,7 @@ class PeerExchange:
         self.recv_counts = torch.zeros(world, dtype=torch.int64, device=self.device)
         self.status = torch.zeros(world, dtype=torch.int32, device=self.device)
         # the abort word lives in host memory so the host can raise it while kernels spin
-        pin = self.device.type == "cuda"
-        self._abort = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self._abort = abort_word if abort_word is not None else new_abort_word(self.device)
         self._cap: int | None = None
         self.exchanges = 0  # waits queued so far
         self._unsettled = False  # a wait queued since the last settle
@@ -138,7 +141,8 @@ class PeerExchange:
         return self.data[:self.world_size * cap * W].view(self.world_size * cap, W)
 
     def abort(self) -> None:
-        """Make every wait of this rank end now, failed (host; kernels may be spinning)."""
+        """Make every wait of this channel (and of the channels sharing its abort word)
+        end now, failed (host; kernels may be spinning)."""
         self._abort[0] = 1
 
     def failed(self) -> bool:
@@ -180,6 +184,11 @@ class PeerExchange:
             self._watchdog.close()
 
 
+def new_abort_word(device: torch.device) -> torch.Tensor:
+    """A zeroed abort word for channels on `device` (pinned host memory on CUDA)."""
+    return torch.zeros(1, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+
+
 def open_moe_channels(comm, device: torch.device, tokens: int, top_k: int, hidden: int,
                       dtype: torch.dtype, epoch: int, deadline_s: float
                       ) -> tuple[PeerMemory, tuple[PeerExchange, PeerExchange]]:
@@ -187,9 +196,9 @@ def open_moe_channels(comm, device: torch.device, tokens: int, top_k: int, hidde
     layer's two channels for steps of up to `tokens` tokens per rank: dispatch (rows of
     `hidden` plus the pair's 16 bytes of metadata) and combine (rows of `hidden`)."""
     peers = open_peer_memory(comm, device)
-    rows = tokens * top_k
+    rows, word = tokens * top_k, new_abort_word(device)  # one abort ends both
     channels = tuple(PeerExchange(peers, name, rows, width, dtype, epoch=epoch,
-                                  deadline_s=deadline_s)
+                                  deadline_s=deadline_s, abort_word=word)
                      for name, width in (("dispatch", hidden + 16 // dtype.itemsize),
                                          ("combine", hidden)))
     return peers, channels

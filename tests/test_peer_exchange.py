@@ -138,6 +138,25 @@ def check_watchdog_aborts_a_pending_wait_and_spares_finished_ones() -> dict:
     return {"took_s": took}
 
 
+def check_channels_sharing_an_abort_word_end_together() -> dict:
+    """A step's dispatch and combine share one abort word: once the watchdog ends one
+    channel's wait, the other's waits end at once (not one deadline each)."""
+    import torch
+    from phalanx.kernels.peer_exchange import PeerExchange, new_abort_word
+    from phalanx.kernels.peer_memory import LocalWorld
+    lw, word = LocalWorld(2), new_abort_word(torch.device("cpu"))
+    a, b = (PeerExchange(lw.rank(0), name, 4, 8, torch.bfloat16, max_spins=2**31 - 1,
+                         deadline_s=0.3, abort_word=word) for name in ("a", "b"))
+    rows = torch.ones(8, 8, dtype=torch.bfloat16)
+    a.exchange(rows)  # rank 1 never sends: the watchdog ends it
+    t0 = time.monotonic()
+    b.exchange(rows)
+    took = time.monotonic() - t0
+    if not (a.failed() and b.failed()) or took > 0.25:
+        return {"error": f"failed {a.failed()}, {b.failed()}; the second wait took {took:.2f} s"}
+    return {"second_wait_s": took}
+
+
 def check_bad_calls_are_refused() -> dict:
     import torch
     ex = _world(2, max_rows=8, width=16)[0]
