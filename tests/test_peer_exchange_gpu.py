@@ -1,7 +1,9 @@
 """The peer exchange on a GPU (GPU machine only; the CPU runs are in
 test_peer_exchange.py): a world simulated on one GPU, each rank a stream, so the waits
-spin in device code while the other ranks' stores land; the host's abort word ending a
-wait whose peer never sends; and one NVSHMEM process exchanging with itself."""
+spin in device code while the other ranks' stores land; the host's abort word, and the
+watchdog alone, ending a wait whose peer never sends (finished waits spared); one NVSHMEM
+process exchanging with itself; two ranks' MoE layers queued from one thread with no
+host sync; and, with two GPUs, NVSHMEM between two processes with a peer that dies."""
 
 from __future__ import annotations
 
