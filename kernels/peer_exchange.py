@@ -66,6 +66,7 @@ class PeerExchange:
         self.max_spins = max_spins
         self.max_chunks = -(-max_rows // k.ROWS)
         world = self.world_size
+        self._peers = peers  # owns the peers' mappings that the pointers below address
         self.data = peers.alloc(f"{name}.data", world * max_rows * width, dtype)
         self.flags = peers.alloc(f"{name}.flags", world * self.max_chunks, torch.int64)
         self.device = self.data.device  # with its index: cuda:0, not cuda
