@@ -7,7 +7,10 @@ while `submit` / `poll` / `stats` run on the others.
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Sequence
+from typing import Optional
 
 import ray
 
@@ -22,8 +25,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def device_index(assigned: Sequence, visible: Optional[str], count: int) -> Optional[int]:
+    """This process's CUDA index of the GPU Ray assigned it (`assigned`: its GPU ids),
+    where every GPU of the node stays visible (`visible`: the process's
+    CUDA_VISIBLE_DEVICES, ids as the node lists them, or None: all `count`). None when
+    Ray assigned no GPU. A node that declares more GPUs than it has (tests sharing one
+    GPU) wraps around."""
+    if not assigned:
+        return None
+    gpu = str(assigned[0])
+    if visible:
+        listed = [v.strip() for v in visible.split(",")]
+        if gpu in listed:
+            return listed.index(gpu)
+    return int(float(gpu)) % max(1, count)
+
+
 class RankActor(RankEngine):
-    """What Ray runs for each rank; everything but the rendezvous helpers is `RankEngine`."""
+    """What Ray runs for each rank; everything but the rendezvous and device helpers is
+    `RankEngine`."""
+
+    def gpu_index(self) -> Optional[int]:
+        """The GPU Ray assigned this rank, as an index among the visible ones (the
+        supervisor keeps every GPU of the node visible: peers map each other's memory)."""
+        import torch
+        return device_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            torch.cuda.device_count())
 
     def rendezvous_address(self) -> str:
         """A fresh `tcp://ip:port` on this rank's node, for rank 0 of a new epoch."""

@@ -100,10 +100,7 @@ class GroupSupervisor:
         # a node's fast links); DP groups may land on different nodes.
         self._pgs = [placement_group([bundle] * self.tp, strategy="STRICT_PACK") for _ in range(self.dp)]
         ray.get([pg.ready() for pg in self._pgs], timeout=START_TIMEOUT_S)
-        # The peer exchange's kernels run on CPU under Triton's interpreter, which
-        # Triton reads from its environment when first imported.
-        interpret = not gpu and self.config.parallel.ep_exchange == "peer" and self.dp > 1
-        env = {"runtime_env": {"env_vars": {"TRITON_INTERPRET": "1"}}} if interpret else {}
+        env = {"runtime_env": {"env_vars": env_vars}} if (env_vars := self._env_vars()) else {}
         self.actors = [
             self.actor_cls.options(
                 num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=MAX_CONCURRENCY,
@@ -119,6 +116,18 @@ class GroupSupervisor:
         self.start_info = ray.get([a.start.remote() for a in self.actors], timeout=START_TIMEOUT_S)
         self._waits = {a.wait.remote(): r for r, a in enumerate(self.actors)}
         log.info("group_formed", epoch=self.epoch, tp=self.tp, dp=self.dp, address=address)
+
+    def _env_vars(self) -> dict[str, str]:
+        """The rank processes' environment. GPU: Ray leaves every GPU of the node
+        visible (the rank picks the one Ray assigned it: `RankActor.gpu_index`), since
+        CUDA IPC and NVSHMEM map a peer's memory only from a process that sees the
+        peer's GPU. CPU with the peer exchange: its kernels run under Triton's
+        interpreter, which Triton reads from its environment when first imported."""
+        if self.config.device.startswith("cuda"):
+            return {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        if self.config.parallel.ep_exchange == "peer" and self.dp > 1:
+            return {"TRITON_INTERPRET": "1"}
+        return {}
 
     def deaths(self, timeout_s: float = 0.0) -> list[RankDeath]:
         """Ranks whose loop has ended since formation (dead processes first)."""

@@ -126,9 +126,12 @@ class RankEngine:
         torch.set_num_threads(max(1, torch.get_num_threads() // max(1, s.world_size)))
         config = s.config
         if config.device.startswith("cuda"):
-            # One GPU per rank (Ray sets CUDA_VISIBLE_DEVICES). Multi-rank steps run eager:
+            # One GPU per rank (under Ray: the one it assigned, every GPU of the node
+            # visible, so peers can map each other's memory). Multi-rank steps run eager:
             # our NCCL deadline loop polls from the host, which a CUDA graph cannot.
             index = torch.device(config.device).index
+            if index is None:
+                index = self.gpu_index()
             torch.cuda.set_device(index if index is not None else s.rank % torch.cuda.device_count())
             config = dataclasses.replace(config, enforce_eager=True)
         self.comm = GroupComm.init(s.rank, s.world_size, s.tp, s.init_method, s.epoch,
@@ -144,8 +147,14 @@ class RankEngine:
         self._thread.start()
         log.info("rank_started", rank=s.rank, epoch=s.epoch, tp_rank=s.tp_rank, dp_rank=s.dp_rank)
         return {"rank": s.rank, "epoch": s.epoch, "pid": os.getpid(),
+                "gpu": torch.cuda.current_device() if config.device.startswith("cuda") else None,
                 "num_params": sum(p.numel() for p in self.engine.model.parameters()),
                 "num_pages": self.engine.num_pages}
+
+    def gpu_index(self) -> Optional[int]:
+        """The CUDA index this rank runs on when its config names none: None here (rank
+        modulo the visible GPUs); the Ray actor answers with the GPU Ray assigned it."""
+        return None
 
     def use_exchange(self, ep: Optional[ExpertParallel]) -> None:
         """Use the MoE exchange `ParallelConfig.ep_exchange` picks (padded and peer:

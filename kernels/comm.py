@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -63,6 +64,11 @@ class GroupComm:
     this class polls the work until a monotonic deadline; past it, every communicator of
     the epoch is aborted (``ncclCommAbort`` frees the stuck kernel) and the call raises
     :class:`CollectiveError`.
+
+    Ranks that share one GPU (a machine with fewer GPUs than ranks: NCCL refuses two
+    ranks of a communicator on one device) are found at :meth:`init` (device UUIDs
+    gathered over gloo); the world then *relays* its CUDA tensors' collectives through
+    host memory over gloo (``relay``), bounded by gloo's timeout like the CPU path.
     """
 
     def __init__(self, rank: int, world_size: int, tp_size: int, epoch: int,
@@ -77,6 +83,7 @@ class GroupComm:
         self.deadline_s = deadline_s
         self._tp_group = tp_group
         self.nccl = nccl  # CUDA tensors go over NCCL with our own deadline wait loop
+        self.relay = False  # CUDA tensors go through host memory over gloo instead
         self._broken: str | None = None
         self._destroyed = False
         self._aborting: threading.Thread | None = None
@@ -118,7 +125,9 @@ class GroupComm:
             comm = cls(rank, world_size, tp_size, epoch, deadline_s, tp_group, nccl)
             comm._agree_on_epoch()
             if nccl:
-                comm._connect_nccl()
+                comm.relay = comm._ranks_share_a_gpu()
+                if not comm.relay:
+                    comm._connect_nccl()
         except Exception as e:
             if created:  # never tear down a default group that someone else owns
                 cls._destroy_default_bounded(deadline_s)
@@ -135,6 +144,15 @@ class GroupComm:
         if hi != self.epoch or lo != self.epoch:
             self._broken = f"epoch mismatch: ranks joined with epochs in [{lo}, {hi}]"
             raise CollectiveError("init", self.epoch, self.rank, self._broken)
+
+    def _ranks_share_a_gpu(self) -> bool:
+        """Whether two ranks of the world run on one GPU (same device UUID; every rank
+        sees every UUID, so all decide alike)."""
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        mine = torch.frombuffer(bytearray(uuid.UUID(str(props.uuid)).bytes), dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run("init", dist.all_gather, parts, mine)
+        return len({tuple(p.tolist()) for p in parts}) < self.world_size
 
     def _connect_nccl(self) -> None:
         """Set up the epoch's NCCL communicators now, under the connect deadline: NCCL
@@ -202,6 +220,8 @@ class GroupComm:
                                   f"communicator is broken ({self._broken})")
         on_gpu = self.nccl and _first_tensor(args).is_cuda
         try:
+            if on_gpu and self.relay:
+                return _through_host(fn, args, kwargs)
             if not on_gpu:
                 return fn(*args, **kwargs)
             work = fn(*args, async_op=True, **kwargs)
@@ -308,6 +328,25 @@ class GroupComm:
         state = f"broken={self._broken!r}" if self._broken else "ok"
         return (f"GroupComm(rank={self.rank}, world={self.world_size}, tp={self.tp_size}, "
                 f"epoch={self.epoch}, deadline_s={self.deadline_s}, {state})")
+
+
+def _through_host(fn: Callable[..., _R], args: Sequence[Any], kwargs: dict) -> _R:
+    """Collective `fn` with its CUDA tensors (arguments, or lists of them) replaced by
+    host copies (so it runs over gloo), whose results are then copied back."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def host(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.is_cuda:
+            copies.append((a, a.cpu()))
+            return copies[-1][1]
+        if isinstance(a, list) and a and all(isinstance(x, torch.Tensor) for x in a):
+            return [host(x) for x in a]
+        return a
+
+    out = fn(*[host(a) for a in args], **kwargs)
+    for dev, h in copies:
+        dev.copy_(h)
+    return out
 
 
 def _first_tensor(args: Sequence[Any]) -> torch.Tensor:

@@ -51,10 +51,11 @@ class PeerExchange:
     def __init__(self, peers: PeerMemory, name: str, max_rows: int, width: int,
                  dtype: torch.dtype, epoch: int = 0, max_spins: int = DEFAULT_MAX_SPINS,
                  deadline_s: float | None = None,
-                 abort_word: torch.Tensor | None = None) -> None:
+                 abort_word: torch.Tensor | None = None, load_kernels: bool = True) -> None:
         """abort_word: an int32 [1] (pinned host memory on CUDA) shared with the rank's
         other channels, so that one channel's abort ends the waits of all of them (a
-        step's dispatch and combine); default its own."""
+        step's dispatch and combine); default its own. load_kernels: on CUDA, compile and
+        load the channel's kernels now (:meth:`_load_kernels`)."""
         from .gpu import exchange as k
         if max_rows < 1 or width < 1:
             raise ValueError(f"max_rows and width must be >= 1, got {max_rows}, {width}")
@@ -83,6 +84,22 @@ class PeerExchange:
         self.deadline_s = deadline_s
         self._watchdog = None if deadline_s is None else _Watchdog(self.abort, f"{name}-watchdog")
         self._queued = torch.cuda.Event() if self.device.type == "cuda" else None  # last wait
+        if load_kernels and self.device.type == "cuda":
+            self._load_kernels()
+
+    def _load_kernels(self) -> None:
+        """Run this channel's put (with and without counts) and wait kernels once in a
+        world of one on its device, so its first exchange neither compiles (seconds,
+        while a peer's wait spins toward its deadline) nor loads a module (a load can
+        wait for the device to go idle: with two rank processes on one GPU, for the
+        peer's spinning wait, which measured as every first wait missing its deadline)."""
+        from .peer_memory import LocalWorld
+        solo = PeerExchange(LocalWorld(1, self.device).rank(0), "load", 1, self.width,
+                            self.dtype, load_kernels=False)
+        rows = torch.zeros(1, self.width, dtype=self.dtype, device=self.device)
+        solo.exchange(rows)
+        solo.exchange(rows, torch.ones(1, dtype=torch.int64, device=self.device))
+        torch.cuda.synchronize(self.device)
 
     def _outstanding(self) -> bool:
         """Whether the last queued wait may still be running (the watchdog's test)."""

@@ -13,7 +13,8 @@ themselves.
 Backends: :class:`LocalWorld` simulates a world inside one process (tests, and one GPU
 standing in for several: each rank a stream); :class:`ShmPeers` shares host memory
 between the rank processes of one machine (the CPU path, kernels under Triton's
-interpreter); ``kernels/gpu/nvshmem_peers.py`` is the one over NVSHMEM on GPUs.
+interpreter); ``kernels/gpu/nvshmem_peers.py`` is the one over NVSHMEM on GPUs, and
+``kernels/gpu/ipc_peers.py`` the one over CUDA IPC where nvshmem4py is missing.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ class PeerMemory(ABC):
 
     def close(self) -> None:
         """Free what this rank allocated (collective where the backend needs it)."""
+
+    @staticmethod
+    def _named(table: dict, name: str):
+        """`table[name]`, or KeyError saying the buffer was never allocated."""
+        found = table.get(name)
+        if found is None:
+            raise KeyError(f"no buffer {name!r}: alloc it first")
+        return found
 
 
 class LocalWorld:
@@ -164,11 +173,18 @@ class ShmPeers(PeerMemory):
 
 def open_peer_memory(comm, device: torch.device) -> PeerMemory:
     """The world of `comm` (a :class:`~phalanx.kernels.comm.GroupComm`) as symmetric
-    memory on `device`: NVSHMEM on CUDA, /dev/shm files on CPU. Collective; the id
+    memory on `device`: NVSHMEM on CUDA (CUDA IPC without nvshmem4py), /dev/shm files on
+    CPU. Collective; the id
     (NVSHMEM's, or the files' random tag) travels from rank 0 over gloo."""
     device = torch.device(device)
     if device.type == "cuda":
-        from .gpu.nvshmem_peers import NvshmemPeers
+        try:
+            from .gpu.nvshmem_peers import NvshmemPeers
+            import nvshmem.core  # noqa: F401
+        except ImportError:  # no nvshmem4py: CUDA IPC maps the peers' buffers instead
+            from .gpu.ipc_peers import CudaIpcPeers
+            return CudaIpcPeers(comm.rank, comm.world_size, device, comm.broadcast_world,
+                                comm.barrier)
         return NvshmemPeers(comm.rank, comm.world_size, device, comm.broadcast_world,
                             comm.barrier)
     nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)

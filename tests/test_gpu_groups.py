@@ -4,7 +4,15 @@ Greedy tokens of the TP and DP×EP layouts on two GPUs equal the CPU engine's; a
 killed while its peer is inside an NCCL all-to-all makes the survivor leave it within the
 deadline through our own wait loop (NCCL itself never returns): with recovery off the
 caller gets a `GroupFailure`, with it on the group is re-formed and the requests finish
-with the CPU tokens. Needs two CUDA devices (the GPU machine's `nvidia-h200-x2`).
+with the CPU tokens.
+
+On a machine with one GPU the same tests run with the ranks sharing it: Ray is told the
+node has two GPUs, every GPU stays visible to the ranks and each picks the one Ray
+assigned it, wrapped to the GPUs that exist (`RankActor.gpu_index`); the world relays its
+CUDA collectives through host memory over gloo (`GroupComm.relay`: NCCL refuses two
+ranks on one device), while the peer exchange and UCX still move device memory between
+the rank processes. Only the NCCL-specific part (our wait loop leaving a stuck NCCL
+collective) needs two GPUs (the GPU machine's `nvidia-h200-x2`).
 """
 
 from __future__ import annotations
@@ -22,15 +30,21 @@ from test_groups import check_one_recovery
 from test_hf_oracle import make_prompts
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+SHARED = torch.cuda.device_count() < 2  # the ranks share one GPU
 
 MAX_NEW = 12
 KW = dict(max_num_seqs=8, max_num_batched_tokens=96, page_size=4, num_pages=200)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _ray(local_ray):
-    """Every test of this module runs on the module's local Ray (conftest)."""
+def _ray():
+    """A local Ray for the module that counts at least two GPUs (one-GPU machines: the
+    ranks share it)."""
+    ray.init(address="local", num_cpus=16, num_gpus=max(2, torch.cuda.device_count()),
+             include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -118,5 +132,9 @@ def test_two_gpu_disaggregated_equals_cpu(tiny_model, cpu_tokens):
         kv = ray.get(llm.group.decode.actors[0].kv_stats.remote())
         print(f"decode receiver: {kv}")
         assert kv["messages"] > 0 and kv["rejected"] == 0
+        gpus = [info["gpu"] for sup in (llm.group.decode, *llm.group.prefill)
+                for info in sup.start_info]
+        assert all(0 <= g < torch.cuda.device_count() for g in gpus), gpus
+        assert SHARED or len(set(gpus)) == len(gpus), gpus  # the GPUs Ray assigned
     finally:
         llm.close()

@@ -3,7 +3,8 @@ test_peer_exchange.py): a world simulated on one GPU, each rank a stream, so the
 spin in device code while the other ranks' stores land; the host's abort word, and the
 watchdog alone, ending a wait whose peer never sends (finished waits spared); one NVSHMEM
 process exchanging with itself; two ranks' MoE layers queued from one thread with no
-host sync; and, with two GPUs, NVSHMEM between two processes with a peer that dies."""
+host sync; and two processes (on two GPUs, or sharing one) exchanging through NVSHMEM
+(two GPUs only) and CUDA IPC, with a peer that dies."""
 
 from __future__ import annotations
 
@@ -122,20 +123,25 @@ def test_nvshmem_world_of_one_exchanges_with_itself():
     assert "NVSHMEM_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def _nvshmem_rank(rank: int, port: int, out) -> None:
-    """One process per GPU: NVSHMEM joined over gloo, three exchanges checked against
-    the peer's (seeded) rows, then rank 1 exits before its fourth put, and rank 0's
-    step must end with CollectiveError at its deadline."""
+def _peer_rank(rank: int, port: int, backend: str, out) -> None:
+    """One process per rank, on GPU `rank % device_count` (both on one GPU where it is
+    alone), symmetric memory over `backend` ("nvshmem" or "ipc") joined over gloo: three
+    exchanges checked against the peer's (seeded) rows, then rank 1 exits before its
+    fourth put, and rank 0's step must end with CollectiveError at its deadline."""
     import os
     import traceback
     try:
         from phalanx.kernels.comm import CollectiveError, GroupComm
-        from phalanx.kernels.gpu.nvshmem_peers import NvshmemPeers
         from phalanx.kernels.peer_exchange import PeerExchange
-        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
         comm = GroupComm.init(rank, 2, 1, f"tcp://127.0.0.1:{port}", 1, 30.0)
-        peers = NvshmemPeers(rank, 2, torch.device("cuda", rank), comm.broadcast_world,
-                             comm.barrier)
+        if backend == "nvshmem":
+            from phalanx.kernels.gpu.nvshmem_peers import NvshmemPeers
+            peers = NvshmemPeers(rank, 2, device, comm.broadcast_world, comm.barrier)
+        else:
+            from phalanx.kernels.gpu.ipc_peers import CudaIpcPeers
+            peers = CudaIpcPeers(rank, 2, device, comm.broadcast_world, comm.barrier)
         ex = PeerExchange(peers, "ch", 256, 2056, torch.bfloat16, epoch=1, deadline_s=2.0)
 
         def rows(r: int, rnd: int) -> torch.Tensor:
@@ -150,9 +156,11 @@ def _nvshmem_rank(rank: int, port: int, out) -> None:
                 if not torch.equal(got[s * 256:(s + 1) * 256], want):
                     out.put((rank, f"round {rnd}: block from {s} differs"))
                     return
-        comm.barrier()
+            comm.barrier()  # a lone channel: the peer's next put waits for this read
         if rank == 1:
             out.put((rank, "ok"))
+            out.close()
+            out.join_thread()  # the message is written before the process dies
             os._exit(0)  # dies before its fourth put
         ex.exchange(rows(rank, 3))
         t0 = time.monotonic()
@@ -166,17 +174,18 @@ def _nvshmem_rank(rank: int, port: int, out) -> None:
         out.put((rank, traceback.format_exc()))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_nvshmem_two_gpus_exchange_and_a_dead_peer_ends_the_step():
+@pytest.mark.parametrize("backend", ["nvshmem", "ipc"])
+def test_two_processes_exchange_and_a_dead_peer_ends_the_step(backend):
     import multiprocessing as mp
     import socket
-    pytest.importorskip("nvshmem.core")
+    if backend == "nvshmem":
+        pytest.importorskip("nvshmem.core")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_nvshmem_rank, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=_peer_rank, args=(r, port, backend, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:

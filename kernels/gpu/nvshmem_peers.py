@@ -82,10 +82,7 @@ class NvshmemPeers(PeerMemory):
         return ptr
 
     def peer_ptrs(self, name: str) -> torch.Tensor:
-        ptrs = self._ptrs.get(name)
-        if ptrs is None:
-            raise KeyError(f"no buffer {name!r}: alloc it first")
-        return ptrs
+        return self._named(self._ptrs, name)
 
     def close(self) -> None:
         """Free every buffer and leave the NVSHMEM world (collective)."""
