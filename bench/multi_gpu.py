@@ -93,6 +93,12 @@ def parse_args(argv=None):
     ap.add_argument("--no-graphs", action="store_true", help="skip the single-GPU CUDA-graph baseline")
     ap.add_argument("--ep-exchange", choices=("exact", "padded", "peer"), default="exact",
                     help="MoE all-to-all of the DPN x EPN ranks (ParallelConfig.ep_exchange)")
+    ap.add_argument("--group-eager", action="store_true",
+                    help="peer exchange: launch the group's decode steps eagerly, not as "
+                         "CUDA graphs")
+    ap.add_argument("--share-gpus", action="store_true",
+                    help="let --world exceed the GPUs: rank r uses GPU r %% count (a smoke "
+                         "run: ranks sharing a GPU time-slice it, timings mean little)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=60.0)
     ap.add_argument("--timeout-s", type=float, default=540.0,
@@ -125,7 +131,8 @@ def check_layout(args, phases: list[str]) -> None:
     if n < 2 or not 2 <= tp <= n:
         raise SystemExit(f"need --world >= 2 and 2 <= --prefill-tp <= --world, got {n}, {tp}")
     found = torch.cuda.device_count()
-    if args.device == "cuda" and found < n and not set(phases) <= {"single"}:
+    if (args.device == "cuda" and found < n and not args.share_gpus
+            and not set(phases) <= {"single"}):
         raise SystemExit(f"--device cuda --world {n} needs {n} GPUs, found {found} "
                          f"(use --device cpu --tiny here)")
     cfg = model_config(args.tiny, args.layers, "bfloat16")
@@ -149,6 +156,7 @@ def make_opts(args, phases: list[str], rdv_dir: str) -> dict:
                 check_deadline_s=args.check_deadline_s,
                 max_new=args.max_new, phases=phases, graphs=not args.no_graphs, seed=args.seed,
                 deadline_s=args.deadline_s, t0=time.monotonic(), ep_exchange=args.ep_exchange,
+                group_eager=args.group_eager,
                 rank_timeout_s=args.timeout_s * 2 / 3, rdv_dir=rdv_dir)
 
 

@@ -160,7 +160,13 @@ class Stepper:
         re = RankEngine(spec)
         re.comm, re.engine = comm, engine
         re.use_exchange(ep)
+        re.use_graphs(ep)  # a peer-exchange group's decode steps, unless the spec is eager
         return cls(engine, re)
+
+    def graph_replays(self) -> int:
+        """Steps this rank has replayed as CUDA graphs so far (`GroupGraphs`)."""
+        graphs = None if self.re is None else self.re._graphs
+        return 0 if graphs is None else graphs.replays
 
     @property
     def leader(self) -> bool:

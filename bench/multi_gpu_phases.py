@@ -63,15 +63,20 @@ def _rank_layout(rank: int, dev: torch.device, opts: dict, comm, tp: int, epoch:
     from phalanx.kernels.dispatch import EPDispatcher
     from phalanx.models.parallel import ExpertParallel
 
+    def config(eager: bool):
+        return mm.engine_config(cfg, opts["device"], dtype, batch, pages, eager=eager,
+                                ep_exchange=opts["ep_exchange"])
+
+    # the engine runs eager; the rank captures the group's decode steps where it can
+    # (peer exchange, tp 1, GPU: `RankEngine.use_graphs`) unless --group-eager
     spec = RankSpec(rank, tp, comm.world_size // tp, epoch, init, comm.deadline_s,
-                    mm.engine_config(cfg, opts["device"], dtype, batch, pages, eager=True,
-                                     ep_exchange=opts["ep_exchange"]))
+                    config(opts["group_eager"]))
     shard, placement = shard_for(spec, cfg.num_experts)
     ep = None
     if placement is not None:
         ep = ExpertParallel(EPDispatcher(comm, cfg.num_experts, placement[0], placement[1]))
     model = mm.build_model(cfg, shard, dev, mm.DTYPES[dtype], opts["seed"], comm, ep)
-    engine = LLMEngine(spec.config, shard, comm, ep, model=model)
+    engine = LLMEngine(config(True), shard, comm, ep, model=model)
     return mm.Stepper.for_rank(spec, comm, engine, ep)
 
 
@@ -138,7 +143,9 @@ def _rank_check_attempt(rank: int, world: int, opts: dict, layout, dtype: str, i
         prompts = check_prompts(opts, cfg.vocab_size)
         mine = {i: p for i, p in enumerate(prompts) if i % world == rank}
         with torch.inference_mode():
-            return generate(st, mine, opts["max_new"])
+            tokens = generate(st, mine, opts["max_new"])
+        log(opts, f"check {dtype}: {st.graph_replays()} group steps replayed as graphs")
+        return tokens
     except Exception as e:
         if comm.nccl and not isinstance(e, CollectiveError):
             comm._abort_nccl()  # the peer may sit in a collective: destroy must not block

@@ -40,8 +40,9 @@ def run_procs(fn, world: int, opts: dict, timeout_s: float) -> tuple[dict, dict]
 
 def setup_device(rank: int, opts: dict) -> torch.device:
     if opts["device"] == "cuda":
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
+        index = rank % torch.cuda.device_count()  # --share-gpus: ranks wrap around
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     torch.set_num_threads(1)
     return torch.device("cpu")
 

@@ -50,7 +50,8 @@ def _decode_rows(opts: dict, cfg, ranks: dict, single: dict, bw) -> list[dict]:
         tok = statistics.mean(p["tok_s"] for p in per)
         ctx = opts["ctx"] + opts["warm"] + opts["steps"] // 2
         row = dict(batch_per_rank=b, tok_s_per_gpu=tok, tok_s_total=sum(p["tok_s"] for p in per),
-                   step_ms=max(p["step_ms"] for p in per), per_rank=per)
+                   step_ms=max(p["step_ms"] for p in per), per_rank=per,
+                   graphed=all(p.get("graphed_steps", 0) == p["steps"] for p in per))
         if bw:
             floor = b / (mm.decode_bytes_per_gpu(cfg, b, ctx, opts["world"]) / bw)
             row.update(floor_tok_s_per_gpu=floor, of_floor=tok / floor,
@@ -140,7 +141,8 @@ def _experts(counts: list[int]) -> str:
 
 
 def _print_decode(rows: list[dict], lay: dict) -> None:
-    print(f"\ndecode {lay['decode']} (eager, per GPU, {_experts(lay['experts_per_rank'])} experts per "
+    mode = "CUDA graphs" if rows and all(r["graphed"] for r in rows) else "eager"
+    print(f"\ndecode {lay['decode']} ({mode}, per GPU, {_experts(lay['experts_per_rank'])} experts per "
           f"rank) vs one GPU with the same weights at the same per-GPU batch")
     print(f"{'batch/rank':>10} {'tok/s/GPU':>10} {'total':>8} {'step ms':>8} {'floor':>8} {'of fl':>6} "
           f"{'1GPU eager':>10} {'x':>5} {'1GPU graph':>10} {'x':>5} {'1GPU floor':>10}")

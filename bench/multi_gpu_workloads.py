@@ -39,16 +39,21 @@ def decode_bench(stepper: mm.Stepper, opts: dict, dev: torch.device) -> list[dic
         for _ in range(warm):
             stepper.step()
         sync(dev)
+        replays = stepper.graph_replays()
         t0 = time.perf_counter()
         for _ in range(steps):
             stepper.step()
         sync(dev)
         dt = time.perf_counter() - t0
+        graphed = stepper.graph_replays() - replays
         for rid in rids:
             eng.abort_request(rid)
         stepper.tokens.clear()
-        rows.append(dict(batch=b, ctx=ctx, steps=steps, step_ms=dt / steps * 1e3, tok_s=b * steps / dt))
-        log(opts, f"  decode batch {b}: {dt / steps * 1e3:.2f} ms/step, {b * steps / dt:.0f} tok/s")
+        rows.append(dict(batch=b, ctx=ctx, steps=steps, step_ms=dt / steps * 1e3, tok_s=b * steps / dt,
+                         graphed_steps=graphed))
+        mode = "" if stepper.re is None else f" ({graphed} of {steps} group steps as graphs)"
+        log(opts, f"  decode batch {b}: {dt / steps * 1e3:.2f} ms/step, {b * steps / dt:.0f} tok/s"
+                  f"{mode}")
     return rows
 
 

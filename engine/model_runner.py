@@ -137,6 +137,7 @@ class ModelRunner:
         self._stagings = [HostStaging(pin=device.type == "cuda") for _ in range(2)]
         self._steps = 0
         self.graphs = None
+        self.auto_graphs = True  # False: replay only the size `forward` is told (groups)
         if device.type == "cuda" and cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(model, caches, cuda_graph_max_batch, max_model_len,
                                        page_size, device)
@@ -248,13 +249,20 @@ class ModelRunner:
         return self.model.compute_logits(hidden[dev["logits_indices"]])
 
     @torch.inference_mode()
-    def forward(self, inputs: BatchInputs, layer_done=None) -> torch.Tensor:
+    def forward(self, inputs: BatchInputs, layer_done=None,
+                graph_size: Optional[int] = None) -> torch.Tensor:
         """Logits of the rows to sample (every row of a decode batch), `[L, vocab]`.
 
-        `layer_done(i)`: called after layer i (eager only; streams KV while computing)."""
-        if (layer_done is None and self.graphs is not None and inputs.decode_only
-                and self.graphs.fits(inputs.num_logits)):
-            h = inputs.host
+        `layer_done(i)`: called after layer i (eager only; streams KV while computing).
+        `graph_size`: replay that captured size (a decode batch that fits it); without
+        it a decode batch replays the smallest size that fits, unless `auto_graphs` is
+        off (a DP×EP group, whose ranks must replay alike: the group decides)."""
+        h = inputs.host
+        if graph_size is not None:
+            return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
+                                   h["seq_lens"], h["block_tables"], graph_size)
+        if (self.auto_graphs and layer_done is None and self.graphs is not None
+                and inputs.decode_only and self.graphs.fits(inputs.num_logits)):
             return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
                                    h["seq_lens"], h["block_tables"])
         return self._run_eager(inputs, layer_done)

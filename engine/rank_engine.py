@@ -33,6 +33,7 @@ from ..log import get_logger
 from ..models.parallel import ExpertParallel
 from ..models.shard import ModelShard
 from . import plan as planmod
+from .group_graphs import GroupGraphs
 from .llm_engine import LLMEngine
 from .outputs import StepOutput
 from .sampling_params import SamplingParams
@@ -110,6 +111,7 @@ class RankEngine:
         self._padded: Optional[EPDispatcher] = None  # its padded exchange is sized per step
         self._exchanges: tuple[PeerExchange, ...] = ()  # ep_exchange "peer": its channels
         self._peers = None
+        self._graphs: Optional[GroupGraphs] = None  # the group's decode steps, captured
         self.steps = 0
 
     # -- life cycle ------------------------------------------------------------------
@@ -127,8 +129,9 @@ class RankEngine:
         config = s.config
         if config.device.startswith("cuda"):
             # One GPU per rank (under Ray: the one it assigned, every GPU of the node
-            # visible, so peers can map each other's memory). Multi-rank steps run eager:
-            # our NCCL deadline loop polls from the host, which a CUDA graph cannot.
+            # visible, so peers can map each other's memory). Multi-rank steps run eager
+            # (our NCCL deadline loop polls from the host, which a CUDA graph cannot),
+            # except a peer-exchange group's decode steps (GroupGraphs).
             index = torch.device(config.device).index
             if index is None:
                 index = self.gpu_index()
@@ -143,6 +146,7 @@ class RankEngine:
                                              placement[1]), before_dispatch=self.fault_point)
         self.use_exchange(ep)
         self.engine = LLMEngine(config, shard, self.comm, ep)
+        self.use_graphs(ep)
         self._thread = threading.Thread(target=self._run, name=f"rank{s.rank}-loop", daemon=True)
         self._thread.start()
         log.info("rank_started", rank=s.rank, epoch=s.epoch, tp_rank=s.tp_rank, dp_rank=s.dp_rank)
@@ -164,6 +168,16 @@ class RankEngine:
         self._padded = ep.dispatcher if ep is not None and mode in ("padded", "peer") else None
         if ep is not None and mode == "peer":
             self._exchanges = self._open_peer_exchanges(ep.dispatcher)
+
+    def use_graphs(self, ep: Optional[ExpertParallel]) -> None:
+        """Capture the group's decode steps where `GroupGraphs.wanted` (the spec's config
+        not eager; after the engine and the exchanges exist)."""
+        s = self.spec
+        if ep is not None and GroupGraphs.wanted(s.config, s.tp, self._exchanges):
+            self._graphs = GroupGraphs(self.engine, ep.dispatcher, self._exchanges,
+                                       self.fault_point)
+            log.info("group_graphs_captured", rank=s.rank, epoch=s.epoch,
+                     sizes=self._graphs.graphs.sizes)
 
     def _open_peer_exchanges(self, dispatcher: EPDispatcher) -> tuple[PeerExchange, ...]:
         """The dispatch and combine channels, sized for decode steps: up to
@@ -344,17 +358,23 @@ class RankEngine:
         if s.tp > 1:
             status, inputs = self._share_plan(status, inputs)
         tokens = 0 if inputs is None else int(inputs.host["input_ids"].shape[0])
+        eager = int(inputs is not None and not inputs.decode_only)
         if s.dp > 1:
-            status, tokens = self.comm.all_reduce_world_max(status, tokens)
+            status, tokens, eager = self.comm.all_reduce_world_max(status, tokens, eager)
         if status != planmod.WORK:
             return status
-        if self._padded is not None:  # the most rows any rank's MoE layers dispatch
+        size = None if self._graphs is None else self._graphs.size(tokens, eager)
+        if size is not None:
+            logits = self._graphs.replay(inputs, size)
+        elif self._padded is not None:  # the most rows any rank's MoE layers dispatch
             self._padded.step_tokens = -(-tokens // s.tp)
         if inputs is None:
-            self.engine.model.dummy_forward()
+            if size is None:
+                self.engine.model.dummy_forward()
             self._settle_exchanges()
             return status
-        logits = runner.forward(inputs, self._layer_hook(inputs))
+        if size is None:
+            logits = runner.forward(inputs, self._layer_hook(inputs))
         self._settle_exchanges()
         self._after_forward(inputs)
         self.steps += 1
@@ -389,6 +409,8 @@ class RankEngine:
                "failed": self._failure is not None}
         if self._exchanges:
             out["peer_exchanges"] = sum(ex.exchanges for ex in self._exchanges)
+        if self._graphs is not None:
+            out["graph_replays"] = self._graphs.replays
         if self.is_leader and self.engine is not None:
             out.update(self.engine.stats())
             out["prefix_query_tokens"] = self.engine.pool.query_tokens

@@ -23,13 +23,15 @@ exceed the channels' capacity goes through ``GroupComm`` as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from .comm import GroupComm
 from .moe import fused_experts_ref
 from .peer_exchange import PeerExchange
+from .peer_memory import LocalWorld
 
 __all__ = ["EPDispatcher", "make_expert_placement", "moe_reference"]
 
@@ -112,6 +114,26 @@ class EPDispatcher:
                                  f"of rank {self.comm.rank}/{self.comm.world_size}")
         self._peer = (dispatch, combine)
         self._constants(dispatch.device)  # copied now, not inside the first step
+
+    @contextlib.contextmanager
+    def rehearsal(self) -> Iterator[None]:
+        """Within: the peer channels are stand-ins of the same shapes in a world this
+        process simulates, whose peers never send: each wait gives up after one spin,
+        so a forward runs (its results garbage) without any peer. A forward in it loads
+        every kernel a step will launch (e.g. before capturing CUDA graphs), none of
+        them then loaded while a peer's wait spins."""
+        real = self._peer
+        if real is None:
+            yield
+            return
+        world = LocalWorld(self.comm.world_size, real[0].device).rank(self.comm.rank)
+        self._peer = tuple(PeerExchange(world, name, ex.max_rows, ex.width, ex.dtype,
+                                        max_spins=1, load_kernels=False)
+                           for name, ex in zip(("dispatch", "combine"), real))
+        try:
+            yield
+        finally:
+            self._peer = real
 
     @property
     def local_experts(self) -> list[int]:

@@ -143,7 +143,9 @@ class PeerExchange:
         if self._cap is None:
             raise RuntimeError("wait without a put")
         cap, W = self._cap, self._width
-        dog = self._watchdog
+        # a captured wait runs at replay: `graph_replayed` bounds it then
+        live = self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+        dog = self._watchdog if live else None
         if dog is not None:
             dog.arm(self.deadline_s, self._outstanding)
         self._k.wait(self.flags, self._seq, self.recv_counts, self.status, self._abort,
@@ -151,12 +153,25 @@ class PeerExchange:
         if dog is not None:
             if self.device.type != "cuda":  # the interpreter ran the wait: it is over
                 dog.disarm()
-            elif not torch.cuda.is_current_stream_capturing():
+            else:
                 self._queued.record()  # the watchdog aborts only while this is pending
         self._cap = None
-        self.exchanges += 1
-        self._unsettled = True
+        if live:
+            self.exchanges += 1
+            self._unsettled = True
         return self.data[:self.world_size * cap * W].view(self.world_size * cap, W)
+
+    def graph_replayed(self, waits: int) -> None:
+        """A CUDA graph holding `waits` of this channel's waits was just launched on the
+        current stream: bound it like eager waits (the watchdog armed, pending until an
+        event recorded behind the replay), to be settled as they are. A capture records
+        no event, so a replay's waits are armed here, after launch, not in :meth:`wait`."""
+        if self._queued is not None:
+            self._queued.record()
+        if self._watchdog is not None:
+            self._watchdog.arm(self.deadline_s, self._outstanding)
+        self.exchanges += waits
+        self._unsettled = True
 
     def abort(self) -> None:
         """Make every wait of this channel (and of the channels sharing its abort word)

@@ -56,13 +56,15 @@ def cpu_tokens(tiny_model):
     return prompts, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("tp, dp, exchange", [(2, 1, "exact"), (1, 2, "exact"), (1, 2, "peer")],
-                         ids=["tp2", "dp2", "dp2-peer"])
-def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp, exchange):
-    """dp2-peer: the MoE rows of decode steps through NVSHMEM symmetric memory."""
+@pytest.mark.parametrize("tp, dp, exchange, eager", [
+    (2, 1, "exact", False), (1, 2, "exact", False), (1, 2, "peer", False), (1, 2, "peer", True)],
+    ids=["tp2", "dp2", "dp2-peer", "dp2-peer-eager"])
+def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp, exchange, eager):
+    """dp2-peer: the MoE rows of decode steps through NVSHMEM symmetric memory, the
+    decode steps replayed as CUDA graphs (GroupGraphs); -eager: launched eagerly."""
     prompts, expected = cpu_tokens
     llm = LLM(tiny_model, tp=tp, dp=dp, device="cuda", dtype="float32",
-              collective_timeout_s=30, ep_exchange=exchange, **KW)
+              collective_timeout_s=30, ep_exchange=exchange, enforce_eager=eager, **KW)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -72,6 +74,8 @@ def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp, exchange):
         assert all(not s["failed"] for s in stats)
         if exchange == "peer":
             assert all(s["peer_exchanges"] > 0 for s in stats), stats
+            replays = [s.get("graph_replays", 0) for s in stats]
+            assert all(n == 0 for n in replays) if eager else all(n > 0 for n in replays), stats
     finally:
         llm.close()
 
@@ -105,12 +109,14 @@ def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model, exchange):
         llm.close()
 
 
-def test_gpu_rank_killed_mid_all_to_all_recovers(tiny_model, cpu_tokens):
-    """The same fault with recovery on: the survivor leaves the NCCL all-to-all at the
-    deadline, the group is re-formed on the two GPUs under epoch 2, and every request
-    resumes: the CPU engine's tokens, each once."""
+@pytest.mark.parametrize("exchange", ["exact", "peer"])
+def test_gpu_rank_killed_mid_all_to_all_recovers(tiny_model, cpu_tokens, exchange):
+    """The same fault with recovery on: the survivor leaves the NCCL all-to-all (peer:
+    its graph replay's wait) at the deadline, the group is re-formed on the two GPUs
+    under epoch 2, and every request resumes: the CPU engine's tokens, each once."""
     prompts, expected = cpu_tokens
-    llm = LLM(tiny_model, dp=2, device="cuda", dtype="float32", collective_timeout_s=5, **KW)
+    llm = LLM(tiny_model, dp=2, device="cuda", dtype="float32", collective_timeout_s=5,
+              ep_exchange=exchange, **KW)
     try:
         check_one_recovery(llm, "moe_dispatch", 25, prompts, expected)
     finally:

@@ -260,6 +260,45 @@ def check_padded_moe_through_shared_memory_ranks_equals_reference() -> dict:
     return {"err": err} if err < 1e-5 else {"error": f"relative error {err:.2e}"}
 
 
+def check_rehearsal_runs_a_rank_alone_and_restores_its_channels() -> dict:
+    """`EPDispatcher.rehearsal`: rank 0 of a world whose other ranks never act runs its
+    padded MoE through stand-in channels (each wait gives up at once, results garbage),
+    and its real channels come back untouched: no exchange counted, no failure, no flag
+    raised in any rank's buffers."""
+    import torch
+    from types import SimpleNamespace
+    from phalanx.kernels.dispatch import EPDispatcher, make_expert_placement
+    from phalanx.kernels.peer_exchange import PeerExchange
+    from phalanx.kernels.peer_memory import LocalWorld
+    c = _MOE
+    w13, w2, xs, ids, wts = _moe_inputs()
+    owner, local_index, experts_of_rank = make_expert_placement(c["E"], c["world"])
+    lw = LocalWorld(c["world"])
+    real = (PeerExchange(lw.rank(0), "dispatch", 16, c["H"] + 4, torch.float32, max_spins=10**7),
+            PeerExchange(lw.rank(0), "combine", 16, c["H"], torch.float32, max_spins=10**7))
+    d = EPDispatcher(SimpleNamespace(rank=0, world_size=c["world"]), c["E"], owner, local_index)
+    d.step_tokens = max(c["tokens"])
+    d.use_peer_exchanges(*real)
+    a, b = w13[experts_of_rank[0]], w2[experts_of_rank[0]]
+    t0 = time.monotonic()
+    with d.rehearsal():
+        stand_ins = d._peer
+        y = d.moe(xs[0], wts[0], ids[0], lambda x, lid, w: x * 0)
+    took = time.monotonic() - t0
+    if stand_ins[0] is real[0] or d._peer != real:
+        return {"error": "the rehearsal did not swap the channels in and back"}
+    if tuple(y.shape) != tuple(xs[0].shape):
+        return {"error": f"output {tuple(y.shape)}, expected {tuple(xs[0].shape)}"}
+    if any(ex.exchanges or ex.failed() for ex in real):
+        return {"error": "the real channels were used"}
+    if any(int(lw.rank(0).world._buffers[f"{n}.flags"][r].abs().sum())
+           for n in ("dispatch", "combine") for r in range(c["world"])):
+        return {"error": "a flag was raised in the real buffers"}
+    if not all(ex.failed() for ex in stand_ins):
+        return {"error": "a stand-in wait saw a block"}
+    return {"seconds": round(took, 2)}
+
+
 if __name__ == "__main__":
     print_results(run_checks(globals()))
     sys.exit(0)
