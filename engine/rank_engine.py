@@ -149,7 +149,8 @@ class RankEngine:
         self.use_graphs(ep)
         self._thread = threading.Thread(target=self._run, name=f"rank{s.rank}-loop", daemon=True)
         self._thread.start()
-        log.info("rank_started", rank=s.rank, epoch=s.epoch, tp_rank=s.tp_rank, dp_rank=s.dp_rank)
+        log.info("rank_started", rank=s.rank, epoch=s.epoch, tp_rank=s.tp_rank, dp_rank=s.dp_rank,
+                 cuda_collectives_relayed=self.comm.relay)
         return {"rank": s.rank, "epoch": s.epoch, "pid": os.getpid(),
                 "gpu": torch.cuda.current_device() if config.device.startswith("cuda") else None,
                 "num_params": sum(p.numel() for p in self.engine.model.parameters()),

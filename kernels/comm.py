@@ -13,7 +13,9 @@ a new rendezvous address (the caller picks both).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import threading
 import time
 import uuid
@@ -23,6 +25,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from .peer_memory import ShmPeers
+from .shm_agreement import ShmAgreement
 
 __all__ = ["CollectiveError", "GroupComm"]
 
@@ -84,6 +89,7 @@ class GroupComm:
         self._tp_group = tp_group
         self.nccl = nccl  # CUDA tensors go over NCCL with our own deadline wait loop
         self.relay = False  # CUDA tensors go through host memory over gloo instead
+        self._agreement: ShmAgreement | None = None  # world on one machine: shared memory
         self._broken: str | None = None
         self._destroyed = False
         self._aborting: threading.Thread | None = None
@@ -124,6 +130,7 @@ class GroupComm:
                         tp_group = group
             comm = cls(rank, world_size, tp_size, epoch, deadline_s, tp_group, nccl)
             comm._agree_on_epoch()
+            comm._agreement = comm._open_agreement()
             if nccl:
                 comm.relay = comm._ranks_share_a_gpu()
                 if not comm.relay:
@@ -144,6 +151,22 @@ class GroupComm:
         if hi != self.epoch or lo != self.epoch:
             self._broken = f"epoch mismatch: ranks joined with epochs in [{lo}, {hi}]"
             raise CollectiveError("init", self.epoch, self.rank, self._broken)
+
+    def _open_agreement(self) -> ShmAgreement | None:
+        """Shared-memory agreement when every rank of the world runs on this machine
+        (same boot id and host name, gathered over gloo), else None."""
+        if self.world_size == 1:
+            return None
+        mine = torch.frombuffer(bytearray(_machine_id()), dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run("init", dist.all_gather, parts, mine)
+        if len({tuple(p.tolist()) for p in parts}) > 1:
+            return None
+        nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        self.broadcast_world(nonce)
+        peers = ShmPeers(self.rank, self.world_size, f"{int(nonce):x}", self.deadline_s,
+                         barrier=self.barrier)
+        return ShmAgreement(peers, self.deadline_s)
 
     def _ranks_share_a_gpu(self) -> bool:
         """Whether two ranks of the world run on one GPU (same device UUID; every rank
@@ -215,11 +238,8 @@ class GroupComm:
 
         On a CUDA tensor (first argument) with NCCL, the collective is asynchronous and
         :meth:`_wait` bounds it by the deadline (``_deadline_s``, default the comm's)."""
-        if self._broken is not None:
-            raise CollectiveError(name, self.epoch, self.rank,
-                                  f"communicator is broken ({self._broken})")
-        on_gpu = self.nccl and _first_tensor(args).is_cuda
-        try:
+        def call() -> _R:
+            on_gpu = self.nccl and _first_tensor(args).is_cuda
             if on_gpu and self.relay:
                 return _through_host(fn, args, kwargs)
             if not on_gpu:
@@ -227,6 +247,17 @@ class GroupComm:
             work = fn(*args, async_op=True, **kwargs)
             self._wait(name, work, _deadline_s or self.deadline_s)
             return None
+
+        return self._guarded(name, call)
+
+    def _guarded(self, name: str, call: Callable[[], _R]) -> _R:
+        """`call()` on behalf of collective `name`: refused on a broken comm, and any
+        failure breaks it (CollectiveError)."""
+        if self._broken is not None:
+            raise CollectiveError(name, self.epoch, self.rank,
+                                  f"communicator is broken ({self._broken})")
+        try:
+            return call()
         except CollectiveError:
             raise
         except Exception as e:
@@ -287,8 +318,12 @@ class GroupComm:
         return t
 
     def all_reduce_world_max(self, *values: int) -> int | list[int]:
-        """Element-wise maximum of ``values`` over all ranks of the world (a CPU tensor:
-        gloo); an int for one value, else a list."""
+        """Element-wise maximum of ``values`` over all ranks of the world; an int for one
+        value, else a list. Ranks of one machine agree through shared memory (values in
+        [0, 2**32), at most 8: `ShmAgreement`), others over gloo."""
+        if self._agreement is not None:
+            out = self._guarded("all_reduce_world_max", lambda: self._agreement.max(values))
+            return out[0] if len(values) == 1 else out
         t = torch.tensor(values, dtype=torch.int64)
         self._run("all_reduce_world_max", dist.all_reduce, t, op=dist.ReduceOp.MAX)
         return int(t[0]) if len(values) == 1 else t.tolist()
@@ -328,6 +363,16 @@ class GroupComm:
         state = f"broken={self._broken!r}" if self._broken else "ok"
         return (f"GroupComm(rank={self.rank}, world={self.world_size}, tp={self.tp_size}, "
                 f"epoch={self.epoch}, deadline_s={self.deadline_s}, {state})")
+
+
+def _machine_id() -> bytes:
+    """16 bytes naming this machine (boot id and host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return hashlib.blake2b(f"{boot}/{socket.gethostname()}".encode(), digest_size=16).digest()
 
 
 def _through_host(fn: Callable[..., _R], args: Sequence[Any], kwargs: dict) -> _R:

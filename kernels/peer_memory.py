@@ -156,10 +156,12 @@ class ShmPeers(PeerMemory):
         return maps[self.rank]
 
     def peer_ptrs(self, name: str) -> torch.Tensor:
-        maps = self._maps.get(name)
-        if maps is None:
-            raise KeyError(f"no buffer {name!r}: alloc it first")
-        return torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64)
+        return torch.tensor([m.data_ptr() for m in self.views(name)], dtype=torch.int64)
+
+    def views(self, name: str) -> list[torch.Tensor]:
+        """Every rank's buffer `name` as this process maps it (host code reads peers'
+        copies through these)."""
+        return self._named(self._maps, name)
 
     def close(self) -> None:
         """Remove this rank's files (peers keep their mappings until they drop them)."""
