@@ -34,6 +34,8 @@ __all__ = ["CollectiveError", "GroupComm"]
 _R = TypeVar("_R")
 # Deadline of an epoch's first NCCL collective, which sets up the connections (seconds).
 NCCL_CONNECT_S = 60.0
+# How long a rank waits for its peers' shared-memory agreement files (seconds).
+SHM_OPEN_S = 10.0
 
 
 class CollectiveError(RuntimeError):
@@ -154,7 +156,9 @@ class GroupComm:
 
     def _open_agreement(self) -> ShmAgreement | None:
         """Shared-memory agreement when every rank of the world runs on this machine
-        (same boot id and host name, gathered over gloo), else None."""
+        (same boot id and host name, gathered over gloo) and every rank could map every
+        rank's file (decided together: a machine whose processes do not share
+        /dev/shm keeps gloo on every rank), else None."""
         if self.world_size == 1:
             return None
         mine = torch.frombuffer(bytearray(_machine_id()), dtype=torch.int64)
@@ -164,9 +168,16 @@ class GroupComm:
             return None
         nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         self.broadcast_world(nonce)
-        peers = ShmPeers(self.rank, self.world_size, f"{int(nonce):x}", self.deadline_s,
-                         barrier=self.barrier)
-        return ShmAgreement(peers, self.deadline_s)
+        peers = ShmPeers(self.rank, self.world_size, f"{int(nonce):x}",
+                         min(self.deadline_s, SHM_OPEN_S))
+        try:
+            agreement: ShmAgreement | None = ShmAgreement(peers, self.deadline_s)
+        except (OSError, TimeoutError):
+            agreement = None
+        failed = torch.tensor([int(agreement is None)], dtype=torch.int64)
+        self._run("init", dist.all_reduce, failed, op=dist.ReduceOp.MAX)
+        peers.close()  # every rank has mapped every file, or gave up: the names can go
+        return agreement if not int(failed[0]) else None
 
     def _ranks_share_a_gpu(self) -> bool:
         """Whether two ranks of the world run on one GPU (same device UUID; every rank

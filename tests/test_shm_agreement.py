@@ -1,7 +1,8 @@
 """`ShmAgreement` (the per-step world agreement of ranks on one machine) between spawned
 processes: every rank gets the element-wise maximum every round; a rank whose process
 exits ends its peers' waits at once; a rank that stalls alive ends them at the deadline;
-values it cannot carry are refused."""
+values it cannot carry are refused; `GroupComm` uses it when its ranks share /dev/shm and
+falls back to gloo on every rank when they do not."""
 
 from __future__ import annotations
 
@@ -87,3 +88,31 @@ def test_values_it_cannot_carry_are_refused():
         with pytest.raises(ValueError):
             agree.max(bad)
     agree._peers.close()
+
+
+def _group_agreement(rank: int, world: int, port: int, root: str) -> tuple:
+    """A gloo world's agreement; with `root`, each rank's files in its own folder (a
+    machine whose processes do not share /dev/shm)."""
+    import phalanx.kernels.comm as comm_mod
+    if root:
+        comm_mod.SHM_OPEN_S = 1.0
+        shm_peers = comm_mod.ShmPeers
+        comm_mod.ShmPeers = lambda *a, **k: shm_peers(*a, root=os.path.join(root, str(rank)), **k)
+        os.makedirs(os.path.join(root, str(rank)), exist_ok=True)
+    comm = comm_mod.GroupComm.init(rank, world, 1, f"tcp://127.0.0.1:{port}", 1, 20.0)
+    try:
+        return comm._agreement is not None, comm.all_reduce_world_max(rank, 7 - rank)
+    finally:
+        comm.destroy()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["shared", "split-shm"])
+def test_group_comm_agrees_through_shared_memory_or_falls_back_together(split, tmp_path):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = str(tmp_path) if split else ""
+    results, errors = run_ranks(_group_agreement, 3, (port, root), timeout_s=90)
+    assert not errors, errors
+    assert results == {r: (not split, [2, 7]) for r in range(3)}, results
