@@ -1,7 +1,9 @@
 """A step plan: what a group leader tells its followers to run, as int64 tensors.
 
 The leader schedules; followers run its plan. A plan travels as two broadcasts: a fixed
-header, then a payload whose size the header gives.
+header, then a payload whose size the header gives; or, when the group's ranks share a
+machine, as one message of header and payload through shared memory
+(`GroupComm.share_tp`).
 
 Header (int64[8]): status, epoch, T (tokens), S (sequences), P (block-table width),
 L (rows to sample), max_query_len, max_seq_len.
@@ -41,6 +43,12 @@ def payload_of(inputs: BatchInputs) -> torch.Tensor:
     parts = [h["input_ids"], h["positions"], h["slot_mapping"], h["query_start_loc"],
              h["seq_lens"], h["block_tables"].reshape(-1), h["logits_indices"], h["row_keys"]]
     return torch.cat([t.to(torch.int64) for t in parts])
+
+
+def max_words(max_tokens: int, max_seqs: int, max_pages: int) -> int:
+    """The most int64 words a plan (header and payload) can take: steps of up to
+    `max_tokens` tokens over `max_seqs` sequences of up to `max_pages` pages."""
+    return HEADER_SIZE + 3 * max_tokens + 4 * max_seqs + 1 + max_seqs * max_pages
 
 
 def payload_size(header: torch.Tensor) -> int:

@@ -112,6 +112,7 @@ class RankEngine:
         self._exchanges: tuple[PeerExchange, ...] = ()  # ep_exchange "peer": its channels
         self._peers = None
         self._graphs: Optional[GroupGraphs] = None  # the group's decode steps, captured
+        self._plan_channel = False  # plans through shared memory (GroupComm.open_tp_channel)
         self.steps = 0
 
     # -- life cycle ------------------------------------------------------------------
@@ -139,6 +140,10 @@ class RankEngine:
             config = dataclasses.replace(config, enforce_eager=True)
         self.comm = GroupComm.init(s.rank, s.world_size, s.tp, s.init_method, s.epoch,
                                    s.deadline_s, device=config.device)
+        sch = config.scheduler
+        self._plan_channel = s.tp > 1 and self.comm.open_tp_channel(planmod.max_words(
+            sch.max_num_batched_tokens, sch.max_num_seqs,
+            -(-config.max_model_len // config.cache.page_size)))
         shard, placement = shard_for(s, s.config.model.num_experts)
         ep = None
         if placement is not None:
@@ -385,6 +390,10 @@ class RankEngine:
 
     def _share_plan(self, status: int, inputs):
         header = planmod.header_of(status, self.spec.epoch, inputs)
+        if self._plan_channel:
+            shared = self._share_plan_words(header, inputs)
+            if shared is not None:
+                return shared
         self.comm.broadcast_tp(header)
         if self.is_leader:
             if inputs is not None:
@@ -393,6 +402,20 @@ class RankEngine:
         payload = torch.empty(planmod.payload_size(header), dtype=torch.int64)
         if payload.numel():
             self.comm.broadcast_tp(payload)
+        return int(header[0]), planmod.inputs_of(header, payload, self.spec.epoch)
+
+    def _share_plan_words(self, header: torch.Tensor, inputs):
+        """The plan as one message through the TP group's shared-memory channel:
+        (status, inputs), or None when it goes over gloo this round (too large)."""
+        if self.is_leader:
+            words = header if inputs is None else torch.cat([header, planmod.payload_of(inputs)])
+            sent = self.comm.share_tp(words.numpy())
+            return None if sent is None else (int(header[0]), inputs)
+        got = self.comm.share_tp(None)
+        if got is None:
+            return None
+        words = torch.from_numpy(got)
+        header, payload = words[:planmod.HEADER_SIZE], words[planmod.HEADER_SIZE:]
         return int(header[0]), planmod.inputs_of(header, payload, self.spec.epoch)
 
     def _finish(self, batch, inputs, logits) -> None:

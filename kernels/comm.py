@@ -13,9 +13,7 @@ a new rendezvous address (the caller picks both).
 
 from __future__ import annotations
 
-import hashlib
 import os
-import socket
 import threading
 import time
 import uuid
@@ -26,16 +24,15 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .peer_memory import ShmPeers
+from .local_channels import LocalChannels
 from .shm_agreement import ShmAgreement
+from .shm_broadcast import ShmBroadcast
 
 __all__ = ["CollectiveError", "GroupComm"]
 
 _R = TypeVar("_R")
 # Deadline of an epoch's first NCCL collective, which sets up the connections (seconds).
 NCCL_CONNECT_S = 60.0
-# How long a rank waits for its peers' shared-memory agreement files (seconds).
-SHM_OPEN_S = 10.0
 
 
 class CollectiveError(RuntimeError):
@@ -57,7 +54,7 @@ class CollectiveError(RuntimeError):
         return (CollectiveError, (self.op, self.epoch, self.rank, self.detail))
 
 
-class GroupComm:
+class GroupComm(LocalChannels):
     """Communicators of one rank for one epoch; build with :meth:`init`.
 
     All ranks of the world must call the same collectives in the same order; a rank
@@ -92,6 +89,8 @@ class GroupComm:
         self.nccl = nccl  # CUDA tensors go over NCCL with our own deadline wait loop
         self.relay = False  # CUDA tensors go through host memory over gloo instead
         self._agreement: ShmAgreement | None = None  # world on one machine: shared memory
+        self.one_machine = False  # every rank of the world runs on this machine
+        self._tp_channel: ShmBroadcast | None = None  # the TP leader's plans (open_tp_channel)
         self._broken: str | None = None
         self._destroyed = False
         self._aborting: threading.Thread | None = None
@@ -153,31 +152,6 @@ class GroupComm:
         if hi != self.epoch or lo != self.epoch:
             self._broken = f"epoch mismatch: ranks joined with epochs in [{lo}, {hi}]"
             raise CollectiveError("init", self.epoch, self.rank, self._broken)
-
-    def _open_agreement(self) -> ShmAgreement | None:
-        """Shared-memory agreement when every rank of the world runs on this machine
-        (same boot id and host name, gathered over gloo) and every rank could map every
-        rank's file (decided together: a machine whose processes do not share
-        /dev/shm keeps gloo on every rank), else None."""
-        if self.world_size == 1:
-            return None
-        mine = torch.frombuffer(bytearray(_machine_id()), dtype=torch.int64)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._run("init", dist.all_gather, parts, mine)
-        if len({tuple(p.tolist()) for p in parts}) > 1:
-            return None
-        nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-        self.broadcast_world(nonce)
-        peers = ShmPeers(self.rank, self.world_size, f"{int(nonce):x}",
-                         min(self.deadline_s, SHM_OPEN_S))
-        try:
-            agreement: ShmAgreement | None = ShmAgreement(peers, self.deadline_s)
-        except (OSError, TimeoutError):
-            agreement = None
-        failed = torch.tensor([int(agreement is None)], dtype=torch.int64)
-        self._run("init", dist.all_reduce, failed, op=dist.ReduceOp.MAX)
-        peers.close()  # every rank has mapped every file, or gave up: the names can go
-        return agreement if not int(failed[0]) else None
 
     def _ranks_share_a_gpu(self) -> bool:
         """Whether two ranks of the world run on one GPU (same device UUID; every rank
@@ -374,16 +348,6 @@ class GroupComm:
         state = f"broken={self._broken!r}" if self._broken else "ok"
         return (f"GroupComm(rank={self.rank}, world={self.world_size}, tp={self.tp_size}, "
                 f"epoch={self.epoch}, deadline_s={self.deadline_s}, {state})")
-
-
-def _machine_id() -> bytes:
-    """16 bytes naming this machine (boot id and host name)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return hashlib.blake2b(f"{boot}/{socket.gethostname()}".encode(), digest_size=16).digest()
 
 
 def _through_host(fn: Callable[..., _R], args: Sequence[Any], kwargs: dict) -> _R:

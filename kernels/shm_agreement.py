@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from .peer_memory import ShmPeers
 
-__all__ = ["ShmAgreement"]
+__all__ = ["ShmAgreement", "spin_until"]
 
 SLOTS = 8
 _TAG_MOD = 1 << 31
@@ -45,6 +45,10 @@ class ShmAgreement:
         self._peers = peers  # owns the mappings the views read
         self._round = 0
 
+    def pid(self, rank: int) -> int:
+        """Rank `rank`'s process id as it published it (0 until then)."""
+        return int(self._pids[rank][0])
+
     def max(self, values: Sequence[int]) -> list[int]:
         """Every rank's `values`, element-wise maximum. TimeoutError when a rank does
         not publish within the deadline; ValueError for values out of range (raised
@@ -59,30 +63,42 @@ class ShmAgreement:
         parity, tag = self._round % 2, (self._round % _TAG_MOD) << 32
         self._slots[self.rank][parity, :n] = np.array(vals, dtype=np.int64) | tag
         out = np.array(vals, dtype=np.int64)
-        start = time.monotonic()
+        want = tag >> 32
         for q in range(self.world_size):
             if q == self.rank:
                 continue
-            slot, spins = self._slots[q][parity, :n], 0
-            while True:
+            slot, box = self._slots[q][parity, :n], []
+
+            def landed() -> bool:
                 words = slot.copy()
-                if np.all((words >> 32) == (tag >> 32)):
-                    break
-                spins += 1
-                if spins > _SPINS:  # a slow peer: give the core away, then poll less often
-                    waited = time.monotonic() - start
-                    if waited > self.deadline_s:
-                        raise TimeoutError(f"rank {q} did not join agreement {self._round} "
-                                           f"within {self.deadline_s} s")
-                    if spins % 256 == 0 and not _alive(int(self._pids[q][0])):
-                        raise RuntimeError(f"rank {q} (pid {int(self._pids[q][0])}) exited "
-                                           f"before agreement {self._round}")
-                    if waited < 5e-3:
-                        os.sched_yield()  # ranks may outnumber the cores
-                    else:
-                        time.sleep(5e-4)
-            np.maximum(out, words & _LOW, out=out)
+                if np.all((words >> 32) == want):
+                    box.append(words)
+                    return True
+                return False
+
+            spin_until(landed, self.deadline_s, self.pid(q), f"agreement {self._round}, rank {q}")
+            np.maximum(out, box[0] & _LOW, out=out)
         return out.tolist()
+
+
+def spin_until(ready: Callable[[], bool], deadline_s: float, pid: int, what: str) -> None:
+    """Poll `ready()` until it holds: busy at first, then yielding the core (ranks may
+    outnumber the cores), then sleeping. TimeoutError past `deadline_s`; RuntimeError
+    as soon as process `pid` (the awaited rank's; 0: unknown) is gone."""
+    start, spins = time.monotonic(), 0
+    while not ready():
+        spins += 1
+        if spins <= _SPINS:
+            continue
+        waited = time.monotonic() - start
+        if waited > deadline_s:
+            raise TimeoutError(f"{what}: not within {deadline_s} s")
+        if spins % 256 == 0 and not _alive(pid):
+            raise RuntimeError(f"{what}: process {pid} exited")
+        if waited < 5e-3:
+            os.sched_yield()
+        else:
+            time.sleep(5e-4)
 
 
 def _alive(pid: int) -> bool:

@@ -93,13 +93,14 @@ def test_values_it_cannot_carry_are_refused():
 def _group_agreement(rank: int, world: int, port: int, root: str) -> tuple:
     """A gloo world's agreement; with `root`, each rank's files in its own folder (a
     machine whose processes do not share /dev/shm)."""
-    import phalanx.kernels.comm as comm_mod
+    import phalanx.kernels.local_channels as channels
+    from phalanx.kernels.comm import GroupComm
     if root:
-        comm_mod.SHM_OPEN_S = 1.0
-        shm_peers = comm_mod.ShmPeers
-        comm_mod.ShmPeers = lambda *a, **k: shm_peers(*a, root=os.path.join(root, str(rank)), **k)
+        channels.SHM_OPEN_S = 1.0
+        shm_peers = channels.ShmPeers
+        channels.ShmPeers = lambda *a, **k: shm_peers(*a, root=os.path.join(root, str(rank)), **k)
         os.makedirs(os.path.join(root, str(rank)), exist_ok=True)
-    comm = comm_mod.GroupComm.init(rank, world, 1, f"tcp://127.0.0.1:{port}", 1, 20.0)
+    comm = GroupComm.init(rank, world, 1, f"tcp://127.0.0.1:{port}", 1, 20.0)
     try:
         return comm._agreement is not None, comm.all_reduce_world_max(rank, 7 - rank)
     finally:
