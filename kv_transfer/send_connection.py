@@ -115,14 +115,16 @@ class _SenderConn:
         self.broken = ""
         self.tasks: list[asyncio.Task] = []
 
-    def request(self, request_id: str, epoch: int, sent: _Sent, blocks: np.ndarray,
+    def request(self, seq: int, request_id: str, epoch: int, sent: _Sent, blocks: np.ndarray,
                 nbytes: int, direct: bool, cuts: np.ndarray, announce_ms: int = 0
                 ) -> m.TransferRequest:
-        """The control message of message `seq`'s blocks: a direct one says where each
-        block lands (no template); a staged one names its template (defined with its
-        first message on the connection)."""
+        """The control message of message `seq`'s blocks (the seq the caller took: the
+        connection's counter may have moved on since, e.g. by an announcement while the
+        caller waited for a staging buffer): a direct one says where each block lands
+        (no template); a staged one names its template (defined with its first message
+        on the connection)."""
         layers = blocks[:, 0]
-        head = (request_id, epoch, self.seq, int(layers.min()), int(layers.max()) + 1)
+        head = (request_id, epoch, seq, int(layers.min()), int(layers.max()) + 1)
         if direct:
             starts = sent.dst.start[blocks[:, 2]]  # a span starts where its first row does
             return m.TransferRequest(*head, -1, b"", m.encode_blocks(blocks), nbytes, True,
@@ -144,8 +146,8 @@ class _SenderConn:
             for i in range(0, len(run.nbytes), m.MAX_BLOCKS):
                 blocks, cuts = run.blocks[i:i + m.MAX_BLOCKS], run.nbytes[i:i + m.MAX_BLOCKS]
                 self.seq += 1
-                msg = self.request(request_id, epoch, run.sent, blocks, int(cuts.sum()),
-                                   True, cuts, max(1, round(wait_s * 1e3)))
+                msg = self.request(self.seq, request_id, epoch, run.sent, blocks,
+                                   int(cuts.sum()), True, cuts, max(1, round(wait_s * 1e3)))
                 self._ctrl(msg)
                 out.append(_Announced(self.seq, request_id, epoch, run.sent, blocks, cuts))
         return out

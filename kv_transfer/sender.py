@@ -256,8 +256,8 @@ class KVSender:
         gathered into a staging buffer unless it is read from the pools."""
         taken, sent, blocks, nbytes, direct, pooled = conn.next_message()
         tmpl = sent.tmpl
-        conn.seq += 1
-        conn.pending[conn.seq] = taken  # from here on `_break` fails them
+        seq = conn.seq = conn.seq + 1  # this message's: `announce` may take more meanwhile
+        conn.pending[seq] = taken  # from here on `_break` fails them
         ready = list({id(b): b.ready for b, _ in taken}.values())
         # pooled: the regions are made once the control message is on its way
         payload = (functools.partial(self._in_place, tmpl, blocks, True) if pooled
@@ -272,9 +272,9 @@ class KVSender:
             ends = np.cumsum(cuts).tolist() if direct else [nbytes]
             payload = [buf[a:b] for a, b in zip([0] + ends[:-1], ends)]
         batch = taken[0][0]
-        msg = conn.request(batch.request_id, batch.epoch, sent, blocks, nbytes, direct, cuts)
+        msg = conn.request(seq, batch.request_id, batch.epoch, sent, blocks, nbytes, direct, cuts)
         return functools.partial(self._post, conn, msg, buf, payload, ready,
-                                 direct_tag(conn.seq) if direct else TAG_PAYLOAD)
+                                 direct_tag(seq) if direct else TAG_PAYLOAD)
 
     async def _post(self, conn: _SenderConn, msg: Union[m.TransferRequest, m.Posted],
                     buf: Optional[torch.Tensor], payload: Union[list, Callable[[], list]],

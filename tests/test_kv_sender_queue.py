@@ -80,3 +80,37 @@ def test_messages_take_every_block_once_in_order_within_their_limits(case):
             assert (nxt[:4] != (req, tmpl, d, p) or len(blocks) == max_blocks
                     or (not pooled and total + nxt[4] > CAPACITY))
     assert got == list(range(len(order)))
+
+
+def test_a_message_keeps_its_seq_while_it_waits_for_a_staging_buffer():
+    """A staged message takes its seq, then may wait for a free staging buffer; an
+    announcement meanwhile (a `prepare` on the same connection) takes the next seqs. The
+    message's control request, its pending entry and its tag keep the seq it took (once
+    they read the connection's counter after the wait: its ack then matched another
+    message, was dropped, and the batch waited out its deadline)."""
+    from kv_cases import case_batches, side_pools
+
+    from phalanx.kv_transfer.sender import KVSender
+    from phalanx.kv_transfer.ucx_runtime import TAG_PAYLOAD
+
+    async def run():
+        tx = KVSender(side_pools("tp2_to_tp1", "src", 0, "noise"), rank=0, epoch=1)
+        hello = m.HelloAck(1, 0, True, 1 << 20, "", ())  # takes nothing in place: staged
+        conn = _SenderConn("peer", None, hello, staging=1, fail=lambda why: None)
+        copies = case_batches("tp2_to_tp1")[(0, 0)]
+        runs = tx._cutter.runs(conn, "r", copies)
+        batch = _Batch("r", 1, sum(len(r.nbytes) for r in runs), None)
+        conn.queue.extend((batch, run) for run in runs)
+        only = await conn.free.get()  # the one staging buffer is busy
+        waiting = asyncio.create_task(tx._message(conn))
+        await asyncio.sleep(0)
+        took = conn.seq
+        assert took in conn.pending and not waiting.done()
+        conn.seq += 3  # an announcement of three messages meanwhile
+        conn.free.put_nowait(only)
+        post = await waiting
+        msg, tag = post.args[1], post.args[5]
+        assert msg.seq == took and conn.pending[took][0][0] is batch, (msg.seq, took)
+        assert tag == TAG_PAYLOAD
+
+    asyncio.run(run())
