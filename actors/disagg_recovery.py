@@ -17,7 +17,7 @@ from __future__ import annotations
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from ..engine.rank_engine import RankFailure
+from ..engine.rank_spec import RankFailure
 from ..log import get_logger
 from .resume import resume_from
 from .supervisor import GroupFailure, settle

@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError
 from .supervisor import GroupFailure, GroupSupervisor, ensure_ray, settle
 from ..config import EngineConfig
 from ..engine.outputs import StepOutput
-from ..engine.rank_engine import RankFailure
+from ..engine.rank_spec import RankFailure
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from .held_reports import HeldReports

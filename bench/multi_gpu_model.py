@@ -21,7 +21,8 @@ from phalanx.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConf
                             SchedulerConfig)
 from phalanx.engine import plan as planmod
 from phalanx.engine.llm_engine import LLMEngine
-from phalanx.engine.rank_engine import RankEngine, RankSpec
+from phalanx.engine.rank_engine import RankEngine
+from phalanx.engine.rank_spec import RankSpec
 from phalanx.engine.sampling_params import SamplingParams
 from phalanx.models.qwen3_moe import CausalLM, DenseMLP, SparseMoE
 from phalanx.models.shard import ModelShard

@@ -59,7 +59,7 @@ def _rank_layout(rank: int, dev: torch.device, opts: dict, comm, tp: int, epoch:
     """This rank's engine in `comm`'s group with TP=`tp` (DP = group size / tp), driven
     in lockstep; DP > 1 places the experts over all the group's ranks (EP)."""
     from phalanx.engine.llm_engine import LLMEngine
-    from phalanx.engine.rank_engine import RankSpec, shard_for
+    from phalanx.engine.rank_spec import RankSpec, shard_for
     from phalanx.kernels.dispatch import EPDispatcher
     from phalanx.models.parallel import ExpertParallel
 

@@ -257,15 +257,15 @@ class ModelRunner:
         `graph_size`: replay that captured size (a decode batch that fits it); without
         it a decode batch replays the smallest size that fits, unless `auto_graphs` is
         off (a DP×EP group, whose ranks must replay alike: the group decides)."""
+        if (graph_size is None and self.auto_graphs and layer_done is None
+                and self.graphs is not None and inputs.decode_only
+                and self.graphs.fits(inputs.num_logits)):
+            graph_size = self.graphs.size_for(inputs.num_logits)
+        if graph_size is None:
+            return self._run_eager(inputs, layer_done)
         h = inputs.host
-        if graph_size is not None:
-            return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
-                                   h["seq_lens"], h["block_tables"], graph_size)
-        if (self.auto_graphs and layer_done is None and self.graphs is not None
-                and inputs.decode_only and self.graphs.fits(inputs.num_logits)):
-            return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
-                                   h["seq_lens"], h["block_tables"])
-        return self._run_eager(inputs, layer_done)
+        return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
+                               h["seq_lens"], h["block_tables"], graph_size)
 
     @staticmethod
     def sample(inputs: BatchInputs, logits: torch.Tensor) -> dict[str, int]:

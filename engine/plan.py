@@ -71,3 +71,40 @@ def inputs_of(header: torch.Tensor, payload: torch.Tensor, epoch: int) -> Option
             "block_tables": tables.to(torch.int32).reshape(s, p), "logits_indices": logits,
             "row_keys": keys}
     return BatchInputs(host, max_q, max_s, sampled=[])
+
+
+def share(comm, leader: bool, epoch: int, status: int, inputs: Optional[BatchInputs],
+          channel: bool) -> tuple[int, Optional[BatchInputs]]:
+    """The TP leader's plan to its followers (`comm`: a `GroupComm`; collective over its
+    TP group): (status, inputs) on every rank. `channel`: try the group's shared-memory
+    channel first (one message), else (or when the plan does not fit it) two gloo
+    broadcasts."""
+    header = header_of(status, epoch, inputs)
+    if channel:
+        shared = _share_words(comm, leader, epoch, header, inputs)
+        if shared is not None:
+            return shared
+    comm.broadcast_tp(header)
+    if leader:
+        if inputs is not None:
+            comm.broadcast_tp(payload_of(inputs))
+        return status, inputs
+    payload = torch.empty(payload_size(header), dtype=torch.int64)
+    if payload.numel():
+        comm.broadcast_tp(payload)
+    return int(header[0]), inputs_of(header, payload, epoch)
+
+
+def _share_words(comm, leader: bool, epoch: int, header: torch.Tensor,
+                 inputs: Optional[BatchInputs]):
+    """The plan as one message through the TP group's shared-memory channel:
+    (status, inputs), or None when it goes over gloo this round (too large)."""
+    if leader:
+        words = header if inputs is None else torch.cat([header, payload_of(inputs)])
+        sent = comm.share_tp(words.numpy())
+        return None if sent is None else (int(header[0]), inputs)
+    got = comm.share_tp(None)
+    if got is None:
+        return None
+    words = torch.from_numpy(got)
+    return int(words[0]), inputs_of(words[:HEADER_SIZE], words[HEADER_SIZE:], epoch)

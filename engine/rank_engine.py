@@ -20,75 +20,26 @@ import dataclasses
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
 
 import torch
 
-from ..config import EngineConfig
 from ..kernels.comm import GroupComm
-from ..kernels.dispatch import EPDispatcher, make_expert_placement
+from ..kernels.dispatch import EPDispatcher
 from ..kernels.peer_exchange import PeerExchange, open_moe_channels
 from ..log import get_logger
 from ..models.parallel import ExpertParallel
-from ..models.shard import ModelShard
 from . import plan as planmod
 from .group_graphs import GroupGraphs
 from .llm_engine import LLMEngine
 from .outputs import StepOutput
+from .rank_spec import RankFailure, RankSpec, shard_for
 from .sampling_params import SamplingParams
 
 log = get_logger(__name__)
 
 IDLE_SLEEP_MIN_S = 0.001
 IDLE_SLEEP_MAX_S = 0.02
-
-
-@dataclass(frozen=True, slots=True)
-class RankSpec:
-    """Where one rank sits in its group and how the group meets (per epoch)."""
-
-    rank: int
-    tp: int
-    dp: int
-    epoch: int
-    init_method: str  # rendezvous of this epoch, e.g. tcp://127.0.0.1:PORT
-    deadline_s: float
-    config: EngineConfig
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.dp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp
-
-
-class RankFailure(RuntimeError):
-    """This rank's loop ended on an error (a dead peer, a deadline, a bug)."""
-
-    def __init__(self, rank: int, epoch: int, message: str) -> None:
-        super().__init__(f"rank {rank} (epoch {epoch}): {message}")
-        self.rank, self.epoch, self.message = rank, epoch, message
-
-    def __reduce__(self):  # crosses Ray: rebuild from the fields, not from args
-        return (RankFailure, (self.rank, self.epoch, self.message))
-
-
-def shard_for(spec: RankSpec, num_experts: int) -> tuple[ModelShard, Optional[tuple]]:
-    """The rank's shard and, for DP×EP groups, the expert placement over all ranks."""
-    if num_experts == 0:
-        return ModelShard(spec.tp_rank, spec.tp), None
-    if spec.dp == 1:  # TP group: experts split over the TP ranks, all-reduce combine
-        _, _, experts = make_expert_placement(num_experts, spec.tp)
-        return ModelShard(spec.tp_rank, spec.tp, tuple(experts[spec.tp_rank])), None
-    placement = make_expert_placement(num_experts, spec.world_size)
-    return ModelShard(spec.tp_rank, spec.tp, tuple(placement[2][spec.rank])), placement
 
 
 class RankEngine:
@@ -389,34 +340,8 @@ class RankEngine:
         return status
 
     def _share_plan(self, status: int, inputs):
-        header = planmod.header_of(status, self.spec.epoch, inputs)
-        if self._plan_channel:
-            shared = self._share_plan_words(header, inputs)
-            if shared is not None:
-                return shared
-        self.comm.broadcast_tp(header)
-        if self.is_leader:
-            if inputs is not None:
-                self.comm.broadcast_tp(planmod.payload_of(inputs))
-            return status, inputs
-        payload = torch.empty(planmod.payload_size(header), dtype=torch.int64)
-        if payload.numel():
-            self.comm.broadcast_tp(payload)
-        return int(header[0]), planmod.inputs_of(header, payload, self.spec.epoch)
-
-    def _share_plan_words(self, header: torch.Tensor, inputs):
-        """The plan as one message through the TP group's shared-memory channel:
-        (status, inputs), or None when it goes over gloo this round (too large)."""
-        if self.is_leader:
-            words = header if inputs is None else torch.cat([header, planmod.payload_of(inputs)])
-            sent = self.comm.share_tp(words.numpy())
-            return None if sent is None else (int(header[0]), inputs)
-        got = self.comm.share_tp(None)
-        if got is None:
-            return None
-        words = torch.from_numpy(got)
-        header, payload = words[:planmod.HEADER_SIZE], words[planmod.HEADER_SIZE:]
-        return int(header[0]), planmod.inputs_of(header, payload, self.spec.epoch)
+        return planmod.share(self.comm, self.is_leader, self.spec.epoch, status, inputs,
+                             self._plan_channel)
 
     def _finish(self, batch, inputs, logits) -> None:
         outputs = self.engine.step_outputs(batch, self.engine.runner.sample(inputs, logits))

@@ -157,10 +157,7 @@ class GroupComm(LocalChannels):
         """Whether two ranks of the world run on one GPU (same device UUID; every rank
         sees every UUID, so all decide alike)."""
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        mine = torch.frombuffer(bytearray(uuid.UUID(str(props.uuid)).bytes), dtype=torch.int64)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._run("init", dist.all_gather, parts, mine)
-        return len({tuple(p.tolist()) for p in parts}) < self.world_size
+        return self._distinct_ids(uuid.UUID(str(props.uuid)).bytes) < self.world_size
 
     def _connect_nccl(self) -> None:
         """Set up the epoch's NCCL communicators now, under the connect deadline: NCCL

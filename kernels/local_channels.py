@@ -41,10 +41,7 @@ class LocalChannels:
         /dev/shm keeps gloo on every rank), else None."""
         if self.world_size == 1:
             return None
-        mine = torch.frombuffer(bytearray(_machine_id()), dtype=torch.int64)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._run("init", dist.all_gather, parts, mine)
-        if len({tuple(p.tolist()) for p in parts}) > 1:
+        if self._distinct_ids(_machine_id()) > 1:
             return None
         self.one_machine = True
         nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
@@ -53,6 +50,14 @@ class LocalChannels:
             ShmPeers(self.rank, self.world_size, f"{int(nonce):x}",
                      min(self.deadline_s, SHM_OPEN_S)),
             lambda peers: ShmAgreement(peers, self.deadline_s), None)
+
+    def _distinct_ids(self, raw: bytes) -> int:
+        """How many distinct 16-byte ids the world's ranks hold (each passes its own;
+        gathered over gloo, so every rank gets the same answer)."""
+        mine = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run("init", dist.all_gather, parts, mine)
+        return len({tuple(p.tolist()) for p in parts})
 
     def _shm_together(self, peers: ShmPeers, make: Callable[[ShmPeers], _R],
                       group: Any) -> _R | None:

@@ -42,7 +42,6 @@ class ShmBroadcast:
         peers.alloc(name, 1 + capacity, torch.int64)
         self._words = peers.views(name)[root].numpy()
         self._barrier = ShmAgreement(peers, deadline_s, name=f"{name}.barrier")
-        self._root_pid = lambda: self._barrier.pid(root)
         self._peers = peers  # owns the mappings the views read
         self._round = 0
 
@@ -69,8 +68,8 @@ class ShmBroadcast:
         self._round += 1
         want = self._round % _TAG_MOD
         what = f"broadcast {self._round} from rank {self.root}"
-        spin_until(lambda: (int(self._words[0]) >> 32) == want, self.deadline_s,
-                   self._root_pid(), what)
+        root_pid = self._barrier.pid(self.root)
+        spin_until(lambda: (int(self._words[0]) >> 32) == want, self.deadline_s, root_pid, what)
         n = int(self._words[0]) & _LOW
         out = None
         if n != ELSEWHERE:
@@ -83,7 +82,7 @@ class ShmBroadcast:
                     return True
                 return False
 
-            spin_until(landed, self.deadline_s, self._root_pid(), what)
+            spin_until(landed, self.deadline_s, root_pid, what)
             out = box[0]
         self._barrier.max([0])
         return out

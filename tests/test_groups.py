@@ -17,7 +17,7 @@ from phalanx.actors.rank_actor import RankActor
 from phalanx.actors.supervisor import GroupFailure, GroupSupervisor
 from phalanx.kernels.comm import CollectiveError
 from phalanx.llm import engine_config
-from phalanx.engine.rank_engine import RankSpec, shard_for
+from phalanx.engine.rank_spec import RankSpec, shard_for
 from phalanx.models.loader import read_model_config
 from phalanx.models.qwen3_moe import CausalLM
 

@@ -9,7 +9,8 @@ import pytest
 
 from phalanx import LLM, SamplingParams
 from phalanx.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from phalanx.engine.rank_engine import RankEngine, RankSpec
+from phalanx.engine.rank_engine import RankEngine
+from phalanx.engine.rank_spec import RankSpec
 from phalanx.models.loader import read_model_config
 
 
