@@ -152,9 +152,14 @@ class CacheConfig:
     # KV transport (disaggregated layout): a span of the receiver's pages at least this
     # large moves in place, pool to pool; smaller pieces go through staging buffers
     kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
+    # device memory kept out of the KV pool for the KV transport's staging buffers; 0: the
+    # disaggregated layout reserves each role's worst case (kv_transfer.staging_memory)
+    kv_staging_bytes: int = 0
 
     def __post_init__(self) -> None:
         _require(self.page_size > 0, "page_size", f"must be positive, got {self.page_size}")
+        _require(isinstance(self.kv_staging_bytes, int) and self.kv_staging_bytes >= 0,
+                 "kv_staging_bytes", f"must be an integer >= 0, got {self.kv_staging_bytes!r}")
         _require(isinstance(self.kv_in_place_min_bytes, int) and self.kv_in_place_min_bytes > 0,
                  "kv_in_place_min_bytes", f"must be a positive integer, got "
                  f"{self.kv_in_place_min_bytes!r}")

@@ -15,18 +15,9 @@ from typing import Optional
 
 import ray
 
+from ..kv_transfer.staging_memory import message_bytes
 from ..kv_transfer.transport import BlockingKVReceiver
 from .kv_rank import TRANSFER_EPOCH, KVRank
-
-
-# Largest staged KV message a receiver takes; three are kept posted per connection once
-# it carries a staged message (re-cut heads, scattered pages: staging memory 3 × this
-# on each side; a connection whose KV lands in place holds none). On GPU a staged
-# message costs ~0.4-0.5 ms of host per side, and the wire ~0.38 ms per 128 MiB: 2×H200,
-# 32k tokens, scattered pages, best of 5: 128 MiB 0.44-0.53 of raw, 256 MiB 0.61-0.70
-# (bench/NOTES.md v9).
-CPU_MESSAGE_BYTES = 32 << 20
-GPU_MESSAGE_BYTES = 256 << 20
 
 
 class DecodeRank(KVRank):
@@ -42,7 +33,7 @@ class DecodeRank(KVRank):
         self._receiver = BlockingKVReceiver(
             self._transport, self.engine.runner.caches, rank=s.tp_rank, epoch=TRANSFER_EPOCH,
             host=ray.util.get_node_ip_address(), timeout_s=s.deadline_s, gated=True,
-            max_payload_bytes=GPU_MESSAGE_BYTES if self.engine.device.type == "cuda" else CPU_MESSAGE_BYTES)
+            max_payload_bytes=message_bytes(self.engine.device.type))
         info["kv_address"] = tuple(self._receiver.start())
         info["kv_layout"] = self.layout
         return info

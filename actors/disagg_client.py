@@ -14,6 +14,7 @@ re-formed too and its requests resume from prompt + the tokens already delivered
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections import deque
@@ -25,6 +26,7 @@ import ray
 from ..config import DisaggConfig, EngineConfig
 from ..engine.outputs import StepOutput
 from ..engine.sampling_params import SamplingParams
+from ..kv_transfer.staging_memory import staging_bytes
 from ..log import get_logger
 from .decode_rank import RemoteDecodeRank
 from .disagg_recovery import ACTOR_ERRORS, DecodeLost, DisaggRecovery
@@ -58,12 +60,25 @@ class _Request:
     base: int = 0  # output index of this run's first token (> 0 after a resume)
 
 
+def with_staging(config: EngineConfig, connections: int) -> EngineConfig:
+    """`config` whose KV pool leaves room for the staging buffers of a rank holding
+    `connections` KV connections (a prefill rank: one per decode rank; a decode rank: one
+    per prefill rank), unless `kv_staging_bytes` was given."""
+    if config.cache.kv_staging_bytes:
+        return config
+    cache = dataclasses.replace(config.cache,
+                                kv_staging_bytes=staging_bytes(connections, config.device))
+    return dataclasses.replace(config, cache=cache)
+
+
 class DisaggClient(DisaggRecovery):
     """Submit / poll / abort over a disaggregated deployment; `close()` stops it."""
 
     def __init__(self, prefill_config: EngineConfig, decode_config: EngineConfig,
                  layout: DisaggConfig, deadline_s: float, ray_address: Optional[str] = None) -> None:
         world = layout.prefill_tp * layout.prefill_instances + layout.decode_dp * layout.decode_tp
+        prefill_config = with_staging(prefill_config, layout.decode_dp * layout.decode_tp)
+        decode_config = with_staging(decode_config, layout.prefill_tp * layout.prefill_instances)
         ensure_ray(num_cpus=max(8, 2 * world), address=ray_address)
         self.layout, self.config = layout, decode_config
         self.decode = GroupSupervisor(decode_config, layout.decode_tp, layout.decode_dp,

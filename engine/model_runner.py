@@ -47,17 +47,27 @@ ACTIVATION_RESERVE = 4 << 30  # bytes kept free for activations and CUDA graph p
 
 def num_pages_for_memory(model: CausalLM, cache: CacheConfig, dtype: torch.dtype,
                          device: torch.device) -> int:
-    """Pages that fit in `gpu_memory_utilization` of the device once the weights are in."""
+    """Pages that fit in `gpu_memory_utilization` of the device once the weights are in,
+    the activations' reserve and the KV transport's staging (`kv_staging_bytes`) kept out."""
     if device.type != "cuda":
         return CPU_DEFAULT_PAGES
     torch.cuda.empty_cache()  # blocks cached by the allocator count as free here
     free, total = torch.cuda.mem_get_info(device)
-    budget = total * cache.gpu_memory_utilization - (total - free) - ACTIVATION_RESERVE
     per_page = sum(2 * l.attn.num_kv_heads * cache.page_size * l.attn.head_dim for l in model.layers)
-    pages = int(budget // (per_page * dtype.itemsize))
+    return pages_within(total * cache.gpu_memory_utilization - (total - free), cache,
+                        per_page * dtype.itemsize, free, total)
+
+
+def pages_within(budget: float, cache: CacheConfig, page_bytes: int, free: int, total: int) -> int:
+    """KV pages in `budget` bytes (the device's share for this rank less what is in use)
+    once the activations' reserve and the staging buffers are set aside."""
+    pages = int((budget - ACTIVATION_RESERVE - cache.kv_staging_bytes) // page_bytes)
     if pages <= 0:
+        staging = (f" and {cache.kv_staging_bytes / 2**30:.1f} GiB for KV staging"
+                   if cache.kv_staging_bytes else "")
         raise ValueError(f"gpu_memory_utilization: {cache.gpu_memory_utilization} leaves no room "
-                         f"for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f})")
+                         f"for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f}, "
+                         f"{ACTIVATION_RESERVE / 2**30:.0f} GiB kept for activations{staging})")
     return pages
 
 

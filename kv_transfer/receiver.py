@@ -20,6 +20,7 @@ from .packed_table import unpack_table
 from .direct_landing import DirectLanding
 from .receive_connection import _RecvConn
 from .staging import _Pools, _Template
+from .staging_memory import STAGING_BUFFERS
 from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_all,
                           _reason, _ucx_buf, ensure_ucx, progress_mode_for)
 
@@ -55,7 +56,7 @@ class KVReceiver(DirectLanding):
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
                  epoch: int, host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 10.0, staging_buffers: int = 3,
+                 timeout_s: float = 10.0, staging_buffers: int = STAGING_BUFFERS,
                  max_payload_bytes: int = 32 << 20, progress_mode: Optional[str] = None,
                  on_landed: Optional[Callable[[str, range, int], None]] = None,
                  gated: bool = False, direct: bool = True) -> None:

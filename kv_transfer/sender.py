@@ -21,6 +21,7 @@ from .errors import TransferError
 from .part_cutter import Copies, PartCutter
 from .send_connection import _Announced, _Batch, _Prepared, _SenderConn
 from .staging import _Pools, _Template
+from .staging_memory import STAGING_BUFFERS
 from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_all,
                           _reason, _recv_msg, _send_msg, _ucx_buf, direct_tag,
                           ensure_ucx, progress_mode_for)
@@ -53,7 +54,7 @@ class KVSender:
 
     def __init__(self, pools: Sequence[tuple[torch.Tensor, torch.Tensor]], *, rank: int,
                  epoch: int, timeout_s: float = 10.0, connect_timeout_s: float = 5.0,
-                 staging_buffers: int = 3, progress_mode: Optional[str] = None,
+                 staging_buffers: int = STAGING_BUFFERS, progress_mode: Optional[str] = None,
                  announce: bool = True, in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
                  ) -> None:
         self._pools = _Pools(pools)

@@ -252,8 +252,8 @@ class _Pools:
     def scatter(self, tmpl: "_Template", blocks: np.ndarray, payload: torch.Tensor
                 ) -> tuple[dict[int, int], Optional["torch.cuda.Event"]]:
         """Payload into the destination slots of `blocks`: (token slots written per layer,
-        event). CPU: done on return, through numpy (row assignment runs ~7x faster than
-        torch's index_copy_), event None. CUDA: queued on the copy stream; the slots hold
+        event). CPU: done on return, through numpy (one thread; its row assignment ran
+        1.6x torch's one-thread index_copy_ for 4 KiB rows, ~0.8 of memcpy), event None. CUDA: queued on the copy stream; the slots hold
         their values and `payload` may be reused once the event has happened."""
         as_int = _INT_OF_SIZE[self.row_bytes // self.head_dim]
         with self._on_copy_stream():
