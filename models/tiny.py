@@ -227,8 +227,13 @@ def _mlp_shapes(cfg: dict, prefix: str, moe: bool) -> dict[str, tuple[int, ...]]
 
 
 def _draw(name: str, shape: tuple[int, ...], gen: torch.Generator, lm_head_scale: float) -> torch.Tensor:
-    """One tensor, scaled so activations stay O(1) through the network."""
-    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    return scale_noise(name, torch.randn(shape, generator=gen, dtype=torch.float32), lm_head_scale)
+
+
+def scale_noise(name: str, noise: torch.Tensor, lm_head_scale: float = 4.0) -> torch.Tensor:
+    """Checkpoint tensor `name` from standard normal `noise` of its shape, scaled so
+    activations stay O(1) through the network."""
+    shape = noise.shape
     if name.endswith("norm.weight"):
         return 1.0 + 0.05 * noise
     if name.endswith(".bias"):

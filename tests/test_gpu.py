@@ -70,3 +70,47 @@ def test_small_batch_after_larger_graphs_keeps_its_tokens(tiny_model):
     llm.generate(prompt_token_ids=others, sampling_params=params)
     again = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
     assert again == alone
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_model_shaped_prefill_kernels_launch_in_every_dtype(dtype):
+    """Prefill attention (head_dim 128 and 256, queries longer than a tile, a cached
+    prefix) and the fused experts (hidden 2048, 768 wide, 512 tokens) at real model sizes:
+    float32 tiles sized for bfloat16 asked the H200 for 256 KiB of shared memory and did
+    not launch. Fresh random inputs; relative error against the torch references."""
+    from phalanx.kernels.attention import (AttentionMetadata, prefill_attention,
+                                           prefill_attention_ref)
+    from phalanx.kernels.moe import fused_experts, fused_experts_ref, route
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    dev, tol = torch.device("cuda"), (1e-4 if dtype == torch.float32 else 3e-2)
+    for hd, page in [(128, 16), (256, 16)]:
+        specs = [(200, 0), (130, 70), (1, 33)]  # (new tokens, cached prefix)
+        lens = [n + c for n, c in specs]
+        per_seq = max(-(-n // page) for n in lens)
+        pages = len(lens) * per_seq
+        kc = torch.randn(pages, 2, page, hd, generator=g, device=dev).to(dtype)
+        vc = torch.randn(pages, 2, page, hd, generator=g, device=dev).to(dtype)
+        tables = torch.randperm(pages, generator=g, device=dev).view(len(lens), per_seq).int()
+        starts = [0]
+        for n, _ in specs:
+            starts.append(starts[-1] + n)
+        q = torch.randn(starts[-1], 8, hd, generator=g, device=dev).to(dtype)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_tables=tables,
+            slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=dev),
+            max_query_len=max(n for n, _ in specs), max_seq_len=max(lens))
+        err = _rel(prefill_attention(q, kc, vc, meta, hd ** -0.5),
+                   prefill_attention_ref(q, kc, vc, meta, hd ** -0.5))
+        assert err < tol, (hd, err)
+    x = torch.randn(512, 2048, generator=g, device=dev).to(dtype)
+    weights, ids = route(torch.randn(512, 16, generator=g, device=dev), 8, True, dtype)
+    w13 = (torch.randn(16, 2 * 768, 2048, generator=g, device=dev) / 2048 ** 0.5).to(dtype)
+    w2 = (torch.randn(16, 2048, 768, generator=g, device=dev) / 768 ** 0.5).to(dtype)
+    err = _rel(fused_experts(x, weights, ids, w13, w2), fused_experts_ref(x, weights, ids, w13, w2))
+    assert err < tol, err

@@ -332,14 +332,24 @@ def _prefill_kernel(
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, warps=8, stages=2)
 
 
-def _prefill_config(max_query_len: int, head_dim: int) -> dict:
+# Shared memory the prefill kernel's pipelined K and V tiles may take (stages x 2 x
+# BLOCK_N x BLOCK_D x element size): H100/H200 give a block 227 KiB; float32 tiles of
+# 128 x 128 in 2 stages asked for 256 KiB there and did not launch.
+PREFILL_KV_SMEM = 128 << 10
+
+
+def _prefill_config(max_query_len: int, head_dim: int, itemsize: int = 2) -> dict:
     if max_query_len <= 16:  # decode-like rows (mixed batches): small query tiles
-        return dict(BLOCK_M=16, BLOCK_N=64 if head_dim <= 128 else 32, warps=4, stages=2)
-    if max_query_len <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64 if head_dim <= 128 else 32, warps=4, stages=2)
-    cfg = dict(PREFILL_CONFIG)
-    if head_dim > 128:
-        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 32)
+        cfg = dict(BLOCK_M=16, BLOCK_N=64 if head_dim <= 128 else 32, warps=4, stages=2)
+    elif max_query_len <= 64:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64 if head_dim <= 128 else 32, warps=4, stages=2)
+    else:
+        cfg = dict(PREFILL_CONFIG)
+        if head_dim > 128:
+            cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 32)
+    tile = 2 * cfg["stages"] * triton.next_power_of_2(head_dim) * itemsize  # per KV row
+    while cfg["BLOCK_N"] > 16 and cfg["BLOCK_N"] * tile > PREFILL_KV_SMEM:
+        cfg["BLOCK_N"] //= 2
     return cfg
 
 
@@ -355,7 +365,7 @@ def prefill_attention_triton(q, k_cache, v_cache, meta, scale: float) -> torch.T
     S = meta.seq_lens.shape[0]
     if T == 0 or S == 0 or meta.max_query_len == 0:
         return out
-    cfg = _prefill_config(meta.max_query_len, D)
+    cfg = _prefill_config(meta.max_query_len, D, k_cache.element_size())
     block_m = cfg["BLOCK_M"]
     grid = (triton.cdiv(meta.max_query_len, block_m), H, S)
     _prefill_kernel[grid](
