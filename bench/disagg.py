@@ -230,6 +230,7 @@ def run_disagg(model_dir: str, args, prompts, reference: dict, bytes_per_token: 
             result["check"][dtype] = compare(got, reference[dtype])
             if n:
                 continue
+            result["gpus"] = _placement(client)
             for batch in args.batches:
                 load = make_prompts(batch * args.decode_dp, args.ctx, args.ctx,
                                     args.vocab, args.seed + batch)
@@ -251,6 +252,13 @@ def run_disagg(model_dir: str, args, prompts, reference: dict, bytes_per_token: 
         finally:
             llm.close()
     return result
+
+
+def _placement(client) -> dict:
+    """The GPU of each rank (None on CPU), decode group and prefill instances."""
+    import ray
+    return {"decode": ray.get([a.gpu_index.remote() for a in client.decode.actors]),
+            "prefill": [ray.get([a.gpu_index.remote() for a in g.actors]) for g in client.prefill]}
 
 
 def _transfer_stats(client) -> dict:
@@ -294,6 +302,12 @@ def print_report(result: dict) -> bool:
     print(f"\ndisaggregated: prefill TP{a['prefill_tp']} x {a['prefill_instances']} -> decode "
           f"DP{a['decode_dp']} x EP{a['decode_dp']} ({a['ep_exchange']}), {a['layers']} layers"
           f"{', GPUs shared (times are no figures)' if a['share_gpus'] else ''}")
+    gpus = result.get("gpus")
+    if gpus and gpus["decode"][0] is not None:
+        print(f"GPUs: decode ranks {gpus['decode']}, prefill instances {gpus['prefill']}")
+        if len(set(gpus["decode"])) < len(gpus["decode"]):
+            print("  decode ranks share GPUs: their collectives relay through host memory, "
+                  "so the decode figures are not those of DP x EP on separate GPUs")
     ok = True
     for dtype, c in result.get("check", {}).items():
         must = dtype == a["check_pass_dtype"]

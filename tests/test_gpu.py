@@ -77,12 +77,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_model_shaped_prefill_kernels_launch_in_every_dtype(dtype):
+def test_model_shaped_kernels_launch_in_every_dtype(dtype):
     """Prefill attention (head_dim 128 and 256, queries longer than a tile, a cached
-    prefix) and the fused experts (hidden 2048, 768 wide, 512 tokens) at real model sizes:
+    prefix), decode attention over the same caches and the fused experts (hidden 2048,
+    768 wide; 512 tokens and a decode-sized 3) at real model sizes:
     float32 tiles sized for bfloat16 asked the H200 for 256 KiB of shared memory and did
     not launch. Fresh random inputs; relative error against the torch references."""
-    from phalanx.kernels.attention import (AttentionMetadata, prefill_attention,
+    from phalanx.kernels.attention import (AttentionMetadata, decode_attention,
+                                           decode_attention_ref, prefill_attention,
                                            prefill_attention_ref)
     from phalanx.kernels.moe import fused_experts, fused_experts_ref, route
 
@@ -108,9 +110,16 @@ def test_model_shaped_prefill_kernels_launch_in_every_dtype(dtype):
         err = _rel(prefill_attention(q, kc, vc, meta, hd ** -0.5),
                    prefill_attention_ref(q, kc, vc, meta, hd ** -0.5))
         assert err < tol, (hd, err)
-    x = torch.randn(512, 2048, generator=g, device=dev).to(dtype)
-    weights, ids = route(torch.randn(512, 16, generator=g, device=dev), 8, True, dtype)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        q1 = torch.randn(len(lens), 8, hd, generator=g, device=dev).to(dtype)
+        err = _rel(decode_attention(q1, kc, vc, seq_lens, tables, hd ** -0.5),
+                   decode_attention_ref(q1, kc, vc, seq_lens, tables, hd ** -0.5))
+        assert err < tol, ("decode", hd, err)
     w13 = (torch.randn(16, 2 * 768, 2048, generator=g, device=dev) / 2048 ** 0.5).to(dtype)
     w2 = (torch.randn(16, 2048, 768, generator=g, device=dev) / 768 ** 0.5).to(dtype)
-    err = _rel(fused_experts(x, weights, ids, w13, w2), fused_experts_ref(x, weights, ids, w13, w2))
-    assert err < tol, err
+    for tokens in (512, 3):  # the general path and the small-batch decode path
+        x = torch.randn(tokens, 2048, generator=g, device=dev).to(dtype)
+        weights, ids = route(torch.randn(tokens, 16, generator=g, device=dev), 8, True, dtype)
+        err = _rel(fused_experts(x, weights, ids, w13, w2),
+                   fused_experts_ref(x, weights, ids, w13, w2))
+        assert err < tol, (tokens, err)
