@@ -219,9 +219,11 @@ def run_disagg(model_dir: str, args, prompts, reference: dict, bytes_per_token: 
     from phalanx import LLM, SamplingParams
     result = {"check": {}, "load": {}}
     for n, dtype in enumerate(args.check_dtypes):
+        t = time.monotonic()
         llm = LLM(model_dir, prefill_tp=args.prefill_tp, decode_dp=args.decode_dp,
                   prefill_instances=args.prefill_instances, ep_exchange=args.ep_exchange,
                   collective_timeout_s=args.deadline_s, **engine_kwargs(args, dtype))
+        print(f"layout formed ({dtype}): {time.monotonic() - t:.1f} s", flush=True)
         try:
             client = llm.group
             runs, _ = drive(client.submit, client.poll,
