@@ -7,7 +7,9 @@ batches acked) → finished. Each prefill attempt has its own transfer id. If a 
 instance fails (a rank dies mid-transfer), its requests are abandoned cleanly (gates
 closed before their decode pages are given back), the instance is re-formed under a new
 epoch, and the requests are prefilled again: greedy or seeded sampling gives the same
-first token, which the caller has at most once. If the decode group loses a rank, it is
+first token, which the caller has at most once. A request aborted while prefilling is
+taken apart the same way, in stages that the polls move on (`abort_cleanup`), so `abort`
+never waits on a rank. If the decode group loses a rank, it is
 re-formed too and its requests resume from prompt + the tokens already delivered
 (`disagg_recovery`); every output carries its index, so the caller sees each token once.
 """
@@ -28,6 +30,7 @@ from ..engine.outputs import StepOutput
 from ..engine.sampling_params import SamplingParams
 from ..kv_transfer.staging_memory import staging_bytes
 from ..log import get_logger
+from .abort_cleanup import AbortCleanup
 from .decode_rank import RemoteDecodeRank
 from .disagg_recovery import ACTOR_ERRORS, DecodeLost, DisaggRecovery
 from .group_client import VIEW_TIMEOUT_S, actor_nodes
@@ -104,6 +107,7 @@ class DisaggClient(DisaggRecovery):
         self._seeds = random.Random(decode_config.seed)
         self._arrivals = itertools.count()
         self._held = HeldReports()
+        self._aborting: dict[str, AbortCleanup] = {}  # aborted while prefilling, by id
         self.recoveries = 0  # prefill instances replaced
         self.decode_recoveries = 0  # decode groups replaced
 
@@ -121,6 +125,8 @@ class DisaggClient(DisaggRecovery):
     def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams) -> None:
         if request_id in self._reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if request_id in self._aborting:
+            raise ValueError(f"request_id {request_id!r} is still being aborted")
         tokens = list(tokens)
         try:
             self._validate(tokens, params)
@@ -143,8 +149,8 @@ class DisaggClient(DisaggRecovery):
             return
         if req.state == "queued":
             self._queue.remove(request_id)
-        elif req.state == "prefill":
-            self._abandon(req, instance_alive=True)
+        elif req.state == "prefill":  # taken apart by the polls: never waits on a rank
+            self._aborting[request_id] = self._abort_cleanup(req)
         else:
             self.decode.leaders[req.dp_rank].abort.remote(request_id)
 
@@ -197,6 +203,10 @@ class DisaggClient(DisaggRecovery):
     # -- outputs ---------------------------------------------------------------------
     def poll(self) -> list[StepOutput]:
         """Tokens of any request since the last poll, waiting at most ~`POLL_S`."""
+        try:
+            self._advance_aborts()
+        except DecodeLost as e:  # recovered: the requests are queued again
+            log.warning("decode_group_replaced", epoch=self.decode.epoch, error=str(e))
         self._pump()
         self._issue_polls()
         ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=2 * POLL_S)
@@ -320,7 +330,7 @@ class DisaggClient(DisaggRecovery):
         TimeoutError."""
         decode = self._decode_view("stats")
         return {"decode": decode, "prefill": self._prefill_view("stats", {}),
-                "queued": len(self._queue),
+                "queued": len(self._queue), "aborting": len(self._aborting),
                 "recoveries": self.recoveries + self.decode_recoveries}
 
     def held_prefixes(self) -> dict:
@@ -372,6 +382,7 @@ class DisaggClient(DisaggRecovery):
                 "prefill": [actor_nodes(g.actors) for g in self.prefill]}
 
     def close(self) -> None:
+        self._aborting.clear()  # their groups go now
         for group in [self.decode, *self.prefill]:
             if group.actors:
                 group.shutdown()

@@ -10,6 +10,8 @@ under a new epoch, and every request it held goes back to the queue.
   caller already has, on the re-formed group: sampling is seeded per (request, position),
   so the continuation is the one the lost group would have produced, and the output
   index of each new token continues where the caller stopped.
+- A request aborted while prefilling goes through a prefill failure's stages without the
+  requeue, moved on by the polls (`_abort_cleanup`, `_advance_aborts`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from ..engine.rank_spec import RankFailure
 from ..log import get_logger
+from .abort_cleanup import AbortCleanup, Stage
 from .resume import resume_from
 from .supervisor import GroupFailure, settle
 
 log = get_logger(__name__)
 
 ACTOR_ERRORS = (RankFailure, RayActorError)
+
+
+def _running(refs: list) -> list:
+    """The refs whose calls have not returned yet."""
+    return ray.wait(refs, num_returns=len(refs), timeout=0)[1]
 
 
 class DecodeLost(RuntimeError):
@@ -59,6 +67,45 @@ class DisaggRecovery:
         if instance_alive:
             self.prefill[req.instance].leaders[0].abort.remote(req.request_id)
         self._requeue(req)
+
+    def _abort_cleanup(self, req) -> AbortCleanup:
+        """`_abandon`'s stages for an aborted attempt, the first one issued now."""
+        group, ranks = self.prefill[req.instance], self._decode_ranks(req.dp_rank)
+        leader = self.decode.leaders[req.dp_rank]
+
+        def release() -> list:
+            group.leaders[0].abort.remote(req.request_id)
+            return [leader.unreserve.remote(req.request_id)]
+
+        return AbortCleanup(req.request_id, self.decode.epoch, [
+            Stage("forget", lambda: [a.forget.remote(req.key) for a in group.actors],
+                  group.deadline_s),
+            Stage("gates", lambda: [r.close_gate.remote(req.transfer_id) for r in ranks], None),
+            Stage("pages", release, None)])
+
+    def _advance_aborts(self) -> None:
+        """Move every abort's cleanup on; a stage's failed decode call replaces the
+        decode group (`DecodeLost`), which ends the cleanups of its epoch: its pages and
+        gates went with it."""
+        for rid, cleanup in list(self._aborting.items()):
+            if cleanup.epoch != self.decode.epoch:
+                del self._aborting[rid]
+                continue
+            for name, handles, late in cleanup.advance(_running):
+                running = set(_running(handles)) if late else set()
+                done = [h for h in handles if h not in running]
+                if name == "forget":
+                    error = "no answer within the deadline" if late else ""
+                    try:
+                        ray.get(done)
+                    except ACTOR_ERRORS as e:  # the next poll replaces the instance
+                        error = str(e)[:200]
+                    if error:
+                        log.warning("prefill_forget_failed", request_id=rid, error=error)
+                else:
+                    self._decode_call(lambda: ray.get(done))
+            if cleanup.done:
+                del self._aborting[rid]
 
     def _stop_streaming(self, req) -> None:
         """Every rank of `req`'s prefill instance forgets its stream; returns once they

@@ -217,7 +217,7 @@ def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_mo
     message is withdrawn (the decode rank's posted receives complete empty) and closing
     the decode gate does not wait for the stalled step; nothing of it lands, both sides
     free every page, no connection breaks, and the oracle's prompts then run with the
-    same tokens."""
+    same tokens. The abort itself waits on no rank: the polls take the attempt apart."""
     prompts, expected = oracle
     long = make_prompts(2048, seed=7)[11]  # 255 tokens: several prefill steps
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -233,6 +233,12 @@ def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_mo
             assert time.monotonic() < deadline, "the step announced nothing"
             time.sleep(0.05)
         client.abort("long")
+        # abort() waited on no rank: the decode pages stay reserved, and the id taken,
+        # until the polls have closed the gate (once the prefill rank forgot the stream)
+        assert ray.get(client.decode.leaders[0].stats.remote())["kv_usage"] > 0
+        assert client.leader_stats()["aborting"] == 1
+        with pytest.raises(ValueError, match="still being aborted"):
+            client.submit("long", long, params)
         deadline = time.monotonic() + 20  # the decode rank counts them as they come
         while (kv := ray.get(receiver.kv_stats.remote()))["withdrawn"] < kv["announced"]:
             assert time.monotonic() < deadline and kv["messages"] == 0, kv
@@ -240,6 +246,10 @@ def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_mo
         assert kv["messages"] == 0, kv  # nothing of the stalled step was sent
         announced = kv["announced"]
         _wait_until_no_page_is_held(client)  # once the stalled step has ended
+        deadline = time.monotonic() + 20
+        while client.leader_stats()["aborting"]:  # the polls see its last stage return
+            assert time.monotonic() < deadline, "the abort's cleanup never ended"
+            client.poll()
         assert _generate(llm, prompts) == expected
         kv = ray.get(receiver.kv_stats.remote())
         assert kv["conn_lost"] == 0 and kv["withdrawn"] == announced, kv
