@@ -38,39 +38,61 @@ class DecodeRank(KVRank):
         info["kv_layout"] = self.layout
         return info
 
-    def validate(self, prompt_token_ids: list[int], params) -> None:
-        """ValueError naming what is wrong with a request (before any work)."""
-        self.engine._validate_prompt(prompt_token_ids, params)
-
     def open_gate(self, transfer_id: str) -> None:
         self._receiver.expect(transfer_id)
 
     def close_gate(self, transfer_id: str) -> None:
         self._receiver.release(transfer_id)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int]
-                ) -> Optional[tuple[list[int], int]]:
-        """Decode pages for a prompt's KV (DP leader) and the prompt tokens they already
-        hold (a cached prefix: only the rest is streamed); None when there is no room now."""
-        return self.run_on_loop(lambda engine: engine.reserve(request_id, prompt_token_ids))
+    def reserve_many(self, items: list[tuple[str, list[int]]]
+                     ) -> list[Optional[tuple[list[int], int]]]:
+        """Decode pages for prompts' KV (DP leader), in order and in one turn of the loop:
+        per (request_id, prompt) the pages and the prompt tokens they already hold (a
+        cached prefix: only the rest is streamed), or None when there is no room now;
+        after the first None the rest are not tried (requests start in arrival order)."""
+        def reserve(engine) -> list:
+            out: list = []
+            for request_id, prompt_token_ids in items:
+                room = not out or out[-1] is not None
+                out.append(engine.reserve(request_id, prompt_token_ids) if room else None)
+            return out
+        return self.run_on_loop(reserve)
 
     def unreserve(self, request_id: str) -> None:
         self.run_on_loop(lambda engine: engine.unreserve(request_id))
 
-    def admit(self, request_id: str, prompt_token_ids: list[int], first_token: int, params) -> None:
-        """Continue a request whose prompt KV has landed in its reserved pages."""
+    def admit_many(self, items: list[tuple[str, list[int], int, object]]) -> None:
+        """Continue requests whose prompt KV has landed in their reserved pages, each
+        (request_id, prompt, first token, params), in one turn of the loop. The first
+        error is raised once every item was tried; the others stay admitted."""
+        ids = [item[0] for item in items]
         with self._lock:
             self._raise_if_failed()
-            if request_id in self._live:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self._live.add(request_id)
+            taken = [rid for rid in ids if rid in self._live] + [
+                rid for i, rid in enumerate(ids) if rid in ids[:i]]
+            if taken:
+                raise ValueError(f"request_id {taken[0]!r} is already in use")
+            self._live.update(ids)
+
+        def admit(engine) -> list:
+            failed = []
+            for request_id, prompt_token_ids, first_token, params in items:
+                try:
+                    engine.admit_prefilled(request_id, prompt_token_ids, first_token, params)
+                except Exception as e:  # noqa: BLE001 - raised below, after the others
+                    failed.append((request_id, e))
+            return failed
+
         try:
-            self.run_on_loop(lambda engine: engine.admit_prefilled(
-                request_id, prompt_token_ids, first_token, params))
+            failed = self.run_on_loop(admit)
         except Exception:
-            with self._lock:
-                self._live.discard(request_id)
+            failed = [(rid, None) for rid in ids]
             raise
+        finally:
+            with self._lock:
+                self._live.difference_update(rid for rid, _ in failed)
+        if failed:
+            raise failed[0][1]
 
     def kv_stats(self) -> dict:
         return self._receiver.stats()

@@ -27,6 +27,7 @@ import ray
 
 from ..config import DisaggConfig, EngineConfig
 from ..engine.outputs import StepOutput
+from ..engine.prompt_check import check_prompt
 from ..engine.sampling_params import SamplingParams
 from ..kv_transfer.staging_memory import staging_bytes
 from ..log import get_logger
@@ -41,6 +42,7 @@ from .supervisor import GroupSupervisor, ensure_ray
 log = get_logger(__name__)
 
 POLL_S = 0.05
+PUMP_BATCH = 64  # queued requests started per round of calls
 
 
 @dataclass(slots=True)
@@ -116,6 +118,7 @@ class DisaggClient(DisaggRecovery):
         info = sorted(self.decode.start_info, key=lambda i: i["rank"])
         self._kv_addresses = [tuple(i["kv_address"]) for i in info]
         self._dst_layout = info[0]["kv_layout"]
+        self._decode_pages = min(i["num_pages"] for i in info[::self.layout.decode_tp])
 
     @property
     def epoch(self) -> int:
@@ -123,25 +126,22 @@ class DisaggClient(DisaggRecovery):
 
     # -- requests --------------------------------------------------------------------
     def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams) -> None:
+        """Queue a request (ValueError naming what is wrong with it, checked here without
+        a call to a rank); the next `poll` starts it, with every request queued meanwhile
+        in one round of calls."""
         if request_id in self._reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if request_id in self._aborting:
             raise ValueError(f"request_id {request_id!r} is still being aborted")
-        tokens = list(tokens)
-        try:
-            self._validate(tokens, params)
-        except DecodeLost:  # the group was replaced meanwhile: ask the new one
-            self._validate(tokens, params)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        tokens = check_prompt(tokens, params, self.config, self._decode_pages)
         if not params.greedy and params.seed is None:  # both sides must draw the same stream
             params = params.with_seed(self._seeds.getrandbits(63))
         self._reqs[request_id] = _Request(request_id, tokens, params, arrival=next(self._arrivals),
                                           prompt=list(tokens), params_in=params)
-        self._queue.append(request_id)
-        self._pump()
+        self._queue.append(request_id)  # the next poll starts it, with all queued meanwhile
 
-    def _validate(self, tokens: list[int], params: SamplingParams) -> None:
-        leader = self.decode.leaders[0]
-        self._decode_call(lambda: ray.get(leader.validate.remote(tokens, params)))
 
     def abort(self, request_id: str) -> None:
         req = self._reqs.pop(request_id, None)
@@ -155,50 +155,69 @@ class DisaggClient(DisaggRecovery):
             self.decode.leaders[req.dp_rank].abort.remote(request_id)
 
     def _pump(self) -> None:
-        """Start prefills in arrival order while decode pages can be reserved."""
+        """Start queued prefills, a batch of up to `PUMP_BATCH` at a time with one round
+        of calls per batch (not per request): each DP leader reserves its requests' pages
+        in arrival order and takes none after one that does not fit; a batch that starts
+        nothing ends the pump until the next poll."""
         while self._queue:
-            rid = self._queue.popleft()
+            batch = [self._reqs[rid] for rid in itertools.islice(self._queue, PUMP_BATCH)]
             try:
-                started = self._start_prefill(self._reqs[rid])
+                started = self._start_prefills(batch)
             except DecodeLost:  # the group was replaced; try again on the next poll
-                started = False
-            if not started:
-                if rid not in self._queue:
-                    self._queue.appendleft(rid)
                 return
+            if not started:
+                return
+            self._queue = deque(rid for rid in self._queue
+                                if self._reqs[rid].state == "queued")
 
     def _decode_ranks(self, dp_rank: int) -> list:
         tp = self.layout.decode_tp
         return self.decode.actors[dp_rank * tp:(dp_rank + 1) * tp]
 
-    def _start_prefill(self, req: _Request) -> bool:
-        if req.dp_rank < 0:
-            req.dp_rank = self.place(req.request_id)
-        n, dp = len(req.tokens), req.dp_rank
-        leader = self.decode.leaders[dp]
-        reserved = self._decode_call(lambda: ray.get(leader.reserve.remote(req.request_id,
-                                                                           req.tokens)))
-        if reserved is None:
-            return False
-        pages, cached = reserved
-        req.attempt += 1
-        req.transfer_id = f"{req.request_id}#{req.attempt}"
-        ranks = self._decode_ranks(dp)
-        self._decode_call(lambda: ray.get([r.open_gate.remote(req.transfer_id) for r in ranks]))
-        req.instance, req.key = self.place_prefill(req.request_id), next(self._keys)
-        req.state, req.sent, req.first = "prefill", set(), None
+    def _start_prefills(self, batch: list[_Request]) -> list[_Request]:
+        """Reserve decode pages, open the gates, tell every prefill rank where each
+        request's KV goes, then submit them to their instances' leaders; the requests
+        that started (state "prefill": a failed instance puts its own back in the queue)."""
+        by_dp: dict[int, list[_Request]] = {}
+        for req in batch:
+            if req.dp_rank < 0:
+                req.dp_rank = self.place(req.request_id)
+            by_dp.setdefault(req.dp_rank, []).append(req)
+        refs = [self.decode.leaders[dp].reserve_many.remote([(r.request_id, r.tokens) for r in reqs])
+                for dp, reqs in by_dp.items()]
+        reserved = []
+        for reqs, results in zip(by_dp.values(), self._decode_call(lambda: ray.get(refs))):
+            reserved += [(req, got) for req, got in zip(reqs, results) if got is not None]
+        if not reserved:
+            return []
+        reserved.sort(key=lambda item: item[0].arrival)
+        for req, _ in reserved:
+            req.attempt += 1
+            req.transfer_id = f"{req.request_id}#{req.attempt}"
+        self._decode_call(lambda: ray.get([rank.open_gate.remote(req.transfer_id)
+                                           for req, _ in reserved
+                                           for rank in self._decode_ranks(req.dp_rank)]))
+        by_instance: dict[int, list[tuple[_Request, KVDestination]]] = {}
         tp = self.layout.decode_tp
-        dest = KVDestination(req.request_id, req.transfer_id,
-                             tuple(self._kv_addresses[dp * tp:(dp + 1) * tp]), self._dst_layout,
-                             tuple(pages), n, dp, start=cached)
-        group = self.prefill[req.instance]
-        try:
-            ray.get([a.expect.remote(req.key, dest) for a in group.actors])
-            ray.get(group.leaders[0].submit_prefill.remote(req.request_id, req.tokens,
-                                                           req.params, req.key))
-        except ACTOR_ERRORS:
-            self._recover_prefill(req.instance)
-        return True
+        for req, (pages, cached) in reserved:
+            req.instance, req.key = self.place_prefill(req.request_id), next(self._keys)
+            req.state, req.sent, req.first = "prefill", set(), None
+            dp = req.dp_rank
+            dest = KVDestination(req.request_id, req.transfer_id,
+                                 tuple(self._kv_addresses[dp * tp:(dp + 1) * tp]),
+                                 self._dst_layout, tuple(pages), len(req.tokens), dp,
+                                 start=cached)
+            by_instance.setdefault(req.instance, []).append((req, dest))
+        for index, items in by_instance.items():
+            group = self.prefill[index]
+            try:
+                ray.get([a.expect.remote(req.key, dest) for req, dest in items for a in group.actors])
+                ray.get([group.leaders[0].submit_prefill.remote(req.request_id, req.tokens,
+                                                                req.params, req.key)
+                         for req, _ in items])
+            except ACTOR_ERRORS:
+                self._recover_prefill(index)
+        return [req for req, _ in reserved if req.state == "prefill"]
 
     # -- outputs ---------------------------------------------------------------------
     def poll(self) -> list[StepOutput]:
@@ -217,9 +236,8 @@ class DisaggClient(DisaggRecovery):
                 tag = self._pending.pop(ref, None)
                 if tag is not None:
                     self._take(ref, tag)
-            for req in [r for r in self._reqs.values() if r.state == "prefill"]:
-                if req.first is not None and len(req.sent) == self.layout.prefill_tp:
-                    self._hand_over(req)
+            self._hand_over([r for r in self._reqs.values() if r.state == "prefill"
+                             and r.first is not None and len(r.sent) == self.layout.prefill_tp])
         except DecodeLost as e:  # recovered: the requests are queued again
             log.warning("decode_group_replaced", epoch=self.decode.epoch, error=str(e))
         out, self._out = self._out, []
@@ -285,21 +303,31 @@ class DisaggClient(DisaggRecovery):
             req.emitted.extend(req.first.new_token_ids)
             self._out.append(req.first)
 
-    def _hand_over(self, req: _Request) -> None:
-        """Every prefill rank's batches are acked: free the prefill pages, close the
-        gates, and continue on the decode rank (or finish at the first token)."""
-        self.prefill[req.instance].leaders[0].release.remote(req.request_id)
-        ranks = self._decode_ranks(req.dp_rank)
-        self._decode_call(lambda: ray.get([r.close_gate.remote(req.transfer_id) for r in ranks]))
-        leader = self.decode.leaders[req.dp_rank]
-        if req.first.finished:
-            self._decode_call(lambda: ray.get(leader.unreserve.remote(req.request_id)))
-            self._reqs.pop(req.request_id, None)
+    def _hand_over(self, reqs: list[_Request]) -> None:
+        """Every prefill rank's batches of `reqs` are acked: free their prefill pages,
+        close their gates, and continue them on their decode ranks (or finish those that
+        ended at the first token), one round of calls for all of them."""
+        if not reqs:
             return
-        token = req.first.new_token_ids[0]
-        self._decode_call(lambda: ray.get(leader.admit.remote(req.request_id, req.tokens,
-                                                              token, req.params)))
-        req.state = "decode"
+        for req in reqs:
+            self.prefill[req.instance].leaders[0].release.remote(req.request_id)
+        self._decode_call(lambda: ray.get([rank.close_gate.remote(req.transfer_id)
+                                           for req in reqs
+                                           for rank in self._decode_ranks(req.dp_rank)]))
+        ended = [req for req in reqs if req.first.finished]
+        refs = [self.decode.leaders[req.dp_rank].unreserve.remote(req.request_id) for req in ended]
+        by_dp: dict[int, list[tuple]] = {}
+        for req in reqs:
+            if not req.first.finished:
+                by_dp.setdefault(req.dp_rank, []).append(
+                    (req.request_id, req.tokens, req.first.new_token_ids[0], req.params))
+        refs += [self.decode.leaders[dp].admit_many.remote(items) for dp, items in by_dp.items()]
+        self._decode_call(lambda: ray.get(refs))
+        for req in reqs:
+            if req.first.finished:
+                self._reqs.pop(req.request_id, None)
+            else:
+                req.state = "decode"
 
     # -- operations ------------------------------------------------------------------
     def stats(self) -> dict:

@@ -102,7 +102,7 @@ class PrefillRank(KVRank):
     def release(self, request_id: str) -> None:
         """Every reader is done: the leader frees the request's pages."""
         with self._lock:
-            self._inbox.append(("release", request_id))
+            self._post("release", request_id)
 
     def poll_events(self, timeout_s: float = 0.1) -> tuple[list, list[TransferEvent]]:
         """(step outputs, transfer events) since the last call; waits up to `timeout_s`."""

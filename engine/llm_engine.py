@@ -24,6 +24,7 @@ from .block_pool import BlockPool
 from .model_runner import (BatchInputs, ModelRunner, PendingTokens, allocate_kv_cache,
                            num_pages_for_memory, torch_dtype)
 from .outputs import StepOutput
+from .prompt_check import check_prompt
 from .sampling_params import SamplingParams
 from .scheduler import FinishedSequence, ScheduledBatch, Scheduler
 from .sequence import Sequence
@@ -81,23 +82,7 @@ class LLMEngine:
         return seq
 
     def _validate_prompt(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
-        tokens = list(prompt_token_ids)
-        if not tokens:
-            raise ValueError("prompt: must contain at least one token")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
-        limit = self.config.max_model_len
-        if len(tokens) >= limit:
-            raise ValueError(f"prompt: {len(tokens)} tokens leave no room to generate in the "
-                             f"model's context of {limit} tokens")
-        page_size = self.config.cache.page_size
-        longest = min(len(tokens) + params.max_tokens, limit)
-        if -(-longest // page_size) > self.num_pages:
-            raise ValueError(f"num_pages: {self.num_pages} pages of {page_size} tokens cannot "
-                             f"hold one request of {longest} tokens")
-        return tokens
+        return check_prompt(prompt_token_ids, params, self.config, self.num_pages)
 
     # -- disaggregation: prefill here, decode elsewhere (ARCHITECTURE §2) -----------
     def add_prefill_request(self, request_id: str, prompt_token_ids: Seq[int],

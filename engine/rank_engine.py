@@ -52,6 +52,7 @@ class RankEngine:
         self.engine: Optional[LLMEngine] = None
         self._lock = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
+        self._wake = threading.Event()  # set with every inbox item: an idle loop takes it now
         self._outbox: list[StepOutput] = []
         self._live: set[str] = set()  # submitted, not yet finished or aborted
         self._failure: Optional[RankFailure] = None
@@ -159,6 +160,7 @@ class RankEngine:
     def stop(self) -> None:
         with self._lock:
             self._stop = True
+        self._wake.set()
 
     def wait(self, timeout_s: Optional[float] = None) -> Optional[str]:
         """Block until the loop ends; the failure message, or None after a clean stop."""
@@ -181,12 +183,17 @@ class RankEngine:
             if request_id in self._live:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._live.add(request_id)
-            self._inbox.append((kind, (request_id, list(prompt_token_ids), params, *extra)))
+            self._post(kind, (request_id, list(prompt_token_ids), params, *extra))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._live.discard(request_id)
-            self._inbox.append(("abort", request_id))
+            self._post("abort", request_id)
+
+    def _post(self, kind: str, item) -> None:
+        """Queue an inbox item for the loop thread (the lock held) and wake it."""
+        self._inbox.append((kind, item))
+        self._wake.set()
 
     def poll(self, timeout_s: float = 0.1) -> list[StepOutput]:
         """Outputs published since the last poll (waits up to `timeout_s` for some)."""
@@ -230,13 +237,14 @@ class RankEngine:
         try:
             with torch.inference_mode():
                 while True:
+                    self._wake.clear()  # an item posted from here on is seen by the step or wakes the wait
                     status = self._step()
                     self._service()
                     if status == planmod.STOP:
                         break
                     idle = min(idle * 2, IDLE_SLEEP_MAX_S) if status == planmod.IDLE else IDLE_SLEEP_MIN_S
                     if status == planmod.IDLE:
-                        time.sleep(idle)
+                        self._wake.wait(idle)
         except Exception as e:  # noqa: BLE001 - every loop error is reported, none is lost
             with self._lock:
                 self._failure = RankFailure(self.spec.rank, self.spec.epoch, f"{type(e).__name__}: {e}")
@@ -276,7 +284,7 @@ class RankEngine:
         reply: list = []
         with self._lock:
             self._raise_if_failed()
-            self._inbox.append(("call", (fn, reply)))
+            self._post("call", (fn, reply))
         end = time.monotonic() + timeout_s
         while not reply:
             if time.monotonic() > end:

@@ -154,32 +154,37 @@ def _wait_until_no_page_is_held(client) -> None:
         client.poll()
 
 
-def _run_aborting(client, victims, prompts, params, after_first_poll: bool, tag: str):
+def _run_aborting(client, victims, prompts, params, when: str, tag: str):
     """Submit `victims` then `prompts` (ids `tag`v0.., `tag`p0..) and abort the victims
-    at once (prefilling) or after the first poll (decoding by then, on this model);
+    while they prefill (`when` "prefill": right after the poll that starts them) or once
+    each has its first token ("decode": handed over to its decode rank, or about to be);
     every prompt's tokens once they have all finished, after checking that the victims
-    got no token after their abort and never finished."""
+    got no token after their abort and never finished (they may run 64 tokens)."""
     ids = [f"{tag}v{i}" for i in range(len(victims))] + [f"{tag}p{i}" for i in range(len(prompts))]
     got, finished = {rid: [] for rid in ids}, set()
+    long_run = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for rid, p in zip(ids, victims + prompts):
-        client.submit(rid, p, params)
+        client.submit(rid, p, long_run if rid.startswith(f"{tag}v") else params)
+
+    def take(outputs) -> None:
+        for o in outputs:
+            got[o.request_id].extend(o.new_token_ids)
+            finished.update([o.request_id] if o.finished else [])
 
     def abort() -> dict[str, int]:  # victim -> its tokens when aborted
         for rid in ids[:len(victims)]:
             client.abort(rid)
         return {rid: len(got[rid]) for rid in ids[:len(victims)]}
 
-    cut = None if after_first_poll else abort()
+    take(client.poll())  # the poll starts every queued request
+    cut = abort() if when == "prefill" else None
     deadline = time.monotonic() + 120
-    while len(finished) < len(prompts):
+    while len(finished) < len(prompts) or cut is None:
         assert time.monotonic() < deadline, f"finished only {sorted(finished)}"
-        for o in client.poll():
-            got[o.request_id].extend(o.new_token_ids)
-            finished.update([o.request_id] if o.finished else [])
-        if cut is None:
+        take(client.poll())
+        if cut is None and all(got[rid] for rid in ids[:len(victims)]):
             cut = abort()
-    for o in client.poll() + client.poll():  # a late token of a victim would show here
-        got[o.request_id].extend(o.new_token_ids)
+    take(client.poll() + client.poll())  # a late token of a victim would show here
     assert all(len(got[rid]) == n and rid not in finished for rid, n in cut.items()), cut
     return [got[rid] for rid in ids[len(victims):]]
 
@@ -200,8 +205,8 @@ def test_requests_aborted_mid_flight_leave_nothing_behind(tiny_model, oracle):
               **KW)
     try:
         client = llm.group
-        for tag, after_first_poll in (("a", False), ("b", True)):
-            assert _run_aborting(client, long, prompts, params, after_first_poll, tag) == expected
+        for tag, when in (("a", "prefill"), ("b", "decode")):
+            assert _run_aborting(client, long, prompts, params, when, tag) == expected
         _wait_until_no_page_is_held(client)
         kv = [ray.get(a.kv_stats.remote()) for a in client.decode.actors]
         assert all(s["conn_lost"] == 0 for s in kv), kv
@@ -231,7 +236,7 @@ def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_mo
         deadline = time.monotonic() + 20
         while (kv := ray.get(receiver.kv_stats.remote()))["announced"] == 0:
             assert time.monotonic() < deadline, "the step announced nothing"
-            time.sleep(0.05)
+            client.poll()  # the first starts the prefill
         client.abort("long")
         # abort() waited on no rank: the decode pages stay reserved, and the id taken,
         # until the polls have closed the gate (once the prefill rank forgot the stream)
