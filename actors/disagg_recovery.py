@@ -139,8 +139,10 @@ class DisaggRecovery:
         log.warning("prefill_recovery", instance=index, epoch=group.epoch,
                     deaths=[(d.rank, d.reason[:120]) for d in deaths])
         if self.recoveries >= self.config.parallel.max_recoveries * len(self.prefill):
-            raise GroupFailure(group.epoch, deaths or group.wait_for_failure(
-                min(group.deadline_s + 5.0, 30.0)))
+            # Every rank's end, so that a dead one is named even when a survivor's own
+            # failure (which saw it go) reached us before Ray's report of its death.
+            raise GroupFailure(group.epoch, group.wait_for_failure(
+                min(group.deadline_s + 5.0, 30.0)) or deaths)
         group.shutdown()
         settle(ref for ref, tag in self._pending.items() if tag[0] == "prefill" and tag[1] == index)
         self._pending = {ref: tag for ref, tag in self._pending.items()

@@ -33,13 +33,14 @@ from . import plan as planmod
 from .group_graphs import GroupGraphs
 from .llm_engine import LLMEngine
 from .outputs import StepOutput
-from .rank_spec import RankFailure, RankSpec, shard_for
+from .rank_spec import RankFailure, RankSpec, shard_for, tensor_channel_bytes
 from .sampling_params import SamplingParams
 
 log = get_logger(__name__)
 
 IDLE_SLEEP_MIN_S = 0.001
 IDLE_SLEEP_MAX_S = 0.02
+WAKE_POLL_S = 1e-3  # how often an idle rank of a group looks at its peers' wake counters
 
 
 class RankEngine:
@@ -96,6 +97,7 @@ class RankEngine:
         self._plan_channel = s.tp > 1 and self.comm.open_tp_channel(planmod.max_words(
             sch.max_num_batched_tokens, sch.max_num_seqs,
             -(-config.max_model_len // config.cache.page_size)))
+        self.comm.open_tensor_channels(*tensor_channel_bytes(s))
         shard, placement = shard_for(s, s.config.model.num_experts)
         ep = None
         if placement is not None:
@@ -191,9 +193,12 @@ class RankEngine:
             self._post("abort", request_id)
 
     def _post(self, kind: str, item) -> None:
-        """Queue an inbox item for the loop thread (the lock held) and wake it."""
+        """Queue an inbox item for the loop thread (the lock held) and wake it, and its
+        idle peers, whose next round it needs."""
         self._inbox.append((kind, item))
         self._wake.set()
+        if self.comm is not None and self.spec.world_size > 1:
+            self.comm.wake_peers()
 
     def poll(self, timeout_s: float = 0.1) -> list[StepOutput]:
         """Outputs published since the last poll (waits up to `timeout_s` for some)."""
@@ -244,7 +249,7 @@ class RankEngine:
                         break
                     idle = min(idle * 2, IDLE_SLEEP_MAX_S) if status == planmod.IDLE else IDLE_SLEEP_MIN_S
                     if status == planmod.IDLE:
-                        self._wake.wait(idle)
+                        self._idle_wait(idle)
         except Exception as e:  # noqa: BLE001 - every loop error is reported, none is lost
             with self._lock:
                 self._failure = RankFailure(self.spec.rank, self.spec.epoch, f"{type(e).__name__}: {e}")
@@ -252,6 +257,18 @@ class RankEngine:
             log.error("rank_failed", rank=self.spec.rank, epoch=self.spec.epoch, error=str(e))
         finally:
             self._done.set()
+
+    def _idle_wait(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s`, until this rank's inbox gets an item or a peer of
+        one machine says it has one (`wake_peers`, watched every `WAKE_POLL_S`)."""
+        seen = self.comm.wake_count() if self.spec.world_size > 1 else None
+        if seen is None:
+            self._wake.wait(timeout_s)
+            return
+        end = time.monotonic() + timeout_s
+        while not self._wake.wait(min(WAKE_POLL_S, max(0.0, end - time.monotonic()))):
+            if time.monotonic() >= end or self.comm.wake_count() != seen:
+                return
 
     def _drain_inbox(self) -> bool:
         with self._lock:

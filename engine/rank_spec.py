@@ -10,7 +10,12 @@ from ..config import EngineConfig
 from ..kernels.dispatch import make_expert_placement
 from ..models.shard import ModelShard
 
-__all__ = ["RankFailure", "RankSpec", "shard_for"]
+__all__ = ["RankFailure", "RankSpec", "shard_for", "tensor_channel_bytes"]
+
+# The most bytes per rank a shared-memory tensor channel carries in one collective; a
+# larger tensor goes over gloo (each rank's file holds 4x this: two rounds, 8-byte words
+# carrying 4 bytes each).
+TENSOR_CHANNEL_MAX = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +63,21 @@ def shard_for(spec: RankSpec, num_experts: int) -> tuple[ModelShard, Optional[tu
         return ModelShard(spec.tp_rank, spec.tp, tuple(experts[spec.tp_rank])), None
     placement = make_expert_placement(num_experts, spec.world_size)
     return ModelShard(spec.tp_rank, spec.tp, tuple(placement[2][spec.rank])), placement
+
+
+def tensor_channel_bytes(spec: RankSpec) -> tuple[int, int]:
+    """(TP, world) capacities of a CPU rank's shared-memory tensor channels: the largest
+    step's hidden states or sampled rows' logits slice (TP sums and gathers), and its
+    dispatched rows, one per (token, expert) pair with 16 bytes of routing metadata
+    (DP×EP all-to-alls); (0, 0) on GPU, whose tensors go over NCCL."""
+    c = spec.config
+    if c.device != "cpu":
+        return 0, 0
+    m, sch = c.model, c.scheduler
+    item = 2 if c.torch_dtype_name in ("bfloat16", "float16") else 4
+    tokens = sch.max_num_batched_tokens
+    tp = tokens * m.hidden_size * item
+    tp = max(tp, sch.max_num_seqs * -(-m.vocab_size // spec.tp) * 4) if spec.tp > 1 else 0
+    world = tokens * max(1, m.num_experts_per_tok) * (m.hidden_size * item + 16)
+    world = world if spec.dp > 1 and m.num_experts else 0
+    return min(tp, TENSOR_CHANNEL_MAX), min(world, TENSOR_CHANNEL_MAX)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .local_channels import LocalChannels
 from .shm_agreement import ShmAgreement
 from .shm_broadcast import ShmBroadcast
+from .shm_collectives import ShmCollectives
 
 __all__ = ["CollectiveError", "GroupComm"]
 
@@ -61,7 +62,10 @@ class GroupComm(LocalChannels):
     with no work still takes part (it passes empty tensors).
 
     Backends: tensors on the CPU travel over gloo, whose process-group timeout turns a
-    dead or stalled peer into an exception within the deadline. With ``device="cuda"``
+    dead or stalled peer into an exception within the deadline; when every rank runs on
+    one machine, the small ones (a step's agreement, plans, and after
+    :meth:`open_tensor_channels` the TP sums and gathers and the all-to-alls up to a
+    capacity) go through shared memory instead (`LocalChannels`), under the same deadline. With ``device="cuda"``
     the groups are ``cpu:gloo,cuda:nccl``: control messages (plans, agreement, epochs)
     stay on gloo, activations go over NCCL. NCCL is no detector (a survivor waited over
     60 s with a 5 s timeout), so every NCCL collective is issued with ``async_op`` and
@@ -91,6 +95,8 @@ class GroupComm(LocalChannels):
         self._agreement: ShmAgreement | None = None  # world on one machine: shared memory
         self.one_machine = False  # every rank of the world runs on this machine
         self._tp_channel: ShmBroadcast | None = None  # the TP leader's plans (open_tp_channel)
+        self._tp_tensors: ShmCollectives | None = None  # CPU sums, gathers (open_tensor_channels)
+        self._world_tensors: ShmCollectives | None = None  # CPU all-to-alls (the same)
         self._broken: str | None = None
         self._destroyed = False
         self._aborting: threading.Thread | None = None
@@ -277,7 +283,9 @@ class GroupComm(LocalChannels):
         """Sum ``t`` over the TP group in place and return it (identity when tp == 1)."""
         if self.tp_size == 1:
             return self._check_alive("all_reduce_tp", t)
-        self._run("all_reduce_tp", dist.all_reduce, t, op=dist.ReduceOp.SUM, group=self._tp_group)
+        if not self._local_sum_tp(t):
+            self._run("all_reduce_tp", dist.all_reduce, t, op=dist.ReduceOp.SUM,
+                      group=self._tp_group)
         return t
 
     def all_gather_tp(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -285,8 +293,10 @@ class GroupComm(LocalChannels):
         if self.tp_size == 1:
             return self._check_alive("all_gather_tp", t)
         t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.tp_size)]
-        self._run("all_gather_tp", dist.all_gather, parts, t, group=self._tp_group)
+        parts = self._local_gather_tp(t)
+        if parts is None:
+            parts = [torch.empty_like(t) for _ in range(self.tp_size)]
+            self._run("all_gather_tp", dist.all_gather, parts, t, group=self._tp_group)
         return torch.cat(parts, dim=dim)
 
     def broadcast_tp(self, t: torch.Tensor, src_tp_rank: int = 0) -> torch.Tensor:
@@ -318,6 +328,8 @@ class GroupComm(LocalChannels):
         ``input_split_sizes[r]`` rows of ``input`` go to rank r; ``output_split_sizes[r]``
         rows of ``output`` come from rank r. Both tensors contiguous. Returns ``output``.
         """
+        if self._local_all_to_all(output, input, output_split_sizes, input_split_sizes):
+            return output
         self._run("all_to_all_single", dist.all_to_all_single, output, input,
                   list(output_split_sizes) if output_split_sizes is not None else None,
                   list(input_split_sizes) if input_split_sizes is not None else None)

@@ -1,8 +1,9 @@
 """`LocalChannels`: the shared-memory fast paths of a `GroupComm` whose ranks all run on
-one machine: the world's per-step agreement (`ShmAgreement`) and the TP leader's step
-plans (`ShmBroadcast`), each in microseconds where gloo takes ~0.1-1.5 ms. Whether a path
-is used is decided together at init (gloo): ranks on several machines, or processes of
-one machine that cannot map each other's files, keep gloo on every rank.
+one machine: the world's per-step agreement (`ShmAgreement`), the TP leader's step
+plans (`ShmBroadcast`), and the CPU tensors' TP sums and gathers and world all-to-alls
+(`ShmCollectives`), each in microseconds where gloo takes ~0.1-1.5 ms. Whether a path
+is used is decided together when it is opened (gloo): ranks on several machines, or
+processes of one machine that cannot map each other's files, keep gloo on every rank.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from .peer_memory import ShmPeers
 from .shm_agreement import ShmAgreement
 from .shm_broadcast import ShmBroadcast
+from .shm_collectives import ShmCollectives
 
 __all__ = ["LocalChannels"]
 
@@ -33,6 +35,8 @@ class LocalChannels:
     one_machine: bool
     _agreement: ShmAgreement | None
     _tp_channel: ShmBroadcast | None
+    _tp_tensors: ShmCollectives | None
+    _world_tensors: ShmCollectives | None
 
     def _open_agreement(self) -> ShmAgreement | None:
         """Shared-memory agreement when every rank of the world runs on this machine
@@ -86,6 +90,57 @@ class LocalChannels:
                      min(self.deadline_s, SHM_OPEN_S)),
             lambda peers: ShmBroadcast(peers, capacity, self.deadline_s), self._tp_group)
         return self._tp_channel is not None
+
+    def open_tensor_channels(self, tp_bytes: int, world_bytes: int) -> None:
+        """Collective over the world: shared-memory channels for CPU tensors when the
+        world runs on one machine: the TP group's sums and gathers of up to `tp_bytes`
+        per rank (tp > 1), the world's all-to-alls of up to `world_bytes` per rank
+        (dp > 1). Larger tensors, and CUDA ones, keep their backend."""
+        if not self.one_machine:
+            return
+        if self.tp_size > 1 and tp_bytes >= 4:
+            nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            self.broadcast_tp(nonce)
+            self._tp_tensors = self._shm_together(
+                ShmPeers(self.tp_rank, self.tp_size, f"{int(nonce):x}tpt",
+                         min(self.deadline_s, SHM_OPEN_S)),
+                lambda peers: ShmCollectives(peers, tp_bytes, self.deadline_s), self._tp_group)
+        if self.dp_size > 1 and world_bytes >= 4:
+            nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+            self.broadcast_world(nonce)
+            self._world_tensors = self._shm_together(
+                ShmPeers(self.rank, self.world_size, f"{int(nonce):x}wt",
+                         min(self.deadline_s, SHM_OPEN_S)),
+                lambda peers: ShmCollectives(peers, world_bytes, self.deadline_s), None)
+
+    def _local_sum_tp(self, t: torch.Tensor) -> bool:
+        """`t` summed over the TP group through shared memory (False: not this way)."""
+        channel = self._tp_tensors
+        return (channel is not None and not t.is_cuda
+                and self._guarded("all_reduce_tp", lambda: channel.all_reduce_sum(t)))
+
+    def _local_gather_tp(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        channel = self._tp_tensors
+        if channel is None or t.is_cuda:
+            return None
+        return self._guarded("all_gather_tp", lambda: channel.all_gather(t))
+
+    def _local_all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes, input_split_sizes) -> bool:
+        channel = self._world_tensors
+        return (channel is not None and not input.is_cuda and not output.is_cuda
+                and self._guarded("all_to_all_single", lambda: channel.all_to_all(
+                    output, input, output_split_sizes, input_split_sizes)))
+
+    def wake_peers(self) -> None:
+        """Tell every rank of the world (of one machine) that this one has work."""
+        if self._agreement is not None:
+            self._agreement.wake()
+
+    def wake_count(self) -> int | None:
+        """Changes whenever some rank called `wake_peers`; None when the ranks cannot
+        tell each other (several machines)."""
+        return self._agreement.wakes() if self._agreement is not None else None
 
     def share_tp(self, words: np.ndarray | None) -> np.ndarray | None:
         """Over the TP channel: the leader passes its plan words (True-ish return: the

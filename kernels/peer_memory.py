@@ -137,6 +137,8 @@ class ShmPeers(PeerMemory):
         tmp = f"{mine}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:  # zeroed, then published whole under its name
             f.truncate(nbytes)
+            if nbytes:  # held now: a full /dev/shm fails here (OSError), not in a store later
+                os.posix_fallocate(f.fileno(), 0, nbytes)
         os.rename(tmp, mine)
         self._own.append(mine)
         end = time.monotonic() + self._deadline_s

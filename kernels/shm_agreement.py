@@ -3,7 +3,9 @@ machine, through shared memory (a step's world agreement: status, token count, e
 flag), in microseconds where a gloo all-reduce takes ~0.1-1 ms; bounded by a deadline,
 and a rank whose process is gone ends the wait at once (its pid is published).
 
-Layout: every rank owns one `ShmPeers` buffer of int64 ``[2 (parity), SLOTS]``. Round
+Layout: every rank owns one `ShmPeers` buffer of int64 ``[2 (parity), SLOTS]``, then
+its pid and its wake counter (`wake`: idle ranks watch the counters to start their next
+round at once instead of sleeping on). Round
 ``r`` (counted alike on every rank) writes parity ``r % 2``; each word is
 ``(r mod 2**31) << 32 | value``, so a reader takes a word as round r's only when its tag
 says so, and no ordering between the words is needed (an aligned 8-byte store is seen
@@ -37,10 +39,11 @@ class ShmAgreement:
     def __init__(self, peers: ShmPeers, deadline_s: float, name: str = "agreement") -> None:
         import torch
         self.rank, self.world_size, self.deadline_s = peers.rank, peers.world_size, deadline_s
-        peers.alloc(name, 2 * SLOTS + 1, torch.int64)  # + the owner's pid
+        peers.alloc(name, 2 * SLOTS + 2, torch.int64)  # + the owner's pid and wake count
         views = [v.numpy() for v in peers.views(name)]
         self._slots = [v[:2 * SLOTS].reshape(2, SLOTS) for v in views]
-        self._pids = [v[2 * SLOTS:] for v in views]
+        self._pids = [v[2 * SLOTS:2 * SLOTS + 1] for v in views]
+        self._wakes = [v[2 * SLOTS + 1:] for v in views]
         self._pids[self.rank][0] = os.getpid()
         self._peers = peers  # owns the mappings the views read
         self._round = 0
@@ -48,6 +51,17 @@ class ShmAgreement:
     def pid(self, rank: int) -> int:
         """Rank `rank`'s process id as it published it (0 until then)."""
         return int(self._pids[rank][0])
+
+    def wake(self) -> None:
+        """Tell every rank that this one has work (an idle rank waiting in its loop
+        watches `wakes()`): this rank's own counter goes up (one writer per word; two
+        threads racing still change it)."""
+        mine = self._wakes[self.rank]
+        mine[0] = int(mine[0]) + 1
+
+    def wakes(self) -> int:
+        """The sum of every rank's wake counter: changes whenever a rank called `wake`."""
+        return sum(int(w[0]) for w in self._wakes)
 
     def max(self, values: Sequence[int]) -> list[int]:
         """Every rank's `values`, element-wise maximum. TimeoutError when a rank does

@@ -1,4 +1,6 @@
-"""GroupComm collectives and EPDispatcher on real gloo worlds (spawned CPU processes).
+"""GroupComm collectives and EPDispatcher on real gloo worlds (spawned CPU processes),
+over gloo alone and with the shared-memory tensor channels (`ShmCollectives`: sized so
+that some calls fit and others fall back to gloo, per call on every rank alike).
 
 Every world runs under a wall-clock bound: the parent drains results until the bound,
 then kills whatever is left and fails, so a hang can never stall CI.
@@ -20,6 +22,7 @@ from phalanx.spawn import run_ranks
 
 E, K, H, I = 16, 4, 32, 16
 DEADLINE_S = 3.0
+TP_BYTES, WORLD_BYTES = 64, 2048  # the shared-memory channels' capacities when opened
 WORLD_TIMEOUT_S = 40.0
 
 
@@ -37,14 +40,32 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+class Ports:
+    """Free ports picked afresh for each attempt of a world (`_run_world`): `n` of them
+    as a list, or one as an int."""
+
+    def __init__(self, n: int = 1, single: bool = False) -> None:
+        self.n, self.single = n, single
+
+    def pick(self):
+        ports = _free_ports(self.n)
+        return ports[0] if self.single else ports
+
+
 def _run_world(fn, world: int, *args, expect=None, timeout_s: float = WORLD_TIMEOUT_S) -> dict:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; rank -> return value.
 
     ``expect``: ranks that must report (default all). Fails on a worker exception or if
-    the ranks are not done within ``timeout_s`` (leftovers are killed either way).
+    the ranks are not done within ``timeout_s`` (leftovers are killed either way). A
+    `Ports` argument becomes free ports; a world whose port was taken between picking
+    and binding (EADDRINUSE) runs once more on new ones.
     """
-    results, errors = run_ranks(fn, world, args, timeout_s=timeout_s, expect=expect,
-                                torch_threads=1)
+    for attempt in range(2):
+        picked = tuple(a.pick() if isinstance(a, Ports) else a for a in args)
+        results, errors = run_ranks(fn, world, picked, timeout_s=timeout_s, expect=expect,
+                                    torch_threads=1)
+        if not (attempt == 0 and any("EADDRINUSE" in t for t in errors.values())):
+            break
     failed = {r: t for r, t in errors.items() if not t.startswith("no result")}
     assert not failed, "worker failed:\n" + "\n".join(f"rank {r}:\n{t}" for r, t in failed.items())
     assert not errors, f"ranks {sorted(errors)} gave no result within {timeout_s}s: {errors}"
@@ -53,15 +74,28 @@ def _run_world(fn, world: int, *args, expect=None, timeout_s: float = WORLD_TIME
 
 # --------------------------------------------------------------------- ranks' work
 
-def _tp_collectives(rank, world, ports):
+def _open_channels(comm: GroupComm, shm: bool) -> None:
+    if shm:
+        comm.open_tensor_channels(TP_BYTES, WORLD_BYTES)
+        assert (comm._tp_tensors is not None) == (comm.tp_size > 1)
+        assert (comm._world_tensors is not None) == (comm.dp_size > 1)
+
+
+def _tp_collectives(rank, world, ports, shm):
     for epoch, (tp, port) in enumerate(zip((1, 2, 4), ports)):
         comm = GroupComm.init(rank, world, tp, f"tcp://127.0.0.1:{port}", epoch, DEADLINE_S)
+        _open_channels(comm, shm)
         assert (comm.tp_size, comm.dp_size, comm.epoch) == (tp, world // tp, epoch)
         assert (comm.dp_rank, comm.tp_rank) == (rank // tp, rank % tp)
         group = [comm.dp_rank * tp + i for i in range(tp)]
         t = torch.arange(3, dtype=torch.float32) * (rank + 1)
         assert comm.all_reduce_tp(t) is t
         assert torch.equal(t, torch.arange(3.0) * sum(r + 1 for r in group))
+        big = torch.arange(40, dtype=torch.float32) * (rank + 1)  # past TP_BYTES: gloo
+        assert torch.equal(comm.all_reduce_tp(big), torch.arange(40.0) * sum(r + 1 for r in group))
+        half = torch.arange(6, dtype=torch.bfloat16).view(2, 3) * (rank + 1)
+        assert torch.equal(comm.all_reduce_tp(half),
+                           torch.arange(6, dtype=torch.bfloat16).view(2, 3) * sum(r + 1 for r in group))
         mine = torch.full((2, 3), float(rank)) + torch.arange(3.0)
         for dim in (0, 1):
             want = torch.cat([torch.full((2, 3), float(r)) + torch.arange(3.0) for r in group], dim)
@@ -114,8 +148,9 @@ def _scale_expected(x, w, ids):
     return acc.to(x.dtype)
 
 
-def _make_dispatcher(rank, world, port, epoch):
+def _make_dispatcher(rank, world, port, epoch, shm=False):
     comm = GroupComm.init(rank, world, 1, f"tcp://127.0.0.1:{port}", epoch, DEADLINE_S)
+    _open_channels(comm, shm)
     owner, local_index, _ = make_expert_placement(E, world)
     return comm, EPDispatcher(comm, E, owner, local_index)
 
@@ -127,10 +162,10 @@ def _check_fused_call(disp, compute, w13_full, w2_full, T, seed):
     torch.testing.assert_close(out, moe_reference(x, w, ids, w13_full, w2_full), rtol=1e-5, atol=1e-6)
 
 
-def _ep_moe(rank, world, port, sizes, padded=False):
+def _ep_moe(rank, world, port, sizes, padded=False, shm=False):
     """sizes[call][rank] = tokens of this rank in that call (0 = idle dummy step).
     padded: the padded exchange, `step_tokens` = the call's most tokens on any rank."""
-    comm, disp = _make_dispatcher(rank, world, port, 0)
+    comm, disp = _make_dispatcher(rank, world, port, 0, shm)
     w13_full, w2_full = _weights()
     compute = _expert_compute(disp, w13_full, w2_full)
     for call, Ts in enumerate(sizes):  # consecutive MoE layers
@@ -150,8 +185,8 @@ def _ep_moe(rank, world, port, sizes, padded=False):
     return True
 
 
-def _dead_peer(rank, world, ports):
-    comm, disp = _make_dispatcher(rank, world, ports[0], 0)
+def _dead_peer(rank, world, ports, shm):
+    comm, disp = _make_dispatcher(rank, world, ports[0], 0, shm)
     w13_full, w2_full = _weights()
     compute = _expert_compute(disp, w13_full, w2_full)
     _check_fused_call(disp, compute, w13_full, w2_full, 5 + rank, rank)
@@ -184,14 +219,14 @@ def _dead_peer(rank, world, ports):
     destroyed = comm.destroy()
     destroy_s = time.monotonic() - t0
     # Continue narrower: the two survivors re-form at epoch 1 and re-run the step.
-    comm, disp = _make_dispatcher(rank, 2, ports[1], 1)
+    comm, disp = _make_dispatcher(rank, 2, ports[1], 1, shm)
     _check_fused_call(disp, _expert_compute(disp, w13_full, w2_full), w13_full, w2_full, 6, 50 + rank)
     assert comm.destroy()
     return dict(err=err, raised_s=raised_s, again_s=again_s, destroyed=destroyed, destroy_s=destroy_s)
 
 
-def _stalled_peer(rank, world, port):
-    comm, disp = _make_dispatcher(rank, world, port, 0)
+def _stalled_peer(rank, world, port, shm):
+    comm, disp = _make_dispatcher(rank, world, port, 0, shm)
     w13_full, w2_full = _weights()
     compute = _expert_compute(disp, w13_full, w2_full)
     _check_fused_call(disp, compute, w13_full, w2_full, 3, rank)
@@ -221,25 +256,31 @@ def test_make_expert_placement():
     assert [len(p) for p in make_expert_placement(3, 4)[2]] == [1, 1, 1, 0]
 
 
-def test_tp_collectives_world4():
-    assert _run_world(_tp_collectives, 4, _free_ports(3)) == {r: True for r in range(4)}
+SHM = pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
 
 
+@SHM
+def test_tp_collectives_world4(shm):
+    assert _run_world(_tp_collectives, 4, Ports(3), shm) == {r: True for r in range(4)}
+
+
+@SHM
 @pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("world,sizes", [
     (2, [(5, 0), (0, 7), (9, 3), (0, 0), (1, 12)]),
     (4, [(5, 0, 9, 2), (1, 6, 0, 13), (0, 0, 0, 0), (8, 3, 1, 0)]),
 ])
-def test_ep_moe_matches_reference(world, sizes, padded):
+def test_ep_moe_matches_reference(world, sizes, padded, shm):
     """Exact (uneven splits) and padded exchanges both equal the single-rank reference,
     and are bit-exact per row whatever else shares the batch."""
-    assert _run_world(_ep_moe, world, _free_ports(1)[0], sizes, padded) == {
+    assert _run_world(_ep_moe, world, Ports(single=True), sizes, padded, shm) == {
         r: True for r in range(world)}
 
 
-def test_dead_peer_mid_dispatch_raises_within_deadline():
+@SHM
+def test_dead_peer_mid_dispatch_raises_within_deadline(shm):
     t0 = time.monotonic()
-    res = _run_world(_dead_peer, 3, _free_ports(2), expect=(0, 1))
+    res = _run_world(_dead_peer, 3, Ports(2), shm, expect=(0, 1))
     for rank in (0, 1):
         r = res[rank]
         print(f"rank {rank}: raised {r['raised_s']:.3f}s after entering moe, {r['err']}; "
@@ -249,8 +290,9 @@ def test_dead_peer_mid_dispatch_raises_within_deadline():
     print(f"dead-peer world total {time.monotonic() - t0:.1f}s")
 
 
-def test_stalled_peer_times_out_at_deadline():
-    res = _run_world(_stalled_peer, 3, _free_ports(1)[0])
+@SHM
+def test_stalled_peer_times_out_at_deadline(shm):
+    res = _run_world(_stalled_peer, 3, Ports(single=True), shm)
     for rank in (0, 1):
         r = res[rank]
         print(f"rank {rank}: stalled peer -> CollectiveError after {r['raised_s']:.3f}s {r['err']}")

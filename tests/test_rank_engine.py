@@ -72,3 +72,29 @@ def test_bad_requests_are_refused_in_the_callers_thread(rank):
     rank.submit("dup", [4, 5], params)  # finished ids may be reused
     _collect(rank, {"dup"})
     assert not rank.stats()["failed"]
+
+
+class _WakeComm:
+    """A comm whose wake counter a test moves (as a peer's `wake_peers` would)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def wake_count(self) -> int:
+        return self.count
+
+
+def test_an_idle_rank_wakes_when_a_peer_has_work(tiny_model):
+    """An idle rank of a group sleeps until its own inbox gets an item or a peer's wake
+    counter moves, not for its whole idle timeout."""
+    import threading
+    cfg = EngineConfig(model_path=tiny_model, model=read_model_config(tiny_model),
+                       parallel=ParallelConfig(tp=2, dp=1))
+    eng = RankEngine(RankSpec(1, 2, 1, 3, "tcp://127.0.0.1:1", 10.0, cfg))
+    eng.comm = _WakeComm()
+    timer = threading.Timer(0.2, lambda: setattr(eng.comm, "count", 1))
+    timer.start()
+    t0 = time.monotonic()
+    eng._idle_wait(60.0)
+    assert time.monotonic() - t0 < 30.0, "slept through the peer's wake"
+    timer.join()

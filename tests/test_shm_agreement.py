@@ -117,3 +117,26 @@ def test_group_comm_agrees_through_shared_memory_or_falls_back_together(split, t
     results, errors = run_ranks(_group_agreement, 3, (port, root), timeout_s=90)
     assert not errors, errors
     assert results == {r: (not split, [2, 7]) for r in range(3)}, results
+
+
+def _wake_seen(rank: int, world: int, tag: str) -> int:
+    agree = _agreement(rank, world, tag, 30.0)
+    agree.max([1])
+    agree._peers.close()
+    before = agree.wakes()
+    if rank == 0:
+        agree.wake()
+    else:
+        end = time.monotonic() + 30.0
+        while agree.wakes() == before and time.monotonic() < end:
+            time.sleep(0.001)
+    agree.max([2])  # rank 0 stays mapped until the others have looked
+    return agree.wakes() - before
+
+
+def test_a_wake_is_seen_by_every_rank():
+    """`wake` on one rank changes `wakes()` on every rank (what idle rank loops watch to
+    start their next round at once)."""
+    results, errors = run_ranks(_wake_seen, 3, (f"agree{os.getpid()}w",), timeout_s=60)
+    assert not errors, errors
+    assert results == {0: 1, 1: 1, 2: 1}, results
