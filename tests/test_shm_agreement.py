@@ -121,9 +121,9 @@ def test_group_comm_agrees_through_shared_memory_or_falls_back_together(split, t
 
 def _wake_seen(rank: int, world: int, tag: str) -> int:
     agree = _agreement(rank, world, tag, 30.0)
+    before = agree.wakes()  # read by every rank before rank 0 can get past round 1
     agree.max([1])
     agree._peers.close()
-    before = agree.wakes()
     if rank == 0:
         agree.wake()
     else:
