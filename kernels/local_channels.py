@@ -83,13 +83,17 @@ class LocalChannels:
         machine; whether it is open (else plans keep going over gloo)."""
         if self.tp_size == 1 or not self.one_machine:
             return False
+        self._tp_channel = self._open_tp_shared(
+            "tp", lambda peers: ShmBroadcast(peers, capacity, self.deadline_s))
+        return self._tp_channel is not None
+
+    def _open_tp_shared(self, name: str, make: Callable[[ShmPeers], _R]) -> _R | None:
+        """`make(peers)` over this TP group's fresh shared files (`_shm_together`)."""
         nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         self.broadcast_tp(nonce)
-        self._tp_channel = self._shm_together(
-            ShmPeers(self.tp_rank, self.tp_size, f"{int(nonce):x}tp",
-                     min(self.deadline_s, SHM_OPEN_S)),
-            lambda peers: ShmBroadcast(peers, capacity, self.deadline_s), self._tp_group)
-        return self._tp_channel is not None
+        return self._shm_together(ShmPeers(self.tp_rank, self.tp_size, f"{int(nonce):x}{name}",
+                                           min(self.deadline_s, SHM_OPEN_S)),
+                                  make, self._tp_group)
 
     def open_tensor_channels(self, tp_bytes: int, world_bytes: int) -> None:
         """Collective over the world: shared-memory channels for CPU tensors when the
@@ -99,12 +103,8 @@ class LocalChannels:
         if not self.one_machine:
             return
         if self.tp_size > 1 and tp_bytes >= 4:
-            nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-            self.broadcast_tp(nonce)
-            self._tp_tensors = self._shm_together(
-                ShmPeers(self.tp_rank, self.tp_size, f"{int(nonce):x}tpt",
-                         min(self.deadline_s, SHM_OPEN_S)),
-                lambda peers: ShmCollectives(peers, tp_bytes, self.deadline_s), self._tp_group)
+            self._tp_tensors = self._open_tp_shared(
+                "tpt", lambda peers: ShmCollectives(peers, tp_bytes, self.deadline_s))
         if self.dp_size > 1 and world_bytes >= 4:
             nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
             self.broadcast_world(nonce)
