@@ -65,9 +65,9 @@ class GroupComm(LocalChannels):
     dead or stalled peer into an exception within the deadline; when every rank runs on
     one machine, the small ones (a step's agreement, plans, and after
     :meth:`open_tensor_channels` the TP sums and gathers and the all-to-alls up to a
-    capacity) go through shared memory instead (`LocalChannels`), under the same deadline. With ``device="cuda"``
-    the groups are ``cpu:gloo,cuda:nccl``: control messages (plans, agreement, epochs)
-    stay on gloo, activations go over NCCL. NCCL is no detector (a survivor waited over
+    capacity) go through shared memory instead (`LocalChannels`), under the same
+    deadline. With ``device="cuda"`` the groups are ``cpu:gloo,cuda:nccl``: control
+    messages (plans, agreement, epochs) stay on gloo, activations go over NCCL. NCCL is no detector (a survivor waited over
     60 s with a 5 s timeout), so every NCCL collective is issued with ``async_op`` and
     this class polls the work until a monotonic deadline; past it, every communicator of
     the epoch is aborted (``ncclCommAbort`` frees the stuck kernel) and the call raises

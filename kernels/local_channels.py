@@ -48,12 +48,8 @@ class LocalChannels:
         if self._distinct_ids(_machine_id()) > 1:
             return None
         self.one_machine = True
-        nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-        self.broadcast_world(nonce)
-        return self._shm_together(
-            ShmPeers(self.rank, self.world_size, f"{int(nonce):x}",
-                     min(self.deadline_s, SHM_OPEN_S)),
-            lambda peers: ShmAgreement(peers, self.deadline_s), None)
+        return self._open_shared("", lambda peers: ShmAgreement(peers, self.deadline_s),
+                                 tp=False)
 
     def _distinct_ids(self, raw: bytes) -> int:
         """How many distinct 16-byte ids the world's ranks hold (each passes its own;
@@ -83,17 +79,19 @@ class LocalChannels:
         machine; whether it is open (else plans keep going over gloo)."""
         if self.tp_size == 1 or not self.one_machine:
             return False
-        self._tp_channel = self._open_tp_shared(
-            "tp", lambda peers: ShmBroadcast(peers, capacity, self.deadline_s))
+        self._tp_channel = self._open_shared(
+            "tp", lambda peers: ShmBroadcast(peers, capacity, self.deadline_s), tp=True)
         return self._tp_channel is not None
 
-    def _open_tp_shared(self, name: str, make: Callable[[ShmPeers], _R]) -> _R | None:
-        """`make(peers)` over this TP group's fresh shared files (`_shm_together`)."""
+    def _open_shared(self, name: str, make: Callable[[ShmPeers], _R], tp: bool) -> _R | None:
+        """`make(peers)` over fresh shared files of this TP group (`tp`) or of the world,
+        named by a nonce its first rank broadcasts (`_shm_together`)."""
         nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-        self.broadcast_tp(nonce)
-        return self._shm_together(ShmPeers(self.tp_rank, self.tp_size, f"{int(nonce):x}{name}",
+        (self.broadcast_tp if tp else self.broadcast_world)(nonce)
+        rank, size = (self.tp_rank, self.tp_size) if tp else (self.rank, self.world_size)
+        return self._shm_together(ShmPeers(rank, size, f"{int(nonce):x}{name}",
                                            min(self.deadline_s, SHM_OPEN_S)),
-                                  make, self._tp_group)
+                                  make, self._tp_group if tp else None)
 
     def open_tensor_channels(self, tp_bytes: int, world_bytes: int) -> None:
         """Collective over the world: shared-memory channels for CPU tensors when the
@@ -103,15 +101,11 @@ class LocalChannels:
         if not self.one_machine:
             return
         if self.tp_size > 1 and tp_bytes >= 4:
-            self._tp_tensors = self._open_tp_shared(
-                "tpt", lambda peers: ShmCollectives(peers, tp_bytes, self.deadline_s))
+            self._tp_tensors = self._open_shared(
+                "tpt", lambda peers: ShmCollectives(peers, tp_bytes, self.deadline_s), tp=True)
         if self.dp_size > 1 and world_bytes >= 4:
-            nonce = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-            self.broadcast_world(nonce)
-            self._world_tensors = self._shm_together(
-                ShmPeers(self.rank, self.world_size, f"{int(nonce):x}wt",
-                         min(self.deadline_s, SHM_OPEN_S)),
-                lambda peers: ShmCollectives(peers, world_bytes, self.deadline_s), None)
+            self._world_tensors = self._open_shared(
+                "wt", lambda peers: ShmCollectives(peers, world_bytes, self.deadline_s), tp=False)
 
     def _local_sum_tp(self, t: torch.Tensor) -> bool:
         """`t` summed over the TP group through shared memory (False: not this way)."""
