@@ -38,7 +38,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds any collective may take before the group fails")
     p.add_argument("--max-recoveries", type=int, default=5,
-                   help="times a group that loses a rank is re-formed before failing (0: never)")
+                   help="re-formations allowed within --recovery-window before failing (0: never)")
+    p.add_argument("--recovery-window", type=float, default=600.0,
+                   help="seconds over which --max-recoveries re-formations are counted")
     add_disagg_arguments(p)
 
 
@@ -89,8 +91,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds any collective or KV transfer may take before a group fails")
     p.add_argument("--max-recoveries", type=int, default=5,
-                   help="times a group that loses a rank is re-formed (its requests resumed) "
-                        "before the server fails them (0: never)")
+                   help="re-formations (a group that loses a rank, its requests resumed) "
+                        "allowed within --recovery-window; one more and the server fails "
+                        "its requests (0: never re-form)")
+    p.add_argument("--recovery-window", type=float, default=600.0,
+                   help="seconds over which --max-recoveries re-formations are counted")
     p.add_argument("--routing-policy", default=None,
                    help="routing policy over DP groups (default: prefix_aware)")
 
@@ -110,8 +115,8 @@ def _generate(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     llm = LLM(args.model, tp=args.tp, dp=args.dp, page_size=args.page_size, num_pages=args.num_pages,
               device=args.device, collective_timeout_s=args.collective_timeout,
-              max_recoveries=args.max_recoveries, ep_exchange=args.ep_exchange,
-              **disagg_kwargs(args))
+              max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
+              ep_exchange=args.ep_exchange, **disagg_kwargs(args))
     try:
         return _run_generate(llm, args, params)
     finally:

@@ -199,7 +199,10 @@ class ParallelConfig:
     tp: int = 1
     dp: int = 1
     collective_timeout_s: float = 30.0  # every collective and rendezvous ends within this
-    max_recoveries: int = 5  # groups re-formed after rank failures before giving up (0: none)
+    # Restart intensity (ARCHITECTURE §5): at most max_recoveries re-formations within
+    # any recovery_window_s seconds; one more fails the layout (0: a death is final).
+    max_recoveries: int = 5
+    recovery_window_s: float = 600.0
     # MoE all-to-all over a DP×EP world (`kernels.dispatch`): "exact" (uneven splits; the
     # host reads the counts every layer) or "padded" (equal splits sized by the step's
     # agreed token count, padding rows skipped by the experts; no counts exchange, no
@@ -214,6 +217,8 @@ class ParallelConfig:
         _require(isinstance(self.max_recoveries, int) and self.max_recoveries >= 0,
                  "max_recoveries", f"must be an integer >= 0, got {self.max_recoveries!r}")
         _require(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
+        _require(self.recovery_window_s > 0, "recovery_window_s",
+                 f"must be positive, got {self.recovery_window_s}")
         _require(self.collective_timeout_s > 0, "collective_timeout_s",
                  f"must be positive, got {self.collective_timeout_s}")
         _require(self.ep_exchange in ("exact", "padded", "peer"), "ep_exchange",

@@ -41,7 +41,7 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   seed: int = 0, enforce_eager: bool = False,
                   gpu_memory_utilization: float = 0.9,
                   collective_timeout_s: float = 30.0, max_recoveries: int = 5,
-                  ep_exchange: str = "exact",
+                  recovery_window_s: float = 600.0, ep_exchange: str = "exact",
                   kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
                   ) -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
@@ -62,7 +62,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len),
         parallel=ParallelConfig(tp=tp, dp=dp, collective_timeout_s=collective_timeout_s,
-                                max_recoveries=max_recoveries, ep_exchange=ep_exchange),
+                                max_recoveries=max_recoveries,
+                                recovery_window_s=recovery_window_s, ep_exchange=ep_exchange),
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
 
 
@@ -76,7 +77,7 @@ class LLM:
                  device: str = "cpu", dtype: str = "auto", seed: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  collective_timeout_s: float = 30.0, max_recoveries: int = 5,
-                 ray_address: Optional[str] = None,
+                 recovery_window_s: float = 600.0, ray_address: Optional[str] = None,
                  prefill_tp: Optional[int] = None, decode_dp: Optional[int] = None,
                  decode_tp: Optional[int] = None, prefill_instances: Optional[int] = None,
                  prefill_page_size: Optional[int] = None, ep_exchange: str = "exact",
@@ -95,6 +96,7 @@ class LLM:
             max_model_len=max_model_len, device=device, dtype=dtype, seed=seed,
             enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
             collective_timeout_s=collective_timeout_s, max_recoveries=max_recoveries,
+            recovery_window_s=recovery_window_s,
             ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes)
         self.engine: Optional[LLMEngine] = None
         self.group = None

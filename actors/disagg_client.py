@@ -12,6 +12,9 @@ taken apart the same way, in stages that the polls move on (`abort_cleanup`), so
 never waits on a rank. If the decode group loses a rank, it is
 re-formed too and its requests resume from prompt + the tokens already delivered
 (`disagg_recovery`); every output carries its index, so the caller sees each token once.
+Every failure goes to one recovery loop (`Recovery`, run at the top of each `poll`):
+deaths during a re-formation, or in two groups at once, only form again, until the
+restart intensity is exceeded (`GroupFailure`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -33,10 +37,12 @@ from ..kv_transfer.staging_memory import staging_bytes
 from ..log import get_logger
 from .abort_cleanup import AbortCleanup
 from .decode_rank import RemoteDecodeRank
-from .disagg_recovery import ACTOR_ERRORS, DecodeLost, DisaggRecovery
+from .disagg_recovery import (CALL_ERRORS, DECODE, DecodeLost, DisaggRecovery,
+                              prefill_key)
 from .disagg_views import DisaggViews
 from .held_reports import HeldReports
 from .prefill_rank import KVDestination, RemotePrefillRank
+from .recovery import Recovery, intensity_of
 from .supervisor import GroupSupervisor, ensure_ray
 
 log = get_logger(__name__)
@@ -110,8 +116,19 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         self._arrivals = itertools.count()
         self._held = HeldReports()
         self._aborting: dict[str, AbortCleanup] = {}  # aborted while prefilling, by id
-        self.recoveries = 0  # prefill instances replaced
-        self.decode_recoveries = 0  # decode groups replaced
+        groups = {DECODE: self.decode, **{prefill_key(i): g for i, g in enumerate(self.prefill)}}
+        self.recovery = Recovery(groups, intensity_of(decode_config), on_fence=self._on_fence,
+                                 on_resume=self._on_resume)
+
+    @property
+    def recoveries(self) -> int:
+        """Prefill instances re-formed so far."""
+        return sum(n for key, n in self.recovery.formed.items() if key != DECODE)
+
+    @property
+    def decode_recoveries(self) -> int:
+        """Decode groups re-formed so far."""
+        return self.recovery.formed[DECODE]
 
     def _learn_decode_layout(self) -> None:
         """The decode ranks' KV receivers and layout (after each formation)."""
@@ -129,6 +146,7 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         """Queue a request (ValueError naming what is wrong with it, checked here without
         a call to a rank); the next `poll` starts it, with every request queued meanwhile
         in one round of calls."""
+        self.recovery.raise_if_failed()
         if request_id in self._reqs:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if request_id in self._aborting:
@@ -149,6 +167,8 @@ class DisaggClient(DisaggRecovery, DisaggViews):
             return
         if req.state == "queued":
             self._queue.remove(request_id)
+        elif not self.recovery.serving(DECODE):
+            return  # its pages and gates go with the decode group's epoch
         elif req.state == "prefill":  # taken apart by the polls: never waits on a rank
             self._aborting[request_id] = self._abort_cleanup(req)
         else:
@@ -159,7 +179,7 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         of calls per batch (not per request): each DP leader reserves its requests' pages
         in arrival order and takes none after one that does not fit; a batch that starts
         nothing ends the pump until the next poll."""
-        while self._queue:
+        while self._queue and self.recovery.serving(DECODE) and self._serving_instances():
             batch = [self._reqs[rid] for rid in itertools.islice(self._queue, PUMP_BATCH)]
             try:
                 started = self._start_prefills(batch)
@@ -169,6 +189,14 @@ class DisaggClient(DisaggRecovery, DisaggViews):
                 return
             self._queue = deque(rid for rid in self._queue
                                 if self._reqs[rid].state == "queued")
+
+    def _serving_instances(self) -> list[int]:
+        return [i for i in range(len(self.prefill)) if self.recovery.serving(prefill_key(i))]
+
+    def _instance_for(self, request_id: str) -> int:
+        """The placement's prefill instance, or the next serving one while it is down."""
+        chosen, serving = self.place_prefill(request_id), self._serving_instances()
+        return chosen if chosen in serving else min(serving, key=lambda i: (i - chosen) % len(self.prefill))
 
     def _decode_ranks(self, dp_rank: int) -> list:
         tp = self.layout.decode_tp
@@ -200,7 +228,7 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         by_instance: dict[int, list[tuple[_Request, KVDestination]]] = {}
         tp = self.layout.decode_tp
         for req, (pages, cached) in reserved:
-            req.instance, req.key = self.place_prefill(req.request_id), next(self._keys)
+            req.instance, req.key = self._instance_for(req.request_id), next(self._keys)
             req.state, req.sent, req.first = "prefill", set(), None
             dp = req.dp_rank
             dest = KVDestination(req.request_id, req.transfer_id,
@@ -209,25 +237,41 @@ class DisaggClient(DisaggRecovery, DisaggViews):
                                  start=cached)
             by_instance.setdefault(req.instance, []).append((req, dest))
         for index, items in by_instance.items():
-            group = self.prefill[index]
-            try:
-                ray.get([a.expect.remote(req.key, dest) for req, dest in items for a in group.actors])
-                ray.get([group.leaders[0].submit_prefill.remote(req.request_id, req.tokens,
-                                                                req.params, req.key)
-                         for req, _ in items])
-            except ACTOR_ERRORS:
-                self._recover_prefill(index)
+            self._send_to_instance(index, items)
         return [req for req, _ in reserved if req.state == "prefill"]
+
+    def _send_to_instance(self, index: int, items: list[tuple[_Request, KVDestination]]) -> None:
+        """Every rank of instance `index` learns where each request's KV goes, then its
+        leader starts them. A failed prefill rank reports the instance lost; a rank that
+        cannot reach a decode rank (its connection fails) reports the decode group lost:
+        either group's fence takes the requests back."""
+        group = self.prefill[index]
+        epoch = group.epoch
+        try:
+            ray.get([a.expect.remote(req.key, dest) for req, dest in items for a in group.actors],
+                    timeout=group.deadline_s + 5.0)
+            ray.get([group.leaders[0].submit_prefill.remote(req.request_id, req.tokens,
+                                                            req.params, req.key)
+                     for req, _ in items], timeout=group.deadline_s + 5.0)
+        except CALL_ERRORS as e:
+            self.recovery.lost(prefill_key(index), epoch, e)
+        except Exception as e:  # noqa: BLE001 - e.g. TransferError: a decode rank unreachable
+            log.warning("kv_destination_unreachable", instance=index, error=str(e)[:300])
+            self.recovery.lost(DECODE, self.decode.epoch, e)
 
     # -- outputs ---------------------------------------------------------------------
     def poll(self) -> list[StepOutput]:
         """Tokens of any request since the last poll, waiting at most ~`POLL_S`."""
+        self.recovery.reconcile()
         try:
             self._advance_aborts()
-        except DecodeLost as e:  # recovered: the requests are queued again
-            log.warning("decode_group_replaced", epoch=self.decode.epoch, error=str(e))
+        except DecodeLost as e:  # its fence (next poll) puts the requests back in the queue
+            log.warning("decode_group_lost", epoch=self.decode.epoch, error=str(e))
         self._pump()
         self._issue_polls()
+        if not self._pending:  # every group is down, re-forming after a backoff
+            time.sleep(self.recovery.wait_hint(POLL_S))
+            return []
         ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=2 * POLL_S)
         if ready:
             ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
@@ -238,19 +282,21 @@ class DisaggClient(DisaggRecovery, DisaggViews):
                     self._take(ref, tag)
             self._hand_over([r for r in self._reqs.values() if r.state == "prefill"
                              and r.first is not None and len(r.sent) == self.layout.prefill_tp])
-        except DecodeLost as e:  # recovered: the requests are queued again
-            log.warning("decode_group_replaced", epoch=self.decode.epoch, error=str(e))
+        except DecodeLost as e:  # its fence (next poll) puts the requests back in the queue
+            log.warning("decode_group_lost", epoch=self.decode.epoch, error=str(e))
         out, self._out = self._out, []
         return out
 
     def _issue_polls(self) -> None:
         waiting = set(self._pending.values())
         for i, group in enumerate(self.prefill):
+            if not self.recovery.serving(prefill_key(i)):
+                continue
             for r, actor in enumerate(group.actors):
                 tag = ("prefill", i, r, group.epoch)
                 if tag not in waiting:
                     self._pending[actor.poll_events.remote(POLL_S)] = tag
-        for d, leader in enumerate(self.decode.leaders):
+        for d, leader in enumerate(self.decode.leaders if self.recovery.serving(DECODE) else ()):
             tag = ("decode", d, 0, self.decode.epoch)
             if tag not in waiting:
                 self._pending[leader.poll.remote(POLL_S)] = tag
@@ -271,13 +317,12 @@ class DisaggClient(DisaggRecovery, DisaggViews):
                 if o.finished:
                     self._reqs.pop(o.request_id, None)
             return
-        if epoch != self.prefill[index].epoch:
+        if epoch != self.prefill[index].epoch or not self.recovery.serving(prefill_key(index)):
             return  # fencing: a result of a replaced instance never counts
         try:
             outs, events = ray.get(ref)
-        except ACTOR_ERRORS as e:
-            log.warning("prefill_instance_failed", instance=index, epoch=epoch, error=str(e)[:300])
-            self._recover_prefill(index)
+        except CALL_ERRORS as e:
+            self.recovery.lost(prefill_key(index), epoch, e)
             return
         for o in outs:
             self._on_first_token(index, o)
@@ -310,7 +355,8 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         if not reqs:
             return
         for req in reqs:
-            self.prefill[req.instance].leaders[0].release.remote(req.request_id)
+            if self.recovery.serving(prefill_key(req.instance)):
+                self.prefill[req.instance].leaders[0].release.remote(req.request_id)
         self._decode_call(lambda: ray.get([rank.close_gate.remote(req.transfer_id)
                                            for req in reqs
                                            for rank in self._decode_ranks(req.dp_rank)]))
@@ -331,6 +377,7 @@ class DisaggClient(DisaggRecovery, DisaggViews):
 
     # -- operations ------------------------------------------------------------------
     def stats(self) -> dict:
+        self.recovery.raise_if_failed()
         return {"decode": ray.get([a.stats.remote() for a in self.decode.actors]),
                 "prefill": [ray.get([a.stats.remote() for a in g.actors]) for g in self.prefill],
                 "prefill_epochs": [g.epoch for g in self.prefill],

@@ -1,15 +1,17 @@
 """Failure handling of the disaggregated layout (ARCHITECTURE §5), mixed into
-`DisaggClient`: a prefill instance or the decode group that loses a rank is replaced
-under a new epoch, and every request it held goes back to the queue.
+`DisaggClient`: every failed call is reported to the recovery loop (`Recovery`, over
+the reconciler), which fences the group it belongs to, re-forms it under a new epoch
+and resumes it from `poll`; what each group's fence and resume do to the requests is
+here.
 
-- Prefill instance lost: its requests' decode gates close and their decode pages are
+- Prefill instance fenced: its requests' decode gates close and their decode pages are
   returned, then they are prefilled again from the same prompt (their first token, if
   the caller already has it, is not emitted twice: the same seed gives the same token).
-- Decode group lost: requests being prefilled for it are withdrawn from the prefill side
-  (their held pages freed); requests it was decoding resume from prompt + the tokens the
-  caller already has, on the re-formed group: sampling is seeded per (request, position),
-  so the continuation is the one the lost group would have produced, and the output
-  index of each new token continues where the caller stopped.
+- Decode group fenced: requests being prefilled for it are withdrawn from the prefill
+  side (their held pages freed); requests it was decoding resume from prompt + the
+  tokens the caller already has, on the re-formed group: sampling is seeded per
+  (request, position), so the continuation is the one the lost group would have
+  produced, and the output index of each new token continues where the caller stopped.
 - A request aborted while prefilling goes through a prefill failure's stages without the
   requeue, moved on by the polls (`_abort_cleanup`, `_advance_aborts`).
 """
@@ -23,11 +25,17 @@ from ..engine.rank_spec import RankFailure
 from ..log import get_logger
 from .abort_cleanup import AbortCleanup, Stage
 from .resume import resume_from
-from .supervisor import GroupFailure, settle
+from .supervisor import settle
 
 log = get_logger(__name__)
 
 ACTOR_ERRORS = (RankFailure, RayActorError)
+CALL_ERRORS = (RankFailure, RayActorError, GetTimeoutError)
+DECODE = "decode"
+
+
+def prefill_key(index: int) -> tuple[str, int]:
+    return ("prefill", index)
 
 
 def _running(refs: list) -> list:
@@ -36,21 +44,24 @@ def _running(refs: list) -> list:
 
 
 class DecodeLost(RuntimeError):
-    """The decode group failed during a call and was replaced; the call's work is void
-    (its requests were put back in the queue by the recovery)."""
+    """The decode group failed during a call (reported to the recovery loop); the call's
+    work is void: the group's fence takes its requests back."""
 
 
 class DisaggRecovery:
     """Recovery methods of `DisaggClient` (state and helpers live there)."""
 
     def _decode_call(self, fn):
-        """Run a call on the decode group; on a rank failure, replace the group and
-        raise `DecodeLost`."""
+        """Run a call on the decode group; on a failure, report the group lost and raise
+        `DecodeLost` (also when it is down already)."""
+        epoch = self.decode.epoch
+        if not self.recovery.serving(DECODE):
+            raise DecodeLost(f"decode group epoch {epoch} is down")
         try:
             return fn()
-        except ACTOR_ERRORS as e:
-            self._recover_decode(e)
-            raise DecodeLost(f"decode group epoch {self.decode.epoch - 1} failed") from e
+        except CALL_ERRORS as e:
+            self.recovery.lost(DECODE, epoch, e)
+            raise DecodeLost(f"decode group epoch {epoch} failed") from e
 
     def _abandon(self, req, instance_alive: bool) -> None:
         """Give up this prefill attempt: its prefill ranks stop streaming it (what they
@@ -69,16 +80,20 @@ class DisaggRecovery:
         self._requeue(req)
 
     def _abort_cleanup(self, req) -> AbortCleanup:
-        """`_abandon`'s stages for an aborted attempt, the first one issued now."""
+        """`_abandon`'s stages for an aborted attempt, the first one issued now (the
+        decode group serves; an instance that is down has nothing left to forget)."""
         group, ranks = self.prefill[req.instance], self._decode_ranks(req.dp_rank)
         leader = self.decode.leaders[req.dp_rank]
+        alive = self.recovery.serving(prefill_key(req.instance))
+        prefill = list(group.actors) if alive else []
 
         def release() -> list:
-            group.leaders[0].abort.remote(req.request_id)
+            if prefill:
+                prefill[0].abort.remote(req.request_id)
             return [leader.unreserve.remote(req.request_id)]
 
         return AbortCleanup(req.request_id, self.decode.epoch, [
-            Stage("forget", lambda: [a.forget.remote(req.key) for a in group.actors],
+            Stage("forget", lambda: [a.forget.remote(req.key) for a in prefill],
                   group.deadline_s),
             Stage("gates", lambda: [r.close_gate.remote(req.transfer_id) for r in ranks], None),
             Stage("pages", release, None)])
@@ -119,7 +134,10 @@ class DisaggRecovery:
                         request_id=req.request_id, error=str(e)[:200])
 
     def _withdraw_prefill(self, req) -> None:
-        """Stop the prefill side of `req`'s attempt: no more streaming, pages freed."""
+        """Stop the prefill side of `req`'s attempt: no more streaming, pages freed
+        (nothing to do on an instance that is down: its actors are gone)."""
+        if not self.recovery.serving(prefill_key(req.instance)):
+            return
         group = self.prefill[req.instance]
         for a in group.actors:
             a.forget.remote(req.key)
@@ -130,20 +148,10 @@ class DisaggRecovery:
         if req.request_id in self._reqs and req.request_id not in self._queue:
             self._queue.appendleft(req.request_id)
 
-    def _recover_prefill(self, index: int) -> None:
-        """Replace a failed prefill instance (new epoch) and prefill its requests again.
-        Past `max_recoveries` replacements per instance (over all instances) the layout
-        gives up: `GroupFailure`."""
-        group = self.prefill[index]
-        deaths = group.deaths()
-        log.warning("prefill_recovery", instance=index, epoch=group.epoch,
-                    deaths=[(d.rank, d.reason[:120]) for d in deaths])
-        if self.recoveries >= self.config.parallel.max_recoveries * len(self.prefill):
-            # Every rank's end, so that a dead one is named even when a survivor's own
-            # failure (which saw it go) reached us before Ray's report of its death.
-            raise GroupFailure(group.epoch, group.wait_for_failure(
-                min(group.deadline_s + 5.0, 30.0)) or deaths)
-        group.shutdown()
+    def _fence_prefill(self, index: int) -> None:
+        """Instance `index` is gone (its actors killed): its answers are void and its
+        requests are prefilled again, each after its decode gates closed and its decode
+        pages came back (unless the decode group is down too: its fence takes them)."""
         settle(ref for ref, tag in self._pending.items() if tag[0] == "prefill" and tag[1] == index)
         self._pending = {ref: tag for ref, tag in self._pending.items()
                          if not (tag[0] == "prefill" and tag[1] == index)}
@@ -151,19 +159,14 @@ class DisaggRecovery:
                        if r.state == "prefill" and r.instance == index),
                       key=lambda r: r.arrival, reverse=True)
         for req in lost:
-            self._abandon(req, instance_alive=False)
-        group.form()
-        self.recoveries += 1
+            try:
+                self._abandon(req, instance_alive=False)
+            except DecodeLost:
+                return  # the decode group's fence takes back the rest
 
-    def _recover_decode(self, error: BaseException) -> None:
-        """Replace the decode group (new epoch); requeue what it held, in arrival order."""
-        group = self.decode
-        deaths = group.wait_for_failure(min(group.deadline_s + 5.0, 30.0))
-        log.warning("decode_recovery", epoch=group.epoch, error=str(error)[:200],
-                    deaths=[(d.rank, d.reason[:120]) for d in deaths])
-        if self.decode_recoveries >= self.config.parallel.max_recoveries:
-            raise GroupFailure(group.epoch, deaths) from error
-        group.shutdown()
+    def _fence_decode(self) -> None:
+        """The decode group is gone: requeue what it held, in arrival order (those being
+        prefilled for it are withdrawn from their prefill instance first)."""
         settle(ref for ref, tag in self._pending.items() if tag[0] == "decode")
         self._pending = {ref: tag for ref, tag in self._pending.items() if tag[0] != "decode"}
         held = sorted((r for r in self._reqs.values() if r.state in ("prefill", "decode")),
@@ -175,9 +178,19 @@ class DisaggRecovery:
                 self._resume(req)
             req.dp_rank = -1  # placed again on the new group
             self._requeue(req)
-        group.form()
-        self._learn_decode_layout()
-        self.decode_recoveries += 1
+        for req in self._reqs.values():
+            req.dp_rank = -1 if req.state == "queued" else req.dp_rank
+        self._aborting.clear()  # their pages and gates went with the group
+
+    def _on_fence(self, key) -> None:
+        if key == DECODE:
+            self._fence_decode()
+        else:
+            self._fence_prefill(key[1])
+
+    def _on_resume(self, key) -> None:
+        if key == DECODE:
+            self._learn_decode_layout()
 
     def _resume(self, req) -> None:
         """Continue `req` from its prompt + the tokens the caller already has."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ray
 
-from .disagg_recovery import ACTOR_ERRORS, DecodeLost
+from .disagg_recovery import CALL_ERRORS, DecodeLost
 from .group_client import VIEW_TIMEOUT_S, actor_nodes
 
 
@@ -35,7 +35,9 @@ class DisaggViews:
         decode = self._decode_view("stats")
         return {"decode": decode, "prefill": self._prefill_view("stats", {}),
                 "queued": len(self._queue), "aborting": len(self._aborting),
-                "recoveries": self.recoveries + self.decode_recoveries}
+                "recoveries": self.recoveries + self.decode_recoveries,
+                "width": self.layout.decode_dp,
+                "prefill_width": len(self._serving_instances())}
 
     def held_prefixes(self) -> dict:
         """`{"decode": [per decode DP leader: the page hashes it holds, or {"evicted":
@@ -54,28 +56,31 @@ class DisaggViews:
                             for i, r in enumerate(prefill)]}
 
     def _decode_view(self, method: str, args_of=lambda g: ()) -> list:
-        """`method(*args_of(g))` of each decode DP leader g (asked again once if the group
-        had to be replaced meanwhile)."""
+        """`method(*args_of(g))` of each decode DP leader g; TimeoutError while the group
+        is down (ask again later), `GroupFailure` once the layout gave up."""
         def ask():
             leaders = self.decode.leaders
             return self._decode_call(lambda: ray.get(
                 [getattr(a, method).remote(*args_of(g)) for g, a in enumerate(leaders)],
                 timeout=VIEW_TIMEOUT_S))
+        self.recovery.raise_if_failed()
         try:
             return ask()
-        except DecodeLost:
-            return ask()
+        except DecodeLost as e:
+            raise TimeoutError(f"the decode group is down or being re-formed ({e}); "
+                               "ask again") from e
 
     def _prefill_view(self, method: str, missing, args_of=lambda i: ()):
         """`method(*args_of(i))` of each prefill instance i's leader; `missing` for a
         failed one (its recovery is `poll`'s business)."""
-        refs = [getattr(g.leaders[0], method).remote(*args_of(i)) if g.actors else None
+        refs = [getattr(g.leaders[0], method).remote(*args_of(i))
+                if g.actors and self.recovery.serving(("prefill", i)) else None
                 for i, g in enumerate(self.prefill)]
         out = []
         for ref in refs:
             try:
                 out.append(missing if ref is None else ray.get(ref, timeout=VIEW_TIMEOUT_S))
-            except ACTOR_ERRORS:
+            except CALL_ERRORS:
                 out.append(missing)
         return out
 

@@ -75,22 +75,25 @@ class GroupSupervisor:
     def leaders(self) -> list:
         return self.actors[::self.tp]
 
-    def form(self) -> None:
-        """Start every rank of a new epoch; returns once all have met and loaded.
+    def form(self, min_epoch: int = 0) -> None:
+        """Start every rank of a new epoch (at least `min_epoch`); returns once all have
+        met and loaded. The first failure of any rank's call (its process died, its
+        rendezvous or load failed) raises at once, without waiting for the others.
 
         The rendezvous port is picked free by rank 0's actor and bound later by the
         process group's store, so another socket can take it in between (seen in CI:
         EADDRINUSE while re-forming). Such a formation is torn down and tried again
         under the next epoch with a new port, up to FORM_ATTEMPTS times."""
+        self.epoch = max(self.epoch, min_epoch - 1)
         for attempt in range(1, FORM_ATTEMPTS + 1):
             try:
                 self._form_once()
                 return
-            except RayTaskError as e:
-                if attempt == FORM_ATTEMPTS or not _port_taken(e):
+            except BaseException as e:
+                self.shutdown()  # nothing of a formation that failed stays behind
+                if not isinstance(e, RayTaskError) or attempt == FORM_ATTEMPTS or not _port_taken(e):
                     raise
                 log.warning("rendezvous_port_taken", epoch=self.epoch, attempt=attempt)
-                self.shutdown()
 
     def _form_once(self) -> None:
         self.epoch += 1
@@ -99,7 +102,7 @@ class GroupSupervisor:
         # One placement group per TP group, strictly packed on one node (TP stays inside
         # a node's fast links); DP groups may land on different nodes.
         self._pgs = [placement_group([bundle] * self.tp, strategy="STRICT_PACK") for _ in range(self.dp)]
-        ray.get([pg.ready() for pg in self._pgs], timeout=START_TIMEOUT_S)
+        gather([pg.ready() for pg in self._pgs], START_TIMEOUT_S)
         env = {"runtime_env": {"env_vars": env_vars}} if (env_vars := self._env_vars()) else {}
         self.actors = [
             self.actor_cls.options(
@@ -108,12 +111,11 @@ class GroupSupervisor:
                     self._pgs[r // self.tp], placement_group_bundle_index=r % self.tp),
                 **env,
             ).remote(None) for r in range(self.world_size)]
-        address = ray.get(self.actors[0].rendezvous_address.remote(), timeout=START_TIMEOUT_S)
+        (address,) = gather([self.actors[0].rendezvous_address.remote()], START_TIMEOUT_S)
         specs = [RankSpec(r, self.tp, self.dp, self.epoch, address, self.deadline_s, self.config)
                  for r in range(self.world_size)]
-        refs = [a.configure.remote(s) for a, s in zip(self.actors, specs)]
-        ray.get(refs, timeout=START_TIMEOUT_S)
-        self.start_info = ray.get([a.start.remote() for a in self.actors], timeout=START_TIMEOUT_S)
+        gather([a.configure.remote(s) for a, s in zip(self.actors, specs)], START_TIMEOUT_S)
+        self.start_info = gather([a.start.remote() for a in self.actors], START_TIMEOUT_S)
         self._waits = {a.wait.remote(): r for r, a in enumerate(self.actors)}
         log.info("group_formed", epoch=self.epoch, tp=self.tp, dp=self.dp, address=address)
 
@@ -153,21 +155,49 @@ class GroupSupervisor:
             deaths = self.deaths()
         return deaths
 
+    @property
+    def pids(self) -> list[int]:
+        """Each rank's process id, by rank (once formed)."""
+        return [int(info["pid"]) for info in sorted(self.start_info, key=lambda i: i["rank"])]
+
     def shutdown(self) -> None:
+        """Kill every actor of this epoch and free its placement groups (never raises:
+        some of them may be dead or half made)."""
         for a in self.actors:
-            try:
-                a.stop.remote()
-            except RayActorError:
-                pass
+            _quietly(lambda: a.stop.remote())
         for a in self.actors:
-            ray.kill(a, no_restart=True)
+            _quietly(lambda: ray.kill(a, no_restart=True))
         for pg in self._pgs:
-            remove_placement_group(pg)
-        self.actors, self._waits, self._pgs = [], {}, []
+            _quietly(lambda: remove_placement_group(pg))
+        self.actors, self._waits, self._pgs, self.start_info = [], {}, [], []
 
     def failure(self, timeout_s: float = 0.0) -> Optional[GroupFailure]:
         deaths = self.deaths(timeout_s)
         return GroupFailure(self.epoch, deaths) if deaths else None
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - tearing down what may already be gone
+        log.debug("teardown_step_failed", error=repr(e)[:200])
+
+
+def gather(refs: list, timeout_s: float) -> list:
+    """`ray.get(refs)`, but the first call that fails raises at once (a dead rank's
+    error, while its peers still wait for it in a rendezvous); GetTimeoutError when
+    not all have answered within `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise GetTimeoutError(f"{len(pending)} of {len(refs)} calls unanswered after "
+                                  f"{timeout_s} s")
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            ray.get(ref)  # raises the call's error now
+    return ray.get(list(refs))
 
 
 def _port_taken(error: Exception) -> bool:
@@ -200,5 +230,5 @@ def ensure_ray(num_cpus: Optional[int] = None, address: Optional[str] = None) ->
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
-__all__ = ["GroupSupervisor", "GroupFailure", "RankDeath", "ensure_ray", "settle",
+__all__ = ["GroupSupervisor", "GroupFailure", "RankDeath", "ensure_ray", "gather", "settle",
            "GetTimeoutError"]

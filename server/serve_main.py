@@ -64,7 +64,8 @@ def run_serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, num_pages=args.num_pages, max_model_len=args.max_model_len,
             device=args.device, seed=args.seed, collective_timeout_s=args.collective_timeout,
-            max_recoveries=args.max_recoveries, ep_exchange=args.ep_exchange,
+            max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
+            ep_exchange=args.ep_exchange,
             ray_address=args.address)
         _restore(previous)
         asyncio.run(_serve(backend, args))

@@ -96,7 +96,7 @@ async def test_start_local_cluster_routes_matches_offline_recovers_and_fails_503
     from phalanx import SamplingParams
 
     client = start_local(tiny_model, tp=1, dp=2, model_name=MODEL, max_num_seqs=16,
-                         num_pages=256, collective_timeout_s=5)
+                         num_pages=256, collective_timeout_s=5, max_recoveries=1)
     try:
         assert type(client.backend).__name__ == "ClusterBackend"
         prompts = _prompts(8)
@@ -129,8 +129,8 @@ async def test_start_local_cluster_routes_matches_offline_recovers_and_fails_503
             await asyncio.sleep(0.05)
         assert client.backend.stats()["recoveries"] == 1.0 and client.backend.healthy()
 
-        # Past its recovery budget a rank death is final: 503, unhealthy.
-        group.max_recoveries = group.recoveries
+        # Past its restart intensity (1 within the default window) a rank death is
+        # final: 503, unhealthy.
         ray.kill(group.supervisor.actors[1], no_restart=True)
         with pytest.raises(APIError) as err:
             for _ in range(100):  # until the failure is seen (at most one deadline)

@@ -1,0 +1,245 @@
+"""The reconciler: one loop that makes the live groups match the desired layout
+(ARCHITECTURE §5). Plain logic: no Ray, no torch, no clock of its own.
+
+State per group (a key such as "decode" or ("prefill", 0)): the epoch it serves or
+last tried, and a phase:
+
+    serving ──RankLost──▶ down ──(Fence)──▶ fenced ──(Form, budget allows)──▶ forming
+       ▲                                      ▲                                  │
+       └──────────── Formed (+ Resume) ───────┴──────── FormFailed / RankLost ◀──┘
+
+Events come from anywhere (a rank's death reported by Ray, a failed call, a deadline,
+a formation that did not finish): `observe` folds each into the state, and an event of
+an epoch that is not the group's current one is dropped (fencing: a late report of a
+replaced group never touches its successor). `actions(now)` says what to do next, in
+this order: fence every group that is down (tear down its epoch, take its requests
+back), then form each fenced group whose backoff has passed, if the restart intensity
+allows (at most `max_restarts` formations within `window_s` seconds, as an Erlang/OTP
+supervisor), else give up. A group that is formed is resumed (its requests handed to
+it). A death during a formation is just another event: the group is fenced and formed
+again under the next epoch, after a backoff that doubles with each failed attempt in a
+row. The executor (the client that owns the actors) carries out each action and
+reports the outcome as the next event; nothing here can raise into a caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Union
+
+__all__ = ["Phase", "RestartIntensity", "RankLost", "Formed", "FormFailed", "Fence", "Form",
+           "Resume", "GiveUp", "Reconciler", "Event", "Action"]
+
+
+class Phase(str, Enum):
+    SERVING = "serving"
+    DOWN = "down"  # lost a rank; its epoch is not fenced yet
+    FENCED = "fenced"  # its epoch is torn down; waiting to form again
+    FORMING = "forming"
+
+
+@dataclass(frozen=True, slots=True)
+class RestartIntensity:
+    """At most `max_restarts` formations within any `window_s` seconds (0: a death is
+    final). Attempts in a row without serving wait `backoff_s`, doubled each time, at
+    most `max_backoff_s`; the first attempt after a group served goes at once."""
+
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_s: float = 0.25
+    max_backoff_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if not self.window_s > 0:
+            raise ValueError(f"recovery window must be positive, got {self.window_s}")
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"backoff: 0 <= backoff_s <= max_backoff_s required, got "
+                             f"{self.backoff_s}, {self.max_backoff_s}")
+
+    def delay(self, failed_in_a_row: int) -> float:
+        """The wait before the next attempt after `failed_in_a_row` failed formations."""
+        if failed_in_a_row <= 0:
+            return 0.0
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (failed_in_a_row - 1))
+
+
+# -- events (what happened) -----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RankLost:
+    """A rank of `key`'s `epoch` died, or a call into it failed or timed out."""
+
+    key: Hashable
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Formed:
+    key: Hashable
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class FormFailed:
+    key: Hashable
+    epoch: int
+    reason: str
+
+
+Event = Union[RankLost, Formed, FormFailed]
+
+
+# -- actions (what to do) -------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """Tear down `key`'s `epoch` (every actor of it) and take back its requests."""
+
+    key: Hashable
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """Form `key` again under an epoch of at least `epoch` (the executor may skip some,
+    e.g. to retry a taken port); report `Formed` or `FormFailed` with the epoch used.
+    Events of earlier epochs are dropped from now on."""
+
+    key: Hashable
+    epoch: int
+    attempt: int  # formations of this group in a row since it last served (1, 2, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """`key` serves under `epoch`: hand it the requests it should hold."""
+
+    key: Hashable
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """The restart intensity is exceeded: the layout fails for good."""
+
+    reasons: tuple[str, ...]
+    restarts: int
+
+
+Action = Union[Fence, Form, Resume, GiveUp]
+
+
+@dataclass(slots=True)
+class GroupState:
+    epoch: int
+    phase: Phase = Phase.SERVING
+    attempts: int = 0  # formations in a row that have not served yet
+    retry_at: float = 0.0
+    reasons: list[str] = field(default_factory=list)  # since it last served
+
+
+class Reconciler:
+    """Desired: every key serving. Actual: `groups`. See the module docstring."""
+
+    def __init__(self, epochs: dict[Hashable, int], intensity: RestartIntensity) -> None:
+        """`epochs`: each group's key and the epoch it serves under now."""
+        self.intensity = intensity
+        self.groups = {key: GroupState(epoch) for key, epoch in epochs.items()}
+        self.restarts: deque[float] = deque()  # when each formation started, in the window
+        self.total_restarts = 0
+        self.failed: GiveUp | None = None
+        self._resume: list[Resume] = []
+        self.history: list[tuple[float, str, Hashable, int, str]] = []  # (t, what, key, epoch, why)
+
+    # -- queries ---------------------------------------------------------------------
+    def serving(self, key: Hashable) -> bool:
+        return self.failed is None and self.groups[key].phase is Phase.SERVING
+
+    @property
+    def settled(self) -> bool:
+        """Every group serves (nothing to reconcile)."""
+        return self.failed is None and not self._resume and all(
+            g.phase is Phase.SERVING for g in self.groups.values())
+
+    def budget_left(self, now: float) -> int:
+        """Formations the intensity still allows within the window ending at `now`."""
+        recent = sum(t > now - self.intensity.window_s for t in self.restarts)
+        return max(0, self.intensity.max_restarts - recent)
+
+    def next_due(self) -> float | None:
+        """When the earliest deferred formation is due (None: none deferred)."""
+        due = [g.retry_at for g in self.groups.values() if g.phase is Phase.FENCED]
+        return min(due) if due and self.failed is None else None
+
+    # -- events ----------------------------------------------------------------------
+    def observe(self, event: Event, now: float = 0.0) -> bool:
+        """Fold `event` in; False when it was dropped (another epoch, or no longer
+        relevant to the group's phase)."""
+        g = self.groups.get(event.key)
+        if g is None or self.failed is not None:
+            return False
+        if g.phase is Phase.FORMING and event.epoch > g.epoch:
+            g.epoch = event.epoch  # the attempt runs under a later epoch than its floor
+        if event.epoch != g.epoch:
+            return False
+        if isinstance(event, Formed):
+            if g.phase is not Phase.FORMING:
+                return False
+            g.phase, g.attempts, g.reasons = Phase.SERVING, 0, []
+            self._resume.append(Resume(event.key, event.epoch))
+            self._note(now, "formed", event.key, event.epoch, "")
+            return True
+        if g.phase not in (Phase.SERVING, Phase.FORMING):
+            return False  # already down: one fence covers every report of this epoch
+        g.phase = Phase.DOWN
+        g.reasons.append(event.reason)
+        what = "form_failed" if isinstance(event, FormFailed) else "rank_lost"
+        self._note(now, what, event.key, event.epoch, event.reason)
+        return True
+
+    # -- the loop's next steps -------------------------------------------------------
+    def actions(self, now: float) -> list[Action]:
+        """What to do now (see the module docstring); the state moves as if each were
+        carried out: the executor reports how each formation ended."""
+        if self.failed is not None:
+            return []
+        out: list[Action] = []
+        for key, g in self.groups.items():
+            if g.phase is Phase.DOWN:
+                g.phase = Phase.FENCED
+                g.retry_at = now + self.intensity.delay(g.attempts)
+                out.append(Fence(key, g.epoch))
+        for key, g in self.groups.items():
+            if g.phase is not Phase.FENCED or g.retry_at > now:
+                continue
+            while self.restarts and self.restarts[0] <= now - self.intensity.window_s:
+                self.restarts.popleft()
+            if len(self.restarts) >= self.intensity.max_restarts:
+                reasons = tuple(r for s in self.groups.values() for r in s.reasons)
+                self.failed = GiveUp(reasons, self.total_restarts)
+                self._note(now, "gave_up", key, g.epoch, "; ".join(reasons)[:300])
+                return out + [self.failed]
+            self.restarts.append(now)
+            self.total_restarts += 1
+            g.phase, g.attempts, g.epoch = Phase.FORMING, g.attempts + 1, g.epoch + 1
+            out.append(Form(key, g.epoch, g.attempts))
+        out += self._resume
+        self._resume = []
+        return out
+
+    def _note(self, now: float, what: str, key: Hashable, epoch: int, why: str) -> None:
+        self.history.append((now, what, key, epoch, why))
+        del self.history[:-256]
+
+    def describe(self) -> dict:
+        """Plain data for logs and metrics."""
+        return {"groups": {str(k): dataclasses.asdict(g) | {"phase": g.phase.value}
+                           for k, g in self.groups.items()},
+                "restarts_in_window": len(self.restarts), "restarts": self.total_restarts,
+                "failed": self.failed is not None}
+

@@ -1,0 +1,158 @@
+"""Rank processes SIGKILLed from outside (pids from Ray's state) at seeded random moments
+of a streamed load through the SDK (`start_local`: the server's own request path, driver
+thread, router and request records), in the default disaggregated layout and a
+colocated DP×EP group: a second death while the group re-forms (three times in a row),
+two ranks at once, a prefill and a decode rank at once. Every stream, greedy or seeded
+sampled, must equal the fault-free single-rank run, each token once; afterwards no rank
+actor or placement group of a dead epoch is left and every KV pool is back to empty.
+Past the restart intensity the streams end with clean 503s and the backend is unhealthy;
+deaths spread wider than the window are survived."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from phalanx import LLM, SamplingParams
+from phalanx.chaos.drill import Kill, run_drill
+from phalanx.chaos.ranks import rank_processes, sigkill
+from phalanx.models.loader import read_model_config
+from phalanx.sdk import APIError, start_local
+
+pytestmark = pytest.mark.slow
+
+STREAMS = 16
+MAX_TOKENS = 96
+ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, page_size=4, num_pages=600)
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_model):
+    """16 requests, half greedy, half seeded sampling at temperature 0.8, and their
+    fault-free texts from the single-rank engine."""
+    rng = random.Random(11)
+    vocab = read_model_config(tiny_model).vocab_size
+    requests, params = [], []
+    for i in range(STREAMS):
+        prompt = [rng.randrange(vocab - 8) for _ in range(rng.randint(4, 60))]
+        body = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+        p = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        if i % 2:
+            seed = rng.randrange(1 << 30)
+            body.update(temperature=0.8, seed=seed)
+            p = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed)
+        requests.append((prompt, body))
+        params.append(p)
+    offline = LLM(tiny_model, **ENGINE)
+    outs = offline.generate(prompt_token_ids=[r[0] for r in requests], sampling_params=params)
+    return requests, [offline.decode(o.outputs[0].token_ids) for o in outs]
+
+
+def _client(tiny_model, layout: dict, **kw):
+    return start_local(tiny_model, model_name=MODEL, collective_timeout_s=5.0, **layout,
+                       **ENGINE, **kw)
+
+
+def _left_behind(client) -> dict:
+    """Rank actors and placement groups beyond those of the live epochs, and KV pages
+    still in use, once every request has ended."""
+    driver = client.backend._driver
+    group = driver._client
+    sups = [group.decode, *group.prefill] if hasattr(group, "prefill") else [group.supervisor]
+    live_pids = {p for s in sups for p in s.pids}
+    alive = [r.pid for r in rank_processes()]
+    pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
+    stats = group.leader_stats()
+    used = [s.get("kv_usage", 0.0) for side in ("decode", "prefill") for s in stats[side] if s]
+    return {"extra_ranks": sorted(set(alive) - live_pids),
+            "missing_ranks": sorted(live_pids - set(alive)),
+            "extra_pgs": len(pgs) - sum(s.dp for s in sups), "kv_used": [u for u in used if u]}
+
+
+def _settled_view(client, timeout_s: float = 30.0) -> dict:
+    """`_left_behind` once the layout serves again (the driver re-forms lazily)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _left_behind(client)
+        except TimeoutError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
+LAYOUTS = {"disagg": {}, "dp2": dict(dp=2)}
+PLANS = {
+    "death-during-reformation-x3": [Kill()] + [Kill(during_formation=True)] * 3,
+    "two-at-once": [Kill(role=("decode", "decode"))],
+    "prefill-and-decode-at-once": [Kill(role=("prefill", "decode"))],
+    "dp2-death-during-reformation-x3": [Kill()] + [Kill(during_formation=True)] * 3,
+    "dp2-two-at-once": [Kill(role=("group", "group"))],
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+async def test_streams_survive_external_kills(tiny_model, workload, name):
+    requests, references = workload
+    layout = LAYOUTS["dp2" if name.startswith("dp2") else "disagg"]
+    client = _client(tiny_model, layout)
+    try:
+        report = await run_drill(client, requests, references, PLANS[name], seed=7)
+        summary = report.summary()
+        print(name, summary)
+        assert not report.killer_error, summary
+        assert report.kills and len(report.kills) == sum(
+            len(k.role) if isinstance(k.role, tuple) else k.count for k in PLANS[name]), summary
+        assert report.identical == STREAMS and not report.errors, summary
+        recovery = client.backend._driver._client.recovery
+        if "during-reformation" in name:  # the later kills landed while it re-formed
+            assert sum(e[1] == "form_failed" for e in recovery.events) >= 1, recovery.events
+        assert client.backend.healthy()
+        left = _settled_view(client)
+        assert left == {"extra_ranks": [], "missing_ranks": [], "extra_pgs": 0, "kv_used": []}, left
+    finally:
+        await client.close()
+
+
+async def test_past_the_intensity_503_and_unhealthy(tiny_model, workload):
+    """R=1 within 60 s: the first death is re-formed; a second one, while that formation
+    runs, is one too many: every open stream ends with a clean 503 and the backend turns
+    unhealthy."""
+    requests, references = workload
+    client = _client(tiny_model, {}, max_recoveries=1, recovery_window_s=60.0)
+    try:
+        report = await run_drill(client, requests, references,
+                                 [Kill(role="decode"), Kill(during_formation=True)], seed=5)
+        summary = report.summary()
+        print(summary)
+        assert len(report.kills) == 2, summary
+        assert report.errors and all(status == 503 and code == "backend_failed"
+                                     for _, status, code in report.errors), summary
+        assert not report.mismatched, summary  # what finished before the end is exact
+        assert not client.backend.healthy()
+        with pytest.raises(APIError) as err:
+            await client.complete(requests[0][0], max_tokens=4)
+        assert err.value.status == 503
+    finally:
+        await client.close()
+
+
+async def test_deaths_wider_apart_than_the_window_are_survived(tiny_model, workload):
+    """R=1 within 4 s: two deaths more than 4 s apart are both recovered."""
+    requests, references = workload
+    client = _client(tiny_model, {}, max_recoveries=1, recovery_window_s=4.0)
+    try:
+        for round_ in range(2):
+            report = await run_drill(client, requests[:4], references[:4], [Kill(role="decode")],
+                                     seed=round_)
+            assert report.identical == 4 and not report.errors, report.summary()
+            await asyncio.sleep(4.5)
+        assert client.backend.healthy()
+        assert client.backend._driver._client.recovery.recoveries == 2
+    finally:
+        await client.close()
