@@ -203,6 +203,10 @@ class ParallelConfig:
     # any recovery_window_s seconds; one more fails the layout (0: a death is final).
     max_recoveries: int = 5
     recovery_window_s: float = 600.0
+    # A dead rank whose placement finds no room within this (its node left, no free
+    # CPU/GPU) is not waited for: the group re-forms one DP rank narrower, and back to
+    # `dp` once there is room again.
+    replace_timeout_s: float = 30.0
     # MoE all-to-all over a DP×EP world (`kernels.dispatch`): "exact" (uneven splits; the
     # host reads the counts every layer) or "padded" (equal splits sized by the step's
     # agreed token count, padding rows skipped by the experts; no counts exchange, no
@@ -219,6 +223,8 @@ class ParallelConfig:
         _require(self.dp >= 1, "dp", f"must be >= 1, got {self.dp}")
         _require(self.recovery_window_s > 0, "recovery_window_s",
                  f"must be positive, got {self.recovery_window_s}")
+        _require(self.replace_timeout_s > 0, "replace_timeout_s",
+                 f"must be positive, got {self.replace_timeout_s}")
         _require(self.collective_timeout_s > 0, "collective_timeout_s",
                  f"must be positive, got {self.collective_timeout_s}")
         _require(self.ep_exchange in ("exact", "padded", "peer"), "ep_exchange",

@@ -41,7 +41,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   seed: int = 0, enforce_eager: bool = False,
                   gpu_memory_utilization: float = 0.9,
                   collective_timeout_s: float = 30.0, max_recoveries: int = 5,
-                  recovery_window_s: float = 600.0, ep_exchange: str = "exact",
+                  recovery_window_s: float = 600.0, replace_timeout_s: float = 30.0,
+                  ep_exchange: str = "exact",
                   kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
                   ) -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
@@ -63,7 +64,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                                   max_model_len=max_model_len),
         parallel=ParallelConfig(tp=tp, dp=dp, collective_timeout_s=collective_timeout_s,
                                 max_recoveries=max_recoveries,
-                                recovery_window_s=recovery_window_s, ep_exchange=ep_exchange),
+                                recovery_window_s=recovery_window_s,
+                                replace_timeout_s=replace_timeout_s, ep_exchange=ep_exchange),
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
 
 
@@ -77,7 +79,8 @@ class LLM:
                  device: str = "cpu", dtype: str = "auto", seed: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
                  collective_timeout_s: float = 30.0, max_recoveries: int = 5,
-                 recovery_window_s: float = 600.0, ray_address: Optional[str] = None,
+                 recovery_window_s: float = 600.0, replace_timeout_s: float = 30.0,
+                 ray_address: Optional[str] = None,
                  prefill_tp: Optional[int] = None, decode_dp: Optional[int] = None,
                  decode_tp: Optional[int] = None, prefill_instances: Optional[int] = None,
                  prefill_page_size: Optional[int] = None, ep_exchange: str = "exact",
@@ -85,8 +88,10 @@ class LLM:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
-        prefill side's). `max_recoveries`: how many times a group that loses a rank is
-        re-formed (its requests resumed) before the call fails with `GroupFailure`.
+        prefill side's). `max_recoveries` within `recovery_window_s` seconds: how many times
+        groups that lose a rank may be re-formed (their requests resumed) before the call
+        fails with `GroupFailure`. `replace_timeout_s`: how long a dead rank's placement
+        may wait for room before its group re-forms one DP rank narrower.
         `ep_exchange`: the MoE all-to-all of DP×EP groups (`ParallelConfig`).
         `kv_in_place_min_bytes`: the KV transport's in-place threshold (`CacheConfig`)."""
         self.config = engine_config(
@@ -96,7 +101,7 @@ class LLM:
             max_model_len=max_model_len, device=device, dtype=dtype, seed=seed,
             enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
             collective_timeout_s=collective_timeout_s, max_recoveries=max_recoveries,
-            recovery_window_s=recovery_window_s,
+            recovery_window_s=recovery_window_s, replace_timeout_s=replace_timeout_s,
             ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes)
         self.engine: Optional[LLMEngine] = None
         self.group = None

@@ -118,7 +118,10 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         self._aborting: dict[str, AbortCleanup] = {}  # aborted while prefilling, by id
         groups = {DECODE: self.decode, **{prefill_key(i): g for i, g in enumerate(self.prefill)}}
         self.recovery = Recovery(groups, intensity_of(decode_config), on_fence=self._on_fence,
-                                 on_resume=self._on_resume)
+                                 on_resume=self._on_resume,
+                                 narrowable=(DECODE,) if layout.decode_dp > 1 else (),
+                                 replace_timeout_s=decode_config.parallel.replace_timeout_s,
+                                 pools={prefill_key(i): "prefill" for i in range(len(self.prefill))})
 
     @property
     def recoveries(self) -> int:
@@ -208,8 +211,8 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         that started (state "prefill": a failed instance puts its own back in the queue)."""
         by_dp: dict[int, list[_Request]] = {}
         for req in batch:
-            if req.dp_rank < 0:
-                req.dp_rank = self.place(req.request_id)
+            if req.dp_rank < 0:  # % the decode group's width: fewer DP ranks while narrow
+                req.dp_rank = self.place(req.request_id) % self.decode.dp
             by_dp.setdefault(req.dp_rank, []).append(req)
         refs = [self.decode.leaders[dp].reserve_many.remote([(r.request_id, r.tokens) for r in reqs])
                 for dp, reqs in by_dp.items()]
@@ -286,6 +289,11 @@ class DisaggClient(DisaggRecovery, DisaggViews):
             log.warning("decode_group_lost", epoch=self.decode.epoch, error=str(e))
         out, self._out = self._out, []
         return out
+
+    def maintain(self) -> None:
+        """Recovery work due while no request is polled (a death to fence, a narrow
+        group to widen); `GroupFailure` once the layout gave up."""
+        self.recovery.reconcile()
 
     def _issue_polls(self) -> None:
         waiting = set(self._pending.values())
@@ -385,7 +393,7 @@ class DisaggClient(DisaggRecovery, DisaggViews):
                 "decode_recoveries": self.decode_recoveries}
 
     def close(self) -> None:
-        self._aborting.clear()  # their groups go now
+        getattr(self, "_aborting", {}).clear()  # their groups go now (also after a failed start)
         for group in [self.decode, *self.prefill]:
             if group.actors:
                 group.shutdown()

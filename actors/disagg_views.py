@@ -36,7 +36,7 @@ class DisaggViews:
         return {"decode": decode, "prefill": self._prefill_view("stats", {}),
                 "queued": len(self._queue), "aborting": len(self._aborting),
                 "recoveries": self.recoveries + self.decode_recoveries,
-                "width": self.layout.decode_dp,
+                "width": self.decode.dp, "desired_width": self.layout.decode_dp,
                 "prefill_width": len(self._serving_instances())}
 
     def held_prefixes(self) -> dict:

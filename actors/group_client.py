@@ -75,7 +75,9 @@ class GroupClient:
         self.supervisor.form()
         self.recovery = Recovery({GROUP: self.supervisor}, intensity_of(config, max_recoveries),
                                  on_fence=lambda key: self._on_fence(),
-                                 on_resume=lambda key: self._on_resume())
+                                 on_resume=lambda key: self._on_resume(),
+                                 narrowable=(GROUP,) if tp * dp > 1 and dp > 1 else (),
+                                 replace_timeout_s=config.parallel.replace_timeout_s)
         self._pages = min(i["num_pages"] for i in self.supervisor.start_info[::tp])
         self._rr = itertools.count()
         self.place: Callable[[str], int] = lambda rid: next(self._rr) % dp
@@ -114,7 +116,7 @@ class GroupClient:
         the group lost (its requests stay held, to start on the re-formed group)."""
         leaders, epoch, refs = self.supervisor.leaders, self.epoch, []
         for request_id, live, tokens, params in items:
-            live.dp_rank = self.place(request_id)
+            live.dp_rank = self.place(request_id) % self.supervisor.dp  # narrower: fewer
             refs.append(leaders[live.dp_rank].submit.remote(request_id, tokens, params))
         try:
             ray.get(refs, timeout=VIEW_TIMEOUT_S)
@@ -165,6 +167,11 @@ class GroupClient:
                 del self._live[o.request_id]
         return merged
 
+    def maintain(self) -> None:
+        """Recovery work due while no request is polled (a death to fence, a narrow
+        group to widen); `GroupFailure` once the layout gave up."""
+        self.recovery.reconcile()
+
     def _on_fence(self) -> None:
         """The group's epoch is gone: its answers are void, its requests held."""
         settle(self._pending)
@@ -175,6 +182,7 @@ class GroupClient:
     def _on_resume(self) -> None:
         """Restart every held request on the re-formed group, in arrival order, from
         its prompt + the tokens the caller already has."""
+        self._pages = min(i["num_pages"] for i in self.supervisor.start_info[::self.supervisor.tp])
         items = []
         for request_id, live in sorted(self._live.items(), key=lambda kv: kv[1].arrival):
             tokens, params, live.base = resume_from(live.prompt, live.params, live.emitted)
@@ -205,7 +213,7 @@ class GroupClient:
         stats = self._view(lambda leaders: ray.get([a.stats.remote() for a in leaders],
                                                    timeout=VIEW_TIMEOUT_S))
         return {"decode": stats, "prefill": [], "recoveries": self.recoveries,
-                "width": self.supervisor.dp if self.recovery.serving(GROUP) else 0}
+                "width": self.supervisor.dp, "desired_width": self.recovery.reconciler.groups[GROUP].desired}
 
     def held_prefixes(self) -> dict:
         """`{"decode": [per DP leader: the page hashes its KV pool holds, or

@@ -20,6 +20,16 @@ it). A death during a formation is just another event: the group is fenced and f
 again under the next epoch, after a backoff that doubles with each failed attempt in a
 row. The executor (the client that owns the actors) carries out each action and
 reports the outcome as the next event; nothing here can raise into a caller.
+
+Width (ARCHITECTURE §3, §5): each group has a desired width (its DP ranks) and forms
+at its current one. A formation that fails for want of capacity (a dead rank's node
+left, no free CPU/GPU for its placement) narrows the next attempt by one DP rank, down
+to `min_width`; a group serving narrower than desired is widened back (fenced and
+formed at the desired width, like any recovery) once the executor reports the capacity
+back (`CapacityBack`), checked at most every `widen_every_s`. A group of a pool (the
+prefill instances) that finds no room even at its narrowest is parked (dropped, not
+serving, no formation) while another group of its pool serves, and formed again once
+there is room for it.
 """
 
 from __future__ import annotations
@@ -29,10 +39,10 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Union
+from typing import Optional, Union
 
-__all__ = ["Phase", "RestartIntensity", "RankLost", "Formed", "FormFailed", "Fence", "Form",
-           "Resume", "GiveUp", "Reconciler", "Event", "Action"]
+__all__ = ["Phase", "RestartIntensity", "RankLost", "Formed", "FormFailed", "CapacityBack",
+           "Fence", "Form", "Resume", "GiveUp", "Reconciler", "Event", "Action"]
 
 
 class Phase(str, Enum):
@@ -40,6 +50,7 @@ class Phase(str, Enum):
     DOWN = "down"  # lost a rank; its epoch is not fenced yet
     FENCED = "fenced"  # its epoch is torn down; waiting to form again
     FORMING = "forming"
+    PARKED = "parked"  # dropped for want of room while a peer of its pool serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +101,18 @@ class FormFailed:
     key: Hashable
     epoch: int
     reason: str
+    short: bool = False  # for want of capacity: try narrower
 
 
-Event = Union[RankLost, Formed, FormFailed]
+@dataclass(frozen=True, slots=True)
+class CapacityBack:
+    """There is room again for `key` at its desired width (the executor checked)."""
+
+    key: Hashable
+    epoch: int
+
+
+Event = Union[RankLost, Formed, FormFailed, CapacityBack]
 
 
 # -- actions (what to do) -------------------------------------------------------------
@@ -102,6 +122,7 @@ class Fence:
 
     key: Hashable
     epoch: int
+    planned: bool = False  # no rank was lost (widening back): nothing to wait for
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +134,8 @@ class Form:
     key: Hashable
     epoch: int
     attempt: int  # formations of this group in a row since it last served (1, 2, ...)
+    width: int = 1  # DP ranks to form with
+    why: str = ""  # what made the group re-form (for the log)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,19 +160,37 @@ Action = Union[Fence, Form, Resume, GiveUp]
 @dataclass(slots=True)
 class GroupState:
     epoch: int
+    width: int = 1  # DP ranks it serves (or forms) with
+    desired: int = 1  # DP ranks it should have
+    min_width: int = 1
     phase: Phase = Phase.SERVING
     attempts: int = 0  # formations in a row that have not served yet
     retry_at: float = 0.0
+    widen_at: float = 0.0  # earliest time to check for capacity to widen
     reasons: list[str] = field(default_factory=list)  # since it last served
+    pool: Optional[Hashable] = None  # groups of one pool stand in for each other
 
 
 class Reconciler:
     """Desired: every key serving. Actual: `groups`. See the module docstring."""
 
-    def __init__(self, epochs: dict[Hashable, int], intensity: RestartIntensity) -> None:
-        """`epochs`: each group's key and the epoch it serves under now."""
-        self.intensity = intensity
-        self.groups = {key: GroupState(epoch) for key, epoch in epochs.items()}
+    def __init__(self, epochs: dict[Hashable, int], intensity: RestartIntensity,
+                 widths: dict[Hashable, tuple[int, int]] | None = None,
+                 widen_every_s: float = 2.0, pools: dict[Hashable, Hashable] | None = None
+                 ) -> None:
+        """`epochs`: each group's key and the epoch it serves under now; `widths`: each
+        group's (desired width, min width) (default (1, 1)); `pools`: key -> pool of the
+        groups that may be parked while a peer of their pool serves."""
+        self.intensity, self.widen_every_s = intensity, widen_every_s
+        widths = widths or {}
+        self.groups = {}
+        for key, epoch in epochs.items():
+            desired, least = widths.get(key, (1, 1))
+            if not 1 <= least <= desired:
+                raise ValueError(f"group {key!r}: 1 <= min width <= width required, "
+                                 f"got {least}, {desired}")
+            self.groups[key] = GroupState(epoch, desired, desired, least,
+                                          pool=(pools or {}).get(key))
         self.restarts: deque[float] = deque()  # when each formation started, in the window
         self.total_restarts = 0
         self.failed: GiveUp | None = None
@@ -164,12 +205,26 @@ class Reconciler:
     def settled(self) -> bool:
         """Every group serves (nothing to reconcile)."""
         return self.failed is None and not self._resume and all(
-            g.phase is Phase.SERVING for g in self.groups.values())
+            g.phase in (Phase.SERVING, Phase.PARKED) for g in self.groups.values())
 
     def budget_left(self, now: float) -> int:
         """Formations the intensity still allows within the window ending at `now`."""
         recent = sum(t > now - self.intensity.window_s for t in self.restarts)
         return max(0, self.intensity.max_restarts - recent)
+
+    def narrow(self) -> dict[Hashable, int]:
+        """Groups serving narrower than desired, or parked: key -> DP ranks missing."""
+        return {k: g.desired - g.width for k, g in self.groups.items()
+                if g.phase in (Phase.SERVING, Phase.PARKED) and g.width < g.desired}
+
+    def widen_due(self, now: float) -> list[Hashable]:
+        """Narrow groups whose capacity the executor should check now (it reports
+        `CapacityBack` if there is room); each is checked at most every
+        `widen_every_s`."""
+        due = [k for k in self.narrow() if self.groups[k].widen_at <= now]
+        for k in due:
+            self.groups[k].widen_at = now + self.widen_every_s
+        return due if self.failed is None else []
 
     def next_due(self) -> float | None:
         """When the earliest deferred formation is due (None: none deferred)."""
@@ -183,6 +238,8 @@ class Reconciler:
         g = self.groups.get(event.key)
         if g is None or self.failed is not None:
             return False
+        if g.phase is Phase.PARKED and isinstance(event, CapacityBack):
+            g.epoch = max(g.epoch, event.epoch)  # a parked group has no epoch serving
         if g.phase is Phase.FORMING and event.epoch > g.epoch:
             g.epoch = event.epoch  # the attempt runs under a later epoch than its floor
         if event.epoch != g.epoch:
@@ -191,8 +248,16 @@ class Reconciler:
             if g.phase is not Phase.FORMING:
                 return False
             g.phase, g.attempts, g.reasons = Phase.SERVING, 0, []
+            g.widen_at = now + self.widen_every_s
             self._resume.append(Resume(event.key, event.epoch))
-            self._note(now, "formed", event.key, event.epoch, "")
+            self._note(now, "formed", event.key, event.epoch, f"width {g.width}")
+            return True
+        if isinstance(event, CapacityBack):
+            if g.phase not in (Phase.SERVING, Phase.PARKED) or g.width >= g.desired:
+                return False
+            g.phase, g.width = Phase.DOWN, g.desired
+            g.reasons.append(f"capacity back: widening to {g.desired}")
+            self._note(now, "widen", event.key, event.epoch, f"to width {g.desired}")
             return True
         if g.phase not in (Phase.SERVING, Phase.FORMING):
             return False  # already down: one fence covers every report of this epoch
@@ -200,7 +265,20 @@ class Reconciler:
         g.reasons.append(event.reason)
         what = "form_failed" if isinstance(event, FormFailed) else "rank_lost"
         self._note(now, what, event.key, event.epoch, event.reason)
+        if isinstance(event, FormFailed) and event.short and g.width > g.min_width:
+            g.width -= 1
+            g.attempts = 0  # a narrower layout is a new try, not a failed retry
+            self._note(now, "narrow", event.key, event.epoch, f"to width {g.width}: {event.reason}")
+        elif isinstance(event, FormFailed) and event.short and self._peer_serves(event.key):
+            g.phase, g.width, g.attempts = Phase.PARKED, 0, 0  # torn down by the executor
+            g.widen_at = now + self.widen_every_s
+            self._note(now, "parked", event.key, event.epoch, event.reason)
         return True
+
+    def _peer_serves(self, key: Hashable) -> bool:
+        pool = self.groups[key].pool
+        return pool is not None and any(
+            k != key and g.pool == pool and g.phase is Phase.SERVING for k, g in self.groups.items())
 
     # -- the loop's next steps -------------------------------------------------------
     def actions(self, now: float) -> list[Action]:
@@ -213,7 +291,8 @@ class Reconciler:
             if g.phase is Phase.DOWN:
                 g.phase = Phase.FENCED
                 g.retry_at = now + self.intensity.delay(g.attempts)
-                out.append(Fence(key, g.epoch))
+                planned = bool(g.reasons) and g.reasons[-1].startswith("capacity back")
+                out.append(Fence(key, g.epoch, planned))
         for key, g in self.groups.items():
             if g.phase is not Phase.FENCED or g.retry_at > now:
                 continue
@@ -227,7 +306,7 @@ class Reconciler:
             self.restarts.append(now)
             self.total_restarts += 1
             g.phase, g.attempts, g.epoch = Phase.FORMING, g.attempts + 1, g.epoch + 1
-            out.append(Form(key, g.epoch, g.attempts))
+            out.append(Form(key, g.epoch, g.attempts, g.width, g.reasons[-1] if g.reasons else ""))
         out += self._resume
         self._resume = []
         return out

@@ -19,9 +19,9 @@ from typing import Optional
 
 from ..config import EngineConfig
 from ..log import get_logger
-from .reconciler import (Fence, Form, Formed, FormFailed, GiveUp, RankLost, Reconciler,
-                         RestartIntensity, Resume)
-from .supervisor import GroupFailure, GroupSupervisor, RankDeath
+from .reconciler import (CapacityBack, Fence, Form, Formed, FormFailed, GiveUp, RankLost,
+                         Reconciler, RestartIntensity, Resume)
+from .supervisor import CapacityShort, GroupFailure, GroupSupervisor, RankDeath
 
 log = get_logger(__name__)
 
@@ -35,14 +35,29 @@ def intensity_of(config: EngineConfig, max_recoveries: Optional[int] = None) -> 
                             p.recovery_window_s)
 
 
+def widths_of(recovery: "Recovery") -> dict:
+    """`{"width": ..., "desired": ...}` per group key (str), for metrics and views."""
+    return {str(k): {"width": g.width, "desired": g.desired}
+            for k, g in recovery.reconciler.groups.items()}
+
+
 class Recovery:
-    """`groups`: key -> supervisor, each formed already (the epoch it serves under)."""
+    """`groups`: key -> supervisor, each formed already (the epoch it serves under, at
+    the width it should have); `narrowable`: keys of the groups that may serve with fewer
+    DP ranks when a dead rank cannot be replaced (`replace_timeout_s`); `pools`: key ->
+    pool of the groups that stand in for each other (one may be dropped while another
+    serves: prefill instances)."""
 
     def __init__(self, groups: dict[Hashable, GroupSupervisor], intensity: RestartIntensity,
                  on_fence: Callable[[Hashable], None], on_resume: Callable[[Hashable], None],
+                 narrowable: tuple = (), replace_timeout_s: float = 30.0,
+                 pools: Optional[dict] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.groups, self.on_fence, self.on_resume, self.clock = groups, on_fence, on_resume, clock
-        self.reconciler = Reconciler({k: g.epoch for k, g in groups.items()}, intensity)
+        self.replace_timeout_s = replace_timeout_s
+        widths = {k: (g.dp, 1 if k in narrowable else g.dp) for k, g in groups.items()}
+        self.reconciler = Reconciler({k: g.epoch for k, g in groups.items()}, intensity, widths,
+                                     pools=pools)
         self.deaths: dict[Hashable, list[RankDeath]] = {}  # named at fences since it served
         self.formed: dict[Hashable, int] = {k: 0 for k in groups}  # re-formations, by key
         self.failure: Optional[GroupFailure] = None
@@ -76,10 +91,16 @@ class Recovery:
                 if deaths:
                     self.lost(key, group.epoch, "; ".join(f"rank {d.rank}: {d.reason}"
                                                           for d in deaths))
+        for key in self.reconciler.widen_due(self.clock()):
+            group, missing = self.groups[key], self.reconciler.narrow().get(key, 0)
+            if missing and group.room_for(missing):
+                log.warning("capacity_back", group=str(key), epoch=group.epoch, width=group.dp,
+                            desired=group.dp + missing)
+                self.reconciler.observe(CapacityBack(key, group.epoch), self.clock())
         while (actions := self.reconciler.actions(self.clock())):
             for action in actions:
                 if isinstance(action, Fence):
-                    self._fence(action.key)
+                    self._fence(action.key, action.planned)
                 elif isinstance(action, Form):
                     self._form(action)
                 elif isinstance(action, Resume):
@@ -93,9 +114,9 @@ class Recovery:
         due = self.reconciler.next_due()
         return default_s if due is None else max(0.0, min(default_s, due - self.clock()))
 
-    def _fence(self, key: Hashable) -> None:
+    def _fence(self, key: Hashable, planned: bool = False) -> None:
         group = self.groups[key]
-        if not group.actors:  # a formation that failed: torn down already
+        if not group.actors or planned:  # torn down already, or nothing died
             deaths = []
         elif self.reconciler.budget_left(self.clock()) == 0:
             # The end of the line: name every rank's end (survivors leave their
@@ -117,20 +138,23 @@ class Recovery:
     def _form(self, action: Form) -> None:
         group = self.groups[action.key]
         started = self.clock()
+        log.warning("group_reforming", group=str(action.key), width=action.width,
+                    attempt=action.attempt, why=action.why[:200])
         try:
-            group.form(action.epoch)
+            group.form(action.epoch, dp=action.width, placement_timeout_s=self.replace_timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure to form is the next event
             log.warning("group_form_failed", group=str(action.key), epoch=group.epoch,
-                        attempt=action.attempt, error=repr(e)[:300])
+                        attempt=action.attempt, width=action.width, error=repr(e)[:300])
             self._note("form_failed", action.key, group.epoch, repr(e)[:200])
-            self.reconciler.observe(FormFailed(action.key, group.epoch, repr(e)[:500]),
-                                    self.clock())
+            self.reconciler.observe(FormFailed(action.key, group.epoch, repr(e)[:500],
+                                               short=isinstance(e, CapacityShort)), self.clock())
             return
         self.formed[action.key] += 1
         self.deaths.pop(action.key, None)  # named for a give-up since it last served
-        log.warning("group_reformed", group=str(action.key), epoch=group.epoch,
+        log.warning("group_reformed", group=str(action.key), epoch=group.epoch, width=group.dp,
                     attempt=action.attempt, seconds=round(self.clock() - started, 2))
-        self._note("formed", action.key, group.epoch, f"{self.clock() - started:.2f} s")
+        self._note("formed", action.key, group.epoch,
+                   f"width {group.dp} in {self.clock() - started:.2f} s")
         self.reconciler.observe(Formed(action.key, group.epoch), self.clock())
 
     def _give_up(self, action: GiveUp) -> None:

@@ -52,6 +52,11 @@ class GroupFailure(RuntimeError):
         return [d.rank for d in self.deaths if d.reason == "process died"]
 
 
+class CapacityShort(RuntimeError):
+    """A formation's placement found no room within its deadline (a node left, no free
+    CPU/GPU): the group may form narrower."""
+
+
 class GroupSupervisor:
     """Starts, watches and stops the rank actors of one TP or DP×EP group."""
 
@@ -75,19 +80,24 @@ class GroupSupervisor:
     def leaders(self) -> list:
         return self.actors[::self.tp]
 
-    def form(self, min_epoch: int = 0) -> None:
+    def form(self, min_epoch: int = 0, dp: Optional[int] = None,
+             placement_timeout_s: float = START_TIMEOUT_S) -> None:
         """Start every rank of a new epoch (at least `min_epoch`); returns once all have
         met and loaded. The first failure of any rank's call (its process died, its
         rendezvous or load failed) raises at once, without waiting for the others.
+        `dp`: form with this many DP ranks from now on (experts re-sharded over them);
+        `CapacityShort` when the placement groups find no room within
+        `placement_timeout_s`.
 
         The rendezvous port is picked free by rank 0's actor and bound later by the
         process group's store, so another socket can take it in between (seen in CI:
         EADDRINUSE while re-forming). Such a formation is torn down and tried again
         under the next epoch with a new port, up to FORM_ATTEMPTS times."""
         self.epoch = max(self.epoch, min_epoch - 1)
+        self.dp = self.dp if dp is None else dp
         for attempt in range(1, FORM_ATTEMPTS + 1):
             try:
-                self._form_once()
+                self._form_once(placement_timeout_s)
                 return
             except BaseException as e:
                 self.shutdown()  # nothing of a formation that failed stays behind
@@ -95,14 +105,19 @@ class GroupSupervisor:
                     raise
                 log.warning("rendezvous_port_taken", epoch=self.epoch, attempt=attempt)
 
-    def _form_once(self) -> None:
+    def _form_once(self, placement_timeout_s: float) -> None:
         self.epoch += 1
         gpu = self.config.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         # One placement group per TP group, strictly packed on one node (TP stays inside
         # a node's fast links); DP groups may land on different nodes.
         self._pgs = [placement_group([bundle] * self.tp, strategy="STRICT_PACK") for _ in range(self.dp)]
-        gather([pg.ready() for pg in self._pgs], START_TIMEOUT_S)
+        try:
+            gather([pg.ready() for pg in self._pgs], placement_timeout_s)
+        except GetTimeoutError as e:
+            raise CapacityShort(f"no room for {self.dp} placement group(s) of {self.tp} "
+                                f"{'GPU' if gpu else 'CPU'} rank(s) within "
+                                f"{placement_timeout_s} s") from e
         env = {"runtime_env": {"env_vars": env_vars}} if (env_vars := self._env_vars()) else {}
         self.actors = [
             self.actor_cls.options(
@@ -154,6 +169,14 @@ class GroupSupervisor:
             time.sleep(0.05)
             deaths = self.deaths()
         return deaths
+
+    def room_for(self, groups: int) -> bool:
+        """Whether `groups` more TP groups of this one's shape (each packed on one node)
+        would find room now, from the resources Ray reports free per node."""
+        kind = "GPU" if self.config.device.startswith("cuda") else "CPU"
+        per_node = ray._private.state.available_resources_per_node()
+        fits = sum(int(res.get(kind, 0.0) // self.tp) for res in per_node.values())
+        return fits >= groups
 
     @property
     def pids(self) -> list[int]:
@@ -230,5 +253,5 @@ def ensure_ray(num_cpus: Optional[int] = None, address: Optional[str] = None) ->
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
-__all__ = ["GroupSupervisor", "GroupFailure", "RankDeath", "ensure_ray", "gather", "settle",
+__all__ = ["CapacityShort", "GroupSupervisor", "GroupFailure", "RankDeath", "ensure_ray", "gather", "settle",
            "GetTimeoutError"]

@@ -45,7 +45,7 @@ class Kill:
 class StreamResult:
     text: str = ""
     chunks: int = 0
-    times: list = field(default_factory=list)  # monotonic arrival of each chunk
+    times: list = field(default_factory=list)  # arrival of each chunk (time.time())
     error: Optional[Any] = None  # the APIError that ended it, if any
 
     @property
@@ -61,16 +61,18 @@ class DrillReport:
     identical: int = 0
     mismatched: list = field(default_factory=list)  # indexes of streams whose text differs
     errors: list = field(default_factory=list)  # (index, status, code)
-    kills: list = field(default_factory=list)  # (t, pid, class, step, note)
+    kills: list = field(default_factory=list)  # (time.time(), pid, class, step, note)
     stalls: list = field(default_factory=list)  # per stream, seconds
     seconds: float = 0.0
     killer_error: str = ""
+    resumed_s: Optional[float] = None  # last kill -> the next chunk of any stream
 
     def summary(self) -> dict:
         return {"streams": self.streams, "identical": self.identical,
                 "mismatched": self.mismatched, "errors": self.errors, "kills": len(self.kills),
                 "stall_p50_s": percentile(self.stalls, 50), "stall_p99_s": percentile(self.stalls, 99),
-                "seconds": round(self.seconds, 2), "killer_error": self.killer_error}
+                "seconds": round(self.seconds, 2), "resumed_s": self.resumed_s,
+                "killer_error": self.killer_error}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -87,7 +89,7 @@ class Killer(threading.Thread):
         super().__init__(name="phalanx-killer", daemon=True)
         self.plan, self.rng, self.poll_s = list(plan), random.Random(seed), poll_s
         self.go, self.stop = threading.Event(), threading.Event()
-        self.kills: list[tuple[float, int, str, int, str]] = []
+        self.kills: list[tuple[float, int, str, int, str]] = []  # (time.time(), ...)
         self.error = ""
         self._seen: set[int] = set()
 
@@ -114,7 +116,7 @@ class Killer(threading.Thread):
                 return
             self._sleep(self.rng.uniform(*step.delay_s))
             killed = [v for v in victims if sigkill(v.pid)]
-            now = time.monotonic()
+            now = time.time()
             self.kills += [(now, v.pid, v.class_name, i, note) for v in killed]
             if killed:
                 return
@@ -145,13 +147,21 @@ class Killer(threading.Thread):
         return picked
 
 
+def _resumed_after(results: Sequence[StreamResult], kills: Sequence[float]) -> Optional[float]:
+    if not kills:
+        return None
+    last = max(kills)
+    after = [t for r in results for t in r.times if t > last]
+    return round(min(after) - last, 3) if after else None
+
+
 async def _stream(client: Any, prompt: Any, params: dict, result: StreamResult,
                   first: threading.Event) -> None:
     try:
         async for chunk in client.stream(prompt, **params):
             result.text += chunk.text
             result.chunks += 1
-            result.times.append(time.monotonic())
+            result.times.append(time.time())
             first.set()
     except Exception as e:  # noqa: BLE001 - the checker judges it
         result.error = e
@@ -177,6 +187,7 @@ async def run_drill(client: Any, requests: Sequence[tuple[Any, dict]],
         killer.join(5.0)
     report = DrillReport(streams=len(requests), seconds=time.monotonic() - t0,
                          kills=list(killer.kills), killer_error=killer.error)
+    report.resumed_s = _resumed_after(results, [k[0] for k in killer.kills])
     for i, (r, ref) in enumerate(zip(results, references)):
         report.stalls.append(r.stall_s)
         if r.error is not None:

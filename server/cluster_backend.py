@@ -7,10 +7,11 @@ class is the asyncio side, a `ThreadedBackend` (threaded_backend.py: request que
 that its `RequestRecord` let through (each output index once, in order). Nothing here
 calls the client from an event loop thread.
 
-When the client fails (a rank died: `GroupFailure`), every request in flight ends with
-a 503 `OpenAIError` (code `backend_failed`), `healthy()` turns False (`/health` answers
-503) and new requests are refused with the same error. Recovering decode groups is a
-later step.
+A rank's death is recovered inside the client (its groups re-form and the requests
+continue). When the client gives up (`GroupFailure`: more re-formations than the
+restart intensity allows), every request in flight ends with a 503 `OpenAIError` (code
+`backend_failed`), `healthy()` turns False (`/health` answers 503) and new requests
+are refused with the same error.
 """
 
 from __future__ import annotations

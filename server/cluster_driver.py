@@ -23,10 +23,12 @@ and a gap fails its request; one without it continues at the record's next index
 clients deliver each token once, in order, and fence stale epochs themselves).
 
 Failures: a `ValueError` from `client.submit` refuses that request (the sink's
-`on_error`, a 400 upstream). Any other exception from the client is a failure of the
-whole cluster (`GroupFailure`: a rank died): every live request ends through the
+`on_error`, a 400 upstream). A rank's death is the client's business: its recovery
+loop re-forms the group inside `poll` and the requests continue (each output index
+once). Only when the client gives up (`GroupFailure`: the restart intensity is
+exceeded) does an exception reach this thread: every live request ends through the
 sink's `on_failure`, later submits are refused with the same error, and the thread
-waits for `stop`. Recovering decode groups is not built yet.
+waits for `stop`.
 """
 
 from __future__ import annotations
@@ -282,6 +284,9 @@ class ClusterDriver(OwnerThread):
             self._refresh_prefixes()
 
     def _refresh_load(self) -> None:
+        maintain = getattr(self._client, "maintain", None)
+        if maintain is not None and not self._live:
+            maintain()  # idle: deaths and widening are not waiting for the next poll
         try:
             view = self._client.leader_stats()
         except TimeoutError as e:  # a slow answer is not a failure; try again next time

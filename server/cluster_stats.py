@@ -11,7 +11,10 @@ Keys (all numbers; see `ServingBackend.stats`):
   router_decisions, router_prefix_hit_estimate: the router's own count and hit estimate
     for the side that runs prompts;
   recoveries: groups re-formed after a rank failure (prefill instances, decode or
-    colocated groups);
+    colocated groups), or widened back;
+  width, desired_width: DP ranks the decode (or colocated) group serves with now, and
+    those it should have (fewer while a dead rank's capacity is missing);
+  prefill_width: prefill instances serving;
   healthy: 1.0.
 """
 
@@ -61,5 +64,8 @@ def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
         "router_decisions": float(pool.stats.decisions),
         "router_prefix_hit_estimate": pool.stats.estimated_hit_rate,
         "recoveries": float(view.get("recoveries", 0)),
+        "width": float(view.get("width", len(decode))),
+        "desired_width": float(view.get("desired_width", len(router.groups))),
+        "prefill_width": float(view.get("prefill_width", len(prefill))),
         "healthy": 1.0,
     }

@@ -22,8 +22,8 @@ DEFAULT_LAYOUT: Mapping[str, int] = {"prefill_tp": 1, "decode_dp": 2}
 LAYOUT_KEYS = ("tp", "dp", "prefill_tp", "decode_dp", "decode_tp", "prefill_instances",
                "prefill_page_size")
 _DISAGG_KEYS = LAYOUT_KEYS[2:]
-_CLUSTER_ONLY = ("collective_timeout_s", "max_recoveries", "recovery_window_s", "ep_exchange",
-                 "ray_address")
+_CLUSTER_ONLY = ("collective_timeout_s", "max_recoveries", "recovery_window_s",
+                 "replace_timeout_s", "ep_exchange", "ray_address")
 Progress = Callable[[str], None]
 
 

@@ -30,6 +30,11 @@ _GAUGES = {
     "healthy": ("phalanx_backend_healthy", "1 while the backend can serve, 0 once it failed"),
     "recoveries": ("phalanx_recoveries", "Groups re-formed after a rank failure (prefill "
                    "instances, decode or colocated groups) since start"),
+    "width": ("phalanx_dp_width", "DP ranks the decode (or colocated) group serves with now"),
+    "desired_width": ("phalanx_dp_width_desired",
+                      "DP ranks the decode (or colocated) group should have (more than "
+                      "phalanx_dp_width while a lost rank's capacity is missing)"),
+    "prefill_width": ("phalanx_prefill_instances_serving", "Prefill instances serving"),
     "router_prefix_hit_estimate": ("phalanx_router_prefix_hit_estimate",
                                    "Fraction of routed prompt tokens the chosen target held, "
                                    "by the router's prefix tree"),

@@ -156,3 +156,66 @@ async def test_deaths_wider_apart_than_the_window_are_survived(tiny_model, workl
         assert client.backend._driver._client.recovery.recoveries == 2
     finally:
         await client.close()
+
+
+async def test_node_lost_narrows_then_widens_back(tiny_model, workload):
+    """A two-worker-node Ray cluster (one CPU per node: every rank on its own node). The
+    node of a decode rank leaves: no room for a second decode rank, so the decode group
+    re-forms at DP=1 (every expert on the one rank) and the streams finish with the same
+    tokens; the node comes back: the group widens back to DP=2, and serves the same
+    tokens again. /metrics shows the width throughout."""
+    from ray.cluster_utils import Cluster
+
+    requests, references = workload
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    client = None
+    try:
+        client = _client(tiny_model, {}, replace_timeout_s=3.0)
+        group = client.backend._driver._client
+        decode_nodes = group.rank_nodes()["decode"]
+        victim = next(w for w in workers if w.node_id in decode_nodes)
+
+        async def remove_node_mid_stream():
+            await asyncio.sleep(0.3)
+            cluster.remove_node(victim)
+
+        drill = asyncio.ensure_future(run_drill(client, requests, references, [], seed=0))
+        await remove_node_mid_stream()
+        report = await drill
+        assert report.identical == STREAMS and not report.errors, report.summary()
+        assert group.decode.dp == 1, group.recovery.events
+        assert any(e[1] == "formed" and "width 1" in e[4] for e in group.recovery.events)
+        stats = await _stats_when(client, lambda s: s.get("width") == 1.0)
+        assert stats["desired_width"] == 2.0
+
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        for _ in range(300):  # widened back at a poll, within a few seconds
+            await client.complete(requests[0][0], max_tokens=2)
+            if group.decode.dp == 2 and group.recovery.serving("decode"):
+                break
+            await asyncio.sleep(0.1)
+        assert group.decode.dp == 2, group.recovery.events
+        report = await run_drill(client, requests, references, [], seed=0)
+        assert report.identical == STREAMS and not report.errors, report.summary()
+        stats = await _stats_when(client, lambda s: s.get("width") == 2.0)
+        assert client.backend.healthy()
+    finally:
+        if client is not None:
+            await client.close()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+async def _stats_when(client, ok, timeout_s: float = 20.0) -> dict:
+    """The backend's stats once `ok(stats)` (the driver refreshes them every ~0.5 s)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        stats = client.backend.stats()
+        if ok(stats) or time.monotonic() > end:
+            return stats
+        await client.complete([1, 2, 3], max_tokens=1)
+        await asyncio.sleep(0.2)

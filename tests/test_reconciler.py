@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from phalanx.actors.reconciler import (Fence, Form, Formed, FormFailed, GiveUp, Phase,
-                                       RankLost, Reconciler, RestartIntensity, Resume)
+from phalanx.actors.reconciler import (CapacityBack, Fence, Form, Formed, FormFailed, GiveUp,
+                                       Phase, RankLost, Reconciler, RestartIntensity, Resume)
 
 KEYS = ("decode", ("prefill", 0), ("prefill", 1))
 
@@ -17,7 +17,9 @@ class Sim:
     """An executor that carries out the actions and keeps the record the checks read."""
 
     def __init__(self, intensity: RestartIntensity) -> None:
-        self.rec = Reconciler({k: 1 for k in KEYS}, intensity)
+        self.rec = Reconciler({k: 1 for k in KEYS}, intensity,
+                              widths={"decode": (4, 1), ("prefill", 0): (2, 2)},
+                              pools={("prefill", 0): "prefill", ("prefill", 1): "prefill"})
         self.now = 0.0
         self.epoch = {k: 1 for k in KEYS}  # the supervisor's epoch (what actors carry)
         self.fenced = {k: set() for k in KEYS}
@@ -38,6 +40,8 @@ class Sim:
                 assert a.key not in self.forming, "two formations of one group at once"
                 assert a.epoch > self.epoch[a.key], "a formation reuses an old epoch"
                 assert self.epoch[a.key] in self.fenced[a.key], "formed before fencing"
+                g = self.rec.groups[a.key]
+                assert g.min_width <= a.width <= g.desired
                 self.epoch[a.key] = a.epoch
                 self.forming[a.key] = a.epoch
                 self.forms.append(self.now)
@@ -59,6 +63,8 @@ def _ops():
         st.tuples(st.just("kill"), key),  # a rank of the group's current epoch dies
         st.tuples(st.just("formed"), key),  # a formation under way finishes
         st.tuples(st.just("form_fails"), key),  # ... or a rank dies while it forms
+        st.tuples(st.just("form_short"), key),  # ... or finds no room for a rank
+        st.tuples(st.just("capacity_back"), key),  # the executor found room to widen
         st.tuples(st.just("replay"), st.integers(0, 1000)),  # an old event arrives again
         st.tuples(st.just("wait"), st.floats(0.0, 30.0)),
     ), max_size=60)
@@ -77,6 +83,13 @@ def test_random_event_orders_keep_the_invariants(ops, restarts, window):
             sim.send(Formed(arg, sim.forming.pop(arg)))
         elif op == "form_fails" and arg in sim.forming:
             sim.send(FormFailed(arg, sim.forming.pop(arg), "ActorDiedError"))
+        elif op == "form_short" and arg in sim.forming:
+            sim.send(FormFailed(arg, sim.forming.pop(arg), "no room", short=True))
+        elif op == "capacity_back" and (sim.live[arg] is not None
+                                        or sim.rec.groups[arg].phase is Phase.PARKED):
+            g = sim.rec.groups[arg]
+            was = g.width < g.desired
+            assert sim.rec.observe(CapacityBack(arg, g.epoch), sim.now) == was
         elif op == "replay" and sim.seen:
             before = {k: (g.phase, g.epoch) for k, g in sim.rec.groups.items()}
             old = sim.seen[arg % len(sim.seen)]
@@ -93,6 +106,11 @@ def test_random_event_orders_keep_the_invariants(ops, restarts, window):
         # The restart intensity: never more than R formations within any window.
         recent = [t for t in sim.forms if t > sim.now - window]
         assert len(recent) <= restarts
+        for key, g in sim.rec.groups.items():
+            if g.phase is Phase.PARKED:  # dropped only while a peer of its pool served
+                assert g.width == 0 and g.pool is not None and sim.live[key] is None
+            else:
+                assert g.min_width <= g.width <= g.desired
     # Liveness: once deaths stop, every formation succeeds and time passes, the layout
     # settles (every group serving) or has given up; it never stalls in between.
     for _ in range(50):
@@ -102,7 +120,9 @@ def test_random_event_orders_keep_the_invariants(ops, restarts, window):
             sim.send(Formed(key, sim.forming.pop(key)))
         sim.now += 5.0
         sim.step()
-    assert sim.gave_up or (sim.rec.settled and all(v is not None for v in sim.live.values()))
+    groups = sim.rec.groups
+    assert sim.gave_up or (sim.rec.settled and all(
+        v is not None or groups[k].phase is Phase.PARKED for k, v in sim.live.items()))
     if sim.gave_up:
         assert sim.rec.failed is not None and sim.rec.actions(sim.now) == []
 
@@ -110,14 +130,14 @@ def test_random_event_orders_keep_the_invariants(ops, restarts, window):
 def test_a_death_during_formation_forms_again_under_a_later_epoch():
     rec = Reconciler({"decode": 1}, RestartIntensity(5, 60.0, backoff_s=1.0))
     assert rec.observe(RankLost("decode", 1, "process died"), 0.0)
-    assert rec.actions(0.0) == [Fence("decode", 1), Form("decode", 2, 1)]
+    assert rec.actions(0.0) == [Fence("decode", 1), Form("decode", 2, 1, 1, "process died")]
     # the formation ran under epoch 3 (a taken port skipped 2), and a rank died in it
     assert rec.observe(FormFailed("decode", 3, "ActorDiedError"), 1.0)
     assert not rec.observe(RankLost("decode", 1, "process died"), 1.0)  # late, old epoch
     assert rec.actions(1.0) == [Fence("decode", 3)]  # backoff: 1 s before trying again
     assert rec.actions(1.5) == []
     assert rec.next_due() == 2.0
-    assert rec.actions(2.0) == [Form("decode", 4, 2)]
+    assert rec.actions(2.0) == [Form("decode", 4, 2, 1, "ActorDiedError")]
     assert not rec.observe(FormFailed("decode", 3, "late"), 2.1)
     assert rec.observe(Formed("decode", 4), 3.0)
     assert rec.actions(3.0) == [Resume("decode", 4)]
@@ -170,3 +190,60 @@ def test_bad_intensity_is_refused():
         RestartIntensity(1, 0.0)
     with pytest.raises(ValueError, match="backoff"):
         RestartIntensity(1, 1.0, backoff_s=2.0, max_backoff_s=1.0)
+
+
+def test_no_room_narrows_then_capacity_back_widens():
+    rec = Reconciler({"decode": 1}, RestartIntensity(10, 60.0, backoff_s=0.0, max_backoff_s=0.0),
+                     widths={"decode": (3, 1)}, widen_every_s=5.0)
+    rec.observe(RankLost("decode", 1, "node left"), 0.0)
+    assert [a.width for a in rec.actions(0.0) if isinstance(a, Form)] == [3]
+    rec.observe(FormFailed("decode", 2, "placement not ready", short=True), 1.0)
+    assert [a.width for a in rec.actions(1.0) if isinstance(a, Form)] == [2]
+    rec.observe(FormFailed("decode", 3, "placement not ready", short=True), 2.0)
+    assert [a.width for a in rec.actions(2.0) if isinstance(a, Form)] == [1]
+    rec.observe(FormFailed("decode", 4, "placement not ready", short=True), 3.0)
+    assert [a.width for a in rec.actions(3.0) if isinstance(a, Form)] == [1]  # the floor
+    rec.observe(Formed("decode", 5), 4.0)
+    rec.actions(4.0)
+    assert rec.narrow() == {"decode": 2}
+    assert rec.widen_due(4.0) == [] and rec.widen_due(9.0) == ["decode"]
+    assert rec.widen_due(10.0) == []  # checked at most every widen_every_s
+    assert not rec.observe(CapacityBack("decode", 4), 10.0)  # an old epoch's report
+    assert rec.observe(CapacityBack("decode", 5), 10.0)
+    acts = rec.actions(10.0)
+    assert acts[0] == Fence("decode", 5, planned=True) and acts[1].width == 3 and "capacity back" in acts[1].why
+    rec.observe(Formed("decode", 6), 11.0)
+    rec.actions(11.0)
+    assert rec.narrow() == {} and rec.widen_due(100.0) == [] and rec.settled
+
+
+def test_bad_widths_are_refused():
+    with pytest.raises(ValueError, match="min width"):
+        Reconciler({"g": 1}, RestartIntensity(), widths={"g": (2, 3)})
+
+
+def test_a_prefill_instance_without_room_is_parked_while_another_serves():
+    pools = {("prefill", 0): "prefill", ("prefill", 1): "prefill"}
+    rec = Reconciler({("prefill", 0): 1, ("prefill", 1): 1},
+                     RestartIntensity(10, 60.0, backoff_s=0.0, max_backoff_s=0.0),
+                     pools=pools, widen_every_s=1.0)
+    rec.observe(RankLost(("prefill", 0), 1, "node left"), 0.0)
+    form = rec.actions(0.0)[-1]
+    rec.observe(FormFailed(("prefill", 0), form.epoch, "no room", short=True), 1.0)
+    assert rec.actions(1.0) == [] and not rec.serving(("prefill", 0)) and rec.settled
+    assert rec.narrow() == {("prefill", 0): 1}
+    assert rec.widen_due(2.0) == [("prefill", 0)]
+    assert rec.observe(CapacityBack(("prefill", 0), form.epoch), 2.0)
+    acts = rec.actions(2.0)
+    assert acts[0].planned and acts[1].width == 1
+    rec.observe(Formed(("prefill", 0), acts[1].epoch), 3.0)
+    rec.actions(3.0)
+    assert rec.serving(("prefill", 0)) and rec.narrow() == {}
+    # The last instance of its pool is never parked: it keeps trying (with backoff).
+    rec.observe(RankLost(("prefill", 1), 1, "node left"), 4.0)
+    rec.observe(RankLost(("prefill", 0), acts[1].epoch, "node left"), 4.0)
+    forms = [a for a in rec.actions(4.0) if isinstance(a, Form)]
+    rec.observe(FormFailed(("prefill", 0), forms[0].epoch, "no room", short=True), 5.0)
+    rec.observe(FormFailed(("prefill", 1), forms[1].epoch, "no room", short=True), 5.0)
+    phases = {k: g.phase for k, g in rec.groups.items()}
+    assert Phase.PARKED not in phases.values(), phases

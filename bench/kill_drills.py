@@ -1,0 +1,146 @@
+"""Kill drills from outside, repeated with random timings: the stress run of issue 26.
+
+    python bench/kill_drills.py [--layouts disagg,dp2,tp2] [--drills 20] [--streams 16]
+                                [--max-tokens 96] [--seed 0]
+
+Per layout, one server stack in this process (`start_local`: the driver thread, router
+and request records of `phalanx serve`, no HTTP) on the tiny model, CPU, local Ray; then
+`--drills` drills, each a random plan: (a) a kill while serving and one to three more
+while the group re-forms, (b) two ranks at once, (c) a prefill and a decode rank at
+once (disaggregated only). Rank processes are SIGKILLed from outside, pids from Ray's
+state. Each drill streams `--streams` requests (half greedy, half seeded sampling at
+temperature 0.8), and every stream must equal the fault-free single-rank run.
+
+Reported per layout: drills passed, kills, detection (death -> the client fenced the
+group: every survivor is then out of its collective or killed), recovery (death -> the
+next token of any stream), per-stream stall p50/p99 (the longest gap between two
+chunks), re-formations. Prints a table last and writes JSON to $OUT/kill_drills.json
+(or ./kill_drills.json). Not run in CI (minutes per layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+from phalanx import LLM, SamplingParams
+from phalanx.chaos.drill import Kill, percentile, run_drill
+from phalanx.models.loader import read_model_config
+from phalanx.models.tiny import default_model_dir
+from phalanx.sdk import start_local
+
+LAYOUTS = {"disagg": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "dp2tp2": dict(dp=2, tp=2)}
+ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, page_size=4, num_pages=600)
+
+
+def workload(model: str, n: int, max_tokens: int, rng: random.Random):
+    vocab = read_model_config(model).vocab_size
+    requests, params = [], []
+    for i in range(n):
+        prompt = [rng.randrange(vocab - 8) for _ in range(rng.randint(4, 60))]
+        body = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if i % 2:
+            seed = rng.randrange(1 << 30)
+            body.update(temperature=0.8, seed=seed)
+            p = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+        requests.append((prompt, body))
+        params.append(p)
+    offline = LLM(model, **ENGINE)
+    outs = offline.generate(prompt_token_ids=[r[0] for r in requests], sampling_params=params)
+    return requests, [offline.decode(o.outputs[0].token_ids) for o in outs]
+
+
+def plan(layout: str, rng: random.Random) -> tuple[str, list[Kill]]:
+    kinds = ["a", "b"] + (["c"] if layout == "disagg" else [])
+    kind = rng.choice(kinds)
+    if kind == "a":
+        return "a", [Kill()] + [Kill(during_formation=True)] * rng.randint(1, 3)
+    if kind == "b":
+        role = {"disagg": "decode"}.get(layout, "group")
+        return "b", [Kill(role=(role, role))]
+    return "c", [Kill(role=("prefill", "decode"))]
+
+
+def _client_of(client):
+    return client.backend._driver._client
+
+
+def detections(client, kills: list, since: float) -> list[float]:
+    """Per kill: seconds until the next fence the client logged."""
+    fences = [e[0] for e in _client_of(client).recovery.events if e[1] == "fenced" and e[0] >= since]
+    return [round(min((f for f in fences if f >= t), default=float("nan")) - t, 3)
+            for t, *_ in kills]
+
+
+async def run_layout(model: str, name: str, drills: int, requests, refs, seed: int) -> dict:
+    rng = random.Random(seed)
+    client = start_local(model, model_name="tiny", collective_timeout_s=5.0, max_recoveries=10_000,
+                         **LAYOUTS[name], **ENGINE)
+    rows = []
+    try:
+        for d in range(drills):
+            kind, steps = plan(name, rng)
+            t0 = time.time()
+            report = await run_drill(client, requests, refs, steps, seed=rng.randrange(1 << 30))
+            ok = (report.identical == len(requests) and not report.errors
+                  and not report.killer_error)
+            rows.append({"drill": d, "kind": kind, "ok": ok, **report.summary(),
+                         "stalls": report.stalls,
+                         "detect_s": detections(client, report.kills, t0)})
+            print(f"  {name} drill {d} ({kind}): {rows[-1]['identical']}/{len(requests)} identical, "
+                  f"{rows[-1]['kills']} kills, stall p99 {rows[-1]['stall_p99_s']} s, "
+                  f"resumed {rows[-1]['resumed_s']} s{'' if ok else '  FAILED'}", flush=True)
+        restarts = _client_of(client).recovery.recoveries
+    finally:
+        await client.close()
+    stalls = [s for r in rows for s in r["stalls"]]
+    detect = [x for r in rows for x in r["detect_s"] if x == x]
+    resumed = [r["resumed_s"] for r in rows if r["resumed_s"] is not None]
+    return {"layout": name, "drills": len(rows), "passed": sum(r["ok"] for r in rows),
+            "kills": sum(r["kills"] for r in rows), "reformations": restarts,
+            "detect_p50_s": percentile(detect, 50), "detect_p99_s": percentile(detect, 99),
+            "recovery_p50_s": percentile(resumed, 50), "recovery_p99_s": percentile(resumed, 99),
+            "stall_p50_s": percentile(stalls, 50), "stall_p99_s": percentile(stalls, 99),
+            "rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default="disagg,dp2,tp2")
+    ap.add_argument("--drills", type=int, default=20)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    names = args.layouts.split(",")
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        ap.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    model = str(default_model_dir())
+    requests, refs = workload(model, args.streams, args.max_tokens, random.Random(args.seed))
+    results = [asyncio.run(run_layout(model, name, args.drills, requests, refs, args.seed + i))
+               for i, name in enumerate(names)]
+    out = os.path.join(os.environ.get("OUT", "."), "kill_drills.json")
+    with open(out, "w") as f:
+        json.dump({"meta": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                            "args": vars(args)}, "layouts": results}, f, indent=1)
+    print(f"\nwrote {out}")
+    print("| layout | drills passed | kills | re-formations | detection p50/p99 s "
+          "| recovery p50/p99 s | stall p50/p99 s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['layout']} | {r['passed']}/{r['drills']} | {r['kills']} | {r['reformations']} "
+              f"| {r['detect_p50_s']} / {r['detect_p99_s']} | {r['recovery_p50_s']} / "
+              f"{r['recovery_p99_s']} | {r['stall_p50_s']} / {r['stall_p99_s']} |")
+    return 0 if all(r["passed"] == r["drills"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
