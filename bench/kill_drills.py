@@ -7,14 +7,15 @@ Per layout, one server stack in this process (`start_local`: the driver thread, 
 and request records of `phalanx serve`, no HTTP) on the tiny model, CPU, local Ray; then
 `--drills` drills, each a random plan: (a) a kill while serving and one to three more
 while the group re-forms, (b) two ranks at once, (c) a prefill and a decode rank at
-once (disaggregated only). Rank processes are SIGKILLed from outside, pids from Ray's
+once, (d) a decode rank while the prefill instance re-forms (disaggregated only). Rank
+processes are SIGKILLed from outside, pids from Ray's
 state. Each drill streams `--streams` requests (half greedy, half seeded sampling at
 temperature 0.8), and every stream must equal the fault-free single-rank run.
 
 Reported per layout: drills passed, kills, detection (death -> the client fenced the
-group: every survivor is then out of its collective or killed), recovery (death -> the
-next token of any stream), per-stream stall p50/p99 (the longest gap between two
-chunks), re-formations. Prints a table last and writes JSON to $OUT/kill_drills.json
+group: every survivor is then out of its collective or killed), recovery (a drill's last
+death -> the first token after the re-formation that followed it), per-stream stall
+p50/p99 (the longest gap between two chunks of a stream), re-formations. Prints a table last and writes JSON to $OUT/kill_drills.json
 (or ./kill_drills.json). Not run in CI (minutes per layout).
 """
 
@@ -58,14 +59,16 @@ def workload(model: str, n: int, max_tokens: int, rng: random.Random):
 
 
 def plan(layout: str, rng: random.Random) -> tuple[str, list[Kill]]:
-    kinds = ["a", "b"] + (["c"] if layout == "disagg" else [])
+    kinds = ["a", "b"] + (["c", "d"] if layout == "disagg" else [])
     kind = rng.choice(kinds)
     if kind == "a":
         return "a", [Kill()] + [Kill(during_formation=True)] * rng.randint(1, 3)
     if kind == "b":
         role = {"disagg": "decode"}.get(layout, "group")
         return "b", [Kill(role=(role, role))]
-    return "c", [Kill(role=("prefill", "decode"))]
+    if kind == "c":
+        return "c", [Kill(role=("prefill", "decode"))]
+    return "d", [Kill(role="prefill"), Kill(role="decode", delay_s=(0.3, 1.5))]
 
 
 def _client_of(client):
@@ -77,6 +80,20 @@ def detections(client, kills: list, since: float) -> list[float]:
     fences = [e[0] for e in _client_of(client).recovery.events if e[1] == "fenced" and e[0] >= since]
     return [round(min((f for f in fences if f >= t), default=float("nan")) - t, 3)
             for t, *_ in kills]
+
+
+def recoveries(client, kills: list, arrivals: list, since: float) -> list[float]:
+    """Per drill: seconds from its last kill to the first token that left the layout
+    after the next re-formation (a group formed and resumed) past that kill."""
+    if not kills:
+        return []
+    last = max(t for t, *_ in kills)
+    formed = [e[0] for e in _client_of(client).recovery.events
+              if e[1] == "resumed" and e[0] >= max(since, last)]
+    if not formed:
+        return [float("nan")]
+    after = [t for t in arrivals if t >= min(formed)]
+    return [round(after[0] - last, 3)] if after else [float("nan")]
 
 
 async def run_layout(model: str, name: str, drills: int, requests, refs, seed: int) -> dict:
@@ -93,16 +110,17 @@ async def run_layout(model: str, name: str, drills: int, requests, refs, seed: i
                   and not report.killer_error)
             rows.append({"drill": d, "kind": kind, "ok": ok, **report.summary(),
                          "stalls": report.stalls,
-                         "detect_s": detections(client, report.kills, t0)})
+                         "detect_s": detections(client, report.kills, t0),
+                         "recover_s": recoveries(client, report.kills, report.arrivals, t0)})
             print(f"  {name} drill {d} ({kind}): {rows[-1]['identical']}/{len(requests)} identical, "
                   f"{rows[-1]['kills']} kills, stall p99 {rows[-1]['stall_p99_s']} s, "
-                  f"resumed {rows[-1]['resumed_s']} s{'' if ok else '  FAILED'}", flush=True)
+                  f"recovered {rows[-1]['recover_s']} s{'' if ok else '  FAILED'}", flush=True)
         restarts = _client_of(client).recovery.recoveries
     finally:
         await client.close()
     stalls = [s for r in rows for s in r["stalls"]]
     detect = [x for r in rows for x in r["detect_s"] if x == x]
-    resumed = [r["resumed_s"] for r in rows if r["resumed_s"] is not None]
+    resumed = [x for r in rows for x in r["recover_s"] if x == x]
     return {"layout": name, "drills": len(rows), "passed": sum(r["ok"] for r in rows),
             "kills": sum(r["kills"] for r in rows), "reformations": restarts,
             "detect_p50_s": percentile(detect, 50), "detect_p99_s": percentile(detect, 99),

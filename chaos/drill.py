@@ -66,6 +66,7 @@ class DrillReport:
     seconds: float = 0.0
     killer_error: str = ""
     resumed_s: Optional[float] = None  # last kill -> the next chunk of any stream
+    arrivals: list = field(default_factory=list)  # every chunk's arrival, sorted
 
     def summary(self) -> dict:
         return {"streams": self.streams, "identical": self.identical,
@@ -188,6 +189,7 @@ async def run_drill(client: Any, requests: Sequence[tuple[Any, dict]],
     report = DrillReport(streams=len(requests), seconds=time.monotonic() - t0,
                          kills=list(killer.kills), killer_error=killer.error)
     report.resumed_s = _resumed_after(results, [k[0] for k in killer.kills])
+    report.arrivals = sorted(t for r in results for t in r.times)
     for i, (r, ref) in enumerate(zip(results, references)):
         report.stalls.append(r.stall_s)
         if r.error is not None:

@@ -390,6 +390,17 @@ class RankEngine:
             out["prefix_query_tokens"] = self.engine.pool.query_tokens
         return out
 
+    def kv_check(self) -> dict:
+        """DP leaders: the KV pool's invariants checked on the loop thread
+        (AssertionError if one is broken) and its page counts: `{"pages": n, "free": n,
+        "cached": n}` (free pages may still hold cached prefixes)."""
+        def check(engine) -> dict:
+            pool = engine.pool
+            pool.check_integrity()
+            return {"pages": pool.num_pages, "free": pool.num_free_pages,
+                    "cached": len(pool.cached)}
+        return self.run_on_loop(check)
+
     def held_prefix_changes(self, since: int) -> dict:
         """DP leaders (and prefill instance leaders): what the router needs to reconcile
         its prefix tree of this rank's group with the KV pool, given the

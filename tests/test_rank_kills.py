@@ -2,7 +2,8 @@
 of a streamed load through the SDK (`start_local`: the server's own request path, driver
 thread, router and request records), in the default disaggregated layout and a
 colocated DP×EP group: a second death while the group re-forms (three times in a row),
-two ranks at once, a prefill and a decode rank at once. Every stream, greedy or seeded
+two ranks at once, a prefill and a decode rank at once, a decode rank while the prefill
+instance re-forms. Every stream, greedy or seeded
 sampled, must equal the fault-free single-rank run, each token once; afterwards no rank
 actor or placement group of a dead epoch is left and every KV pool is back to empty.
 Past the restart intensity the streams end with clean 503s and the backend is unhealthy;
@@ -67,11 +68,13 @@ def _left_behind(client) -> dict:
     live_pids = {p for s in sups for p in s.pids}
     alive = [r.pid for r in rank_processes()]
     pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
-    stats = group.leader_stats()
-    used = [s.get("kv_usage", 0.0) for side in ("decode", "prefill") for s in stats[side] if s]
+    group.leader_stats()  # TimeoutError while a group is still re-forming
+    # Every leader's KV pool passes check_integrity and has every page free again.
+    pools = ray.get([s.leaders[i].kv_check.remote() for s in sups for i in range(s.dp)])
     return {"extra_ranks": sorted(set(alive) - live_pids),
             "missing_ranks": sorted(live_pids - set(alive)),
-            "extra_pgs": len(pgs) - sum(s.dp for s in sups), "kv_used": [u for u in used if u]}
+            "extra_pgs": len(pgs) - sum(s.dp for s in sups),
+            "kv_used": [p for p in pools if p["free"] != p["pages"]]}
 
 
 def _settled_view(client, timeout_s: float = 30.0) -> dict:
@@ -91,6 +94,8 @@ PLANS = {
     "death-during-reformation-x3": [Kill()] + [Kill(during_formation=True)] * 3,
     "two-at-once": [Kill(role=("decode", "decode"))],
     "prefill-and-decode-at-once": [Kill(role=("prefill", "decode"))],
+    # the decode group loses a rank while the prefill instance re-forms (seconds)
+    "decode-dies-while-prefill-reforms": [Kill(role="prefill"), Kill(role="decode", delay_s=(0.5, 1.0))],
     "dp2-death-during-reformation-x3": [Kill()] + [Kill(during_formation=True)] * 3,
     "dp2-two-at-once": [Kill(role=("group", "group"))],
 }
