@@ -17,7 +17,24 @@ except ImportError:  # pragma: no cover
     HAS_CUDA = False
 
 
+# Modules whose tests start processes (Ray rank actors, spawned ranks, servers, bench
+# scripts) or run Triton's interpreter at length: marked `slow`, so that
+# `pytest -m "not slow"` is the fast tier (pure logic, single-rank engine, in-process
+# server). CI runs everything.
+SLOW_MODULES = frozenset({
+    "test_bench_disagg", "test_bench_kv_transfer", "test_bench_multi_gpu", "test_bench_ucx",
+    "test_chaos", "test_comm_dispatch", "test_disagg", "test_groups", "test_kernels_triton",
+    "test_kv_slab_copy", "test_kv_transport", "test_optional_triton", "test_peer_exchange",
+    "test_rank_kills", "test_sdk_local", "test_serve", "test_serve_multinode",
+    "test_shm_agreement", "test_shm_broadcast", "test_shm_collectives",
+})
+
+
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(slow)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -127,6 +127,7 @@ def test_default_model_and_cli(tmp_path):
     assert bad.returncode == 2 and "max_tokens" in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_dp_layout_matches_single_rank(tiny_model):
     """`--dp 2` runs two rank actors on a local Ray; the tokens stay the same."""
     base = [sys.executable, "-m", "phalanx.cli", "generate", "Hello there", "--max-tokens", "6",
