@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from typing import Iterator, Optional, Sequence, Union
@@ -69,6 +68,17 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
 
 
+def disagg_config(prefill_tp: Optional[int], decode_dp: Optional[int], decode_tp: Optional[int],
+                  prefill_instances: Optional[int], prefill_page_size: Optional[int],
+                  transfer_timeout_s: float = 30.0):
+    """The disaggregated layout from `LLM`'s keywords (None: the default of each)."""
+    from .config import DisaggConfig
+    return DisaggConfig(prefill_tp=prefill_tp or 1, decode_dp=decode_dp or 1,
+                        decode_tp=decode_tp or 1, prefill_instances=prefill_instances or 1,
+                        prefill_page_size=prefill_page_size or 0,
+                        transfer_timeout_s=transfer_timeout_s)
+
+
 class LLM:
     """A single-rank engine plus the model's tokenizer, driven to completion per call."""
 
@@ -104,34 +114,22 @@ class LLM:
             recovery_window_s=recovery_window_s, replace_timeout_s=replace_timeout_s,
             ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes)
         self.engine: Optional[LLMEngine] = None
-        self.group = None
+        self.cluster = None  # a multi-rank layout's client (actors.cluster.ClusterClient)
         disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)
         if any(v is not None for v in disagg):
             if tp * dp != 1:
                 raise ValueError("tp/dp: give either tp/dp (colocated) or the prefill_*/decode_* "
                                  "layout (disaggregated), not both")
-            self.group = self._disaggregated(*disagg, collective_timeout_s, ray_address)
+            from .actors.cluster import build_cluster
+            self.cluster = build_cluster(self.config, disagg_config(*disagg, collective_timeout_s),
+                                         ray_address)
         elif tp * dp == 1:
             self.engine = LLMEngine(self.config)
         else:
-            from .actors.group_client import GroupClient
-            self.group = GroupClient(self.config, tp, dp, collective_timeout_s, ray_address)
+            from .actors.cluster import build_cluster
+            self.cluster = build_cluster(self.config, None, ray_address)
         self._tokenizer = None
         self._ids = itertools.count()
-
-    def _disaggregated(self, prefill_tp, decode_dp, decode_tp, prefill_instances,
-                       prefill_page_size, timeout_s, ray_address):
-        from .actors.disagg_client import DisaggClient
-        from .config import DisaggConfig
-
-        layout = DisaggConfig(prefill_tp=prefill_tp or 1, decode_dp=decode_dp or 1,
-                              decode_tp=decode_tp or 1, prefill_instances=prefill_instances or 1,
-                              prefill_page_size=prefill_page_size or 0,
-                              transfer_timeout_s=timeout_s)
-        prefill_cache = dataclasses.replace(
-            self.config.cache, page_size=layout.prefill_page_size or self.config.cache.page_size)
-        prefill = dataclasses.replace(self.config, cache=prefill_cache)
-        return DisaggClient(prefill, self.config, layout, timeout_s, ray_address)
 
     @property
     def tokenizer(self):
@@ -168,8 +166,8 @@ class LLM:
         try:
             for tokens, p in zip(token_lists, params):
                 rid = f"offline-{next(self._ids)}"
-                if self.group is not None:
-                    self.group.submit(rid, tokens, p)
+                if self.cluster is not None:
+                    self.cluster.submit(rid, tokens, p)
                 else:
                     self.engine.add_request(rid, tokens, p)
                 rids.append(rid)
@@ -180,19 +178,19 @@ class LLM:
         return rids
 
     def _abort(self, rid: str) -> None:
-        if self.group is not None:
-            self.group.abort(rid)
+        if self.cluster is not None:
+            self.cluster.abort(rid)
         else:
             self.engine.abort_request(rid)
 
     def _poll(self):
-        return self.group.poll() if self.group is not None else self.engine.step()
+        return self.cluster.poll() if self.cluster is not None else self.engine.step()
 
     def close(self) -> None:
         """Stop the group's rank actors (no-op for a single-rank engine)."""
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
 
     def generate(self, prompts: Prompts = None, sampling_params: Params = None,
                  prompt_token_ids: TokenPrompts = None) -> list[RequestOutput]:

@@ -25,7 +25,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import ray
 
@@ -40,6 +40,7 @@ from .decode_rank import RemoteDecodeRank
 from .disagg_recovery import (CALL_ERRORS, DECODE, DecodeLost, DisaggRecovery,
                               prefill_key)
 from .disagg_views import DisaggViews
+from .cluster import ANYWHERE, Placement
 from .held_reports import HeldReports
 from .prefill_rank import KVDestination, RemotePrefillRank
 from .recovery import Recovery, intensity_of
@@ -69,6 +70,7 @@ class _Request:
     params_in: Optional[SamplingParams] = None  # as submitted (with its seed)
     emitted: list[int] = field(default_factory=list)  # tokens the caller has, in order
     base: int = 0  # output index of this run's first token (> 0 after a resume)
+    placement: Placement = ANYWHERE  # as submitted
 
 
 def with_staging(config: EngineConfig, connections: int) -> EngineConfig:
@@ -104,9 +106,7 @@ class DisaggClient(DisaggRecovery, DisaggViews):
             self.close()
             raise
         self._learn_decode_layout()
-        rr, rr_prefill = itertools.count(), itertools.count()
-        self.place: Callable[[str], int] = lambda rid: next(rr) % layout.decode_dp
-        self.place_prefill: Callable[[str], int] = lambda rid: next(rr_prefill) % len(self.prefill)
+        self._rr, self._rr_prefill = itertools.count(), itertools.count()
         self._reqs: dict[str, _Request] = {}
         self._queue: deque[str] = deque()
         self._keys = itertools.count(1)
@@ -145,9 +145,11 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         return self.decode.epoch
 
     # -- requests --------------------------------------------------------------------
-    def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams) -> None:
-        """Queue a request (ValueError naming what is wrong with it, checked here without
-        a call to a rank); the next `poll` starts it, with every request queued meanwhile
+    def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams,
+               placement: Placement = ANYWHERE) -> None:
+        """Queue a request for `placement`'s decode DP group and prefill instance (-1:
+        round robin; ValueError naming what is wrong with it, checked here without a
+        call to a rank); the next `poll` starts it, with every request queued meanwhile
         in one round of calls."""
         self.recovery.raise_if_failed()
         if request_id in self._reqs:
@@ -159,8 +161,13 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         tokens = check_prompt(tokens, params, self.config, self._decode_pages)
         if not params.greedy and params.seed is None:  # both sides must draw the same stream
             params = params.with_seed(self._seeds.getrandbits(63))
+        placement = Placement(
+            placement.dp_group if placement.dp_group >= 0 else next(self._rr),
+            placement.prefill_instance if placement.prefill_instance >= 0
+            else next(self._rr_prefill) % len(self.prefill))
         self._reqs[request_id] = _Request(request_id, tokens, params, arrival=next(self._arrivals),
-                                          prompt=list(tokens), params_in=params)
+                                          prompt=list(tokens), params_in=params,
+                                          placement=placement)
         self._queue.append(request_id)  # the next poll starts it, with all queued meanwhile
 
 
@@ -196,9 +203,9 @@ class DisaggClient(DisaggRecovery, DisaggViews):
     def _serving_instances(self) -> list[int]:
         return [i for i in range(len(self.prefill)) if self.recovery.serving(prefill_key(i))]
 
-    def _instance_for(self, request_id: str) -> int:
+    def _instance_for(self, req: _Request) -> int:
         """The placement's prefill instance, or the next serving one while it is down."""
-        chosen, serving = self.place_prefill(request_id), self._serving_instances()
+        chosen, serving = req.placement.prefill_instance, self._serving_instances()
         return chosen if chosen in serving else min(serving, key=lambda i: (i - chosen) % len(self.prefill))
 
     def _decode_ranks(self, dp_rank: int) -> list:
@@ -212,7 +219,7 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         by_dp: dict[int, list[_Request]] = {}
         for req in batch:
             if req.dp_rank < 0:  # % the decode group's width: fewer DP ranks while narrow
-                req.dp_rank = self.place(req.request_id) % self.decode.dp
+                req.dp_rank = req.placement.dp_group % self.decode.dp
             by_dp.setdefault(req.dp_rank, []).append(req)
         refs = [self.decode.leaders[dp].reserve_many.remote([(r.request_id, r.tokens) for r in reqs])
                 for dp, reqs in by_dp.items()]
@@ -231,7 +238,7 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         by_instance: dict[int, list[tuple[_Request, KVDestination]]] = {}
         tp = self.layout.decode_tp
         for req, (pages, cached) in reserved:
-            req.instance, req.key = self._instance_for(req.request_id), next(self._keys)
+            req.instance, req.key = self._instance_for(req), next(self._keys)
             req.state, req.sent, req.first = "prefill", set(), None
             dp = req.dp_rank
             dest = KVDestination(req.request_id, req.transfer_id,

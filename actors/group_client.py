@@ -16,7 +16,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -28,6 +28,7 @@ from ..engine.prompt_check import check_prompt
 from ..engine.rank_spec import RankFailure
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
+from .cluster import ANYWHERE, Placement
 from .held_reports import HeldReports
 from .recovery import Recovery, intensity_of
 from .resume import resume_from
@@ -58,6 +59,7 @@ class _Live:
     arrival: int
     emitted: list[int] = field(default_factory=list)  # tokens the caller has, in order
     base: int = 0  # caller's output index of the current run's first token
+    dp_group: int = 0  # where it was placed (wraps around a narrower group's width)
     dp_rank: int = -1  # -1: not on the current group (yet)
 
 
@@ -80,7 +82,6 @@ class GroupClient:
                                  replace_timeout_s=config.parallel.replace_timeout_s)
         self._pages = min(i["num_pages"] for i in self.supervisor.start_info[::tp])
         self._rr = itertools.count()
-        self.place: Callable[[str], int] = lambda rid: next(self._rr) % dp
         self._live: dict[str, _Live] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -95,9 +96,11 @@ class GroupClient:
     def recoveries(self) -> int:
         return self.recovery.recoveries
 
-    def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams) -> None:
-        """Start a request (ValueError naming what is wrong with it, checked here); while
-        the group re-forms it waits, and starts with the others it held."""
+    def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams,
+               placement: Placement = ANYWHERE) -> None:
+        """Start a request on `placement.dp_group` (-1: round robin; ValueError naming
+        what is wrong with it, checked here); while the group re-forms it waits, and
+        starts with the others it held."""
         self.recovery.raise_if_failed()
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -106,7 +109,8 @@ class GroupClient:
         tokens = check_prompt(tokens, params, self.config, self._pages)
         if not params.greedy and params.seed is None:  # a resumed run must draw the same
             params = params.with_seed(self._seeds.getrandbits(63))
-        live = _Live(list(tokens), params, next(self._arrivals))
+        group = placement.dp_group if placement.dp_group >= 0 else next(self._rr)
+        live = _Live(list(tokens), params, next(self._arrivals), dp_group=group)
         self._live[request_id] = live
         if self.recovery.serving(GROUP):
             self._start([(request_id, live, list(tokens), params)])
@@ -116,7 +120,7 @@ class GroupClient:
         the group lost (its requests stay held, to start on the re-formed group)."""
         leaders, epoch, refs = self.supervisor.leaders, self.epoch, []
         for request_id, live, tokens, params in items:
-            live.dp_rank = self.place(request_id) % self.supervisor.dp  # narrower: fewer
+            live.dp_rank = live.dp_group % self.supervisor.dp  # narrower: fewer
             refs.append(leaders[live.dp_rank].submit.remote(request_id, tokens, params))
         try:
             ray.get(refs, timeout=VIEW_TIMEOUT_S)

@@ -84,20 +84,20 @@ def oracle(model: str, prompts: list[list[int]], params: list[SamplingParams]) -
 
 
 def _epoch(llm: LLM) -> tuple:
-    g = llm.group
+    g = llm.cluster
     if hasattr(g, "decode"):
         return (g.decode.epoch, *(p.epoch for p in g.prefill))
     return (g.epoch,)
 
 
 def _recoveries(llm: LLM) -> int:
-    g = llm.group
+    g = llm.cluster
     return g.recoveries + getattr(g, "decode_recoveries", 0)
 
 
 def _arm(llm: LLM, points: dict, rng: random.Random) -> tuple:
     """One fault on a random rank of a random side: (side, rank, point, after)."""
-    g = llm.group
+    g = llm.cluster
     side = rng.choice(sorted(points))
     if side == "group":
         actors = g.supervisor.actors

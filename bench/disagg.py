@@ -225,7 +225,7 @@ def run_disagg(model_dir: str, args, prompts, reference: dict, bytes_per_token: 
                   collective_timeout_s=args.deadline_s, **engine_kwargs(args, dtype))
         print(f"layout formed ({dtype}): {time.monotonic() - t:.1f} s", flush=True)
         try:
-            client = llm.group
+            client = llm.cluster
             runs, _ = drive(client.submit, client.poll,
                             greedy_requests(prompts, args.max_new, "check"), args.timeout_s / 4)
             got = [runs[f"check{i}"]["tokens"] for i in range(len(prompts))]

@@ -34,7 +34,7 @@ from phalanx import LLM, SamplingParams
 from phalanx.chaos.drill import Kill, percentile, run_drill
 from phalanx.models.loader import read_model_config
 from phalanx.models.tiny import default_model_dir
-from phalanx.sdk import start_local
+from phalanx.server import start_local
 
 LAYOUTS = {"disagg": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "dp2tp2": dict(dp=2, tp=2)}
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, page_size=4, num_pages=600)

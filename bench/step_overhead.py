@@ -173,7 +173,7 @@ class SingleProbe:
 
 class GroupProbe:
     def __init__(self, llm: LLM) -> None:
-        self.actors = llm.group.supervisor.actors
+        self.actors = llm.cluster.supervisor.actors
         self.leader = self.actors[0]
 
     def read(self) -> dict:

@@ -12,7 +12,7 @@ Keyword parameters are sent as JSON fields of the request (`max_tokens`, `temper
 model the server lists. Connection failures (refused, reset before an answer) and
 429/502/503/504 answers are retried up to `max_retries` times with exponential backoff
 and jitter; other 4xx/5xx raise `APIError` at once. A stream is retried only until its
-response starts. `phalanx.sdk.LocalClient` offers the same methods over a backend in
+response starts. `phalanx.server.LocalClient` offers the same methods over a backend in
 this process, without HTTP.
 """
 
@@ -27,7 +27,7 @@ import msgspec
 
 from .errors import APIConnectionError, APIError, APITimeoutError
 from .sse import iter_sse_data
-from .types import ChatCompletion, ChatCompletionChunk, Completion, ErrorResponse, ModelList
+from ..openai_types import ChatCompletion, ChatCompletionChunk, Completion, ErrorResponse, ModelList
 
 __all__ = ["AsyncClient"]
 

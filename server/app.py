@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from ..log import get_logger
-from ..sdk.types import Model, ModelList
+from ..openai_types import Model, ModelList
 from .backend import ServingBackend
 from .errors import SERVER_ERROR, OpenAIError, from_http_exception, too_large
 from .handlers import GenerationHandlers

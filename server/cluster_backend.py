@@ -16,7 +16,6 @@ are refused with the same error.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -48,28 +47,14 @@ class ClusterBackend(ThreadedBackend):
     def __init__(self, client: Any, *, model_name: str, max_model_len: int, tokenizer: Any,
                  router: Optional[Router] = None, config: DriverConfig = DriverConfig(),
                  close_client: Optional[Callable[[], None]] = None) -> None:
-        """`client`: a `GroupClient` or `DisaggClient` (or anything with their duck-typed
-        interface), handed over to the driver thread: nobody else may call it from now
-        on. `close_client` (default `client.close`) runs on that thread at `close()`.
+        """`client`: an `actors.cluster.ClusterClient` (`GroupClient`, `DisaggClient`),
+        handed over to the driver thread: nobody else may call it from now on. `close_client` (default `client.close`) runs on that thread at `close()`.
         `router`: default one built from `client.topology()` with `config`'s policy."""
         super().__init__()
         self.model_name, self.max_model_len, self.tokenizer = model_name, max_model_len, tokenizer
         self._driver = ClusterDriver(client, self, router=router, config=config,
                                      close_client=close_client)
         self._start(self._driver)
-
-    @classmethod
-    def from_llm(cls, llm: Any, *, model_name: Optional[str] = None,
-                 config: DriverConfig = DriverConfig()) -> "ClusterBackend":
-        """Serve the multi-rank group an `LLM` built (ValueError for a single-rank one:
-        use `EngineBackend`). The backend owns the LLM from now on: `close()` closes it."""
-        if llm.group is None:
-            raise ValueError("this LLM runs a single in-process engine (tp = dp = 1): serve "
-                             "it with EngineBackend")
-        path = llm.config.model_path
-        return cls(llm.group, model_name=model_name or os.path.basename(os.path.normpath(path)),
-                   max_model_len=llm.config.max_model_len, tokenizer=llm.tokenizer,
-                   config=config, close_client=llm.close)
 
     @property
     def router(self) -> Router:

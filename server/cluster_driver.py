@@ -1,9 +1,7 @@
 """The thread that owns one multi-rank client and the router.
 
-A multi-rank client (`GroupClient`, `DisaggClient`: duck-typed `submit`, `poll`,
-`abort`, `close`, `place`, `place_prefill`, `topology`, `leader_stats`,
-`held_prefixes`) and a `Router` are not thread-safe: every call on either happens on
-this thread. Other threads only enqueue commands (`submit`, `abort`, `stop`) and read
+A multi-rank client (`actors.cluster.ClusterClient`: `GroupClient`, `DisaggClient`)
+and a `Router` are not thread-safe: every call on either happens on this thread. Other threads only enqueue commands (`submit`, `abort`, `stop`) and read
 the `stats` snapshot the thread publishes (a fresh dict each time, never mutated); the
 inbox and the thread's lifecycle are `OwnerThread`'s (owner_thread.py).
 
@@ -15,7 +13,7 @@ every `load_interval_s` feed the router the DP leaders' load, every
 `prefix_interval_s` the page hashes they hold.
 
 Placement: at submit the router picks the DP group (and, disaggregated, the prefill
-instance); the client's `place` / `place_prefill` callables read that choice.
+instance), handed to the client's `submit` as a `Placement`.
 
 Indexes: a `StepOutput` that carries an `index` attribute (the output position of its
 first token) is accepted at that index, so a replayed or duplicated output is dropped
@@ -37,6 +35,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Protocol
 
+from ..actors.cluster import Placement
 from ..engine.outputs import StepOutput
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
@@ -149,22 +148,8 @@ class ClusterDriver(OwnerThread):
         self.layout = layout or ClusterLayout.of(client)
         self.router = router or make_router(self.layout, config)
         self._close_client = close_client or client.close
-        self._placement: dict[str, tuple[int, Optional[int]]] = {}
-        client.place = self._place_group
-        if self.layout.prefill_instances:
-            client.place_prefill = self._place_prefill
         self._live: dict[str, _Live] = {}
         self._next_load = self._next_prefix = 0.0
-
-    # -- placement (called by the client, on this thread) ---------------------------
-    def _place_group(self, request_id: str) -> int:
-        return self._placement[request_id][0]
-
-    def _place_prefill(self, request_id: str) -> int:
-        instance = self._placement[request_id][1]
-        if instance is None:
-            raise KeyError(f"request {request_id!r} has no prefill instance")
-        return instance
 
     # -- the driver thread -----------------------------------------------------------
     def _run(self) -> None:
@@ -201,12 +186,11 @@ class ClusterDriver(OwnerThread):
             self._sink.on_error(rid, e)
             return
         group = self.router.route(record)
-        instance = self.router.route_prefill(record) if self.layout.prefill_instances else None
-        self._placement[rid] = (group, instance)
+        instance = self.router.route_prefill(record) if self.layout.prefill_instances else -1
         try:
-            self._client.submit(rid, list(tokens), record.sampling_params)
+            self._client.submit(rid, list(tokens), record.sampling_params,
+                                Placement(group, instance))
         except ValueError as e:
-            self._placement.pop(rid, None)
             self.router.finish(rid)
             self._sink.on_error(rid, _cause(e))
             return
@@ -222,7 +206,6 @@ class ClusterDriver(OwnerThread):
         self._end(rid, live.record)
 
     def _end(self, rid: str, record: RequestRecord) -> None:
-        self._placement.pop(rid, None)
         self.router.finish(record)
 
     def _forward(self, outputs: list[StepOutput]) -> None:
@@ -331,7 +314,6 @@ class ClusterDriver(OwnerThread):
         for live in self._live.values():
             live.record.fail(str(error))
         self._live.clear()
-        self._placement.clear()
         self.stats = {**self.stats, "healthy": 0.0}
         self._sink.on_failure(error)
 

@@ -18,7 +18,7 @@ from typing import Optional
 import msgspec
 from aiohttp import web
 
-from ..sdk.types import ErrorDetail, ErrorResponse
+from ..openai_types import ErrorDetail, ErrorResponse
 
 __all__ = ["OpenAIError", "error_response", "from_http_exception"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..sdk.types import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+from ..openai_types import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                          ChatDelta, ChatMessage, Completion, CompletionChoice,
                          PromptTokensDetails, Usage)
 from .generation import ChoiceEvent

@@ -5,7 +5,7 @@ tokenize (chat: the model folder's chat template), fit `max_tokens` to the conte
 (`completion_plan` / `chat_plan`), admit every choice with the backend (`running`: a
 backend ValueError becomes a 400 before any byte is sent), then answer in one JSON body
 (`collect`) or as SSE (`chunks`). The plan / running / collect / chunks steps know
-nothing of HTTP: `phalanx.sdk.LocalClient` drives them in-process. Whatever way a request ends — done,
+nothing of HTTP: `phalanx.server.LocalClient` drives them in-process. Whatever way a request ends — done,
 client gone, handler cancelled, error — its unfinished backend requests are aborted.
 """
 

@@ -1,11 +1,12 @@
 """Building a serving backend from a model folder and layout arguments (`phalanx serve`
-and `phalanx.sdk.start_local` share this).
+and `phalanx.server.start_local` share this).
 
 Layout rule: with no layout argument at all, the disaggregated default — one prefill
 instance of TP=1 streaming KV to a decode group of DP=2 (`DEFAULT_LAYOUT`); `tp=1,
 dp=1` given explicitly (and nothing disaggregated), one in-process engine
-(`EngineBackend`, no Ray); anything else, the `LLM` layout of the same keywords served
-by a `ClusterBackend` (Ray started locally, or joined with `ray_address`).
+(`EngineBackend`, no Ray); anything else, the layout `actors.cluster.build_cluster`
+forms from the same keywords as `LLM`'s, served by a `ClusterBackend` (Ray started
+locally, or joined with `ray_address`).
 """
 
 from __future__ import annotations
@@ -90,24 +91,35 @@ def build_backend(model: Optional[str | os.PathLike] = None, *, model_name: Opti
 
 def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str],
                      routing_policy: Optional[str], say: Progress) -> ServingBackend:
-    from ..llm import LLM
+    from transformers import AutoTokenizer
+
+    from ..actors.cluster import build_cluster
+    from ..llm import disagg_config, engine_config
     from .cluster_backend import ClusterBackend
     from .cluster_driver import DriverConfig
 
     import ray
 
-    address = kwargs.get("ray_address")
+    address = kwargs.pop("ray_address", None)
+    config = engine_config(model, tp=layout.get("tp", 1), dp=layout.get("dp", 1), **kwargs)
+    disagg = None
+    if any(k in layout for k in _DISAGG_KEYS):
+        disagg = disagg_config(*(layout.get(k) for k in _DISAGG_KEYS),
+                               config.parallel.collective_timeout_s)
     if ray.is_initialized():
         say("using the Ray cluster this process is connected to")
     else:
         say(f"joining the Ray cluster at {address}" if address else "starting a local Ray cluster")
-    llm = LLM(model, **layout, **kwargs)
+    client = build_cluster(config, disagg, address)
     say("rank groups formed, shards loaded")
     try:
-        for line in placement_lines(llm.group.rank_nodes()):
+        for line in placement_lines(client.rank_nodes()):
             say(line)
-        config = DriverConfig(policy=routing_policy) if routing_policy else DriverConfig()
-        return ClusterBackend.from_llm(llm, model_name=model_name, config=config)
+        driver = DriverConfig(policy=routing_policy) if routing_policy else DriverConfig()
+        name = model_name or os.path.basename(os.path.normpath(config.model_path))
+        return ClusterBackend(client, model_name=name, max_model_len=config.max_model_len,
+                              tokenizer=AutoTokenizer.from_pretrained(config.model_path),
+                              config=driver)
     except BaseException:
-        llm.close()
+        client.close()
         raise

@@ -9,7 +9,7 @@ implement are accepted only at their neutral value (`n: 1`, `echo: false`,
 
 Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off) and `ignore_eos` (bool).
 `stop` is implemented by matching the detokenized text (up to 4 non-empty strings).
-Response bodies live in `phalanx.sdk.types` (shared with the SDK).
+Response bodies live in `phalanx.openai_types` (shared with the SDK).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def test_disaggregated_matches_transformers(tiny_model, oracle, layout):
         got = _generate(llm, prompts)
         for i, (a, b) in enumerate(zip(got, expected)):
             assert a == b, f"prompt {i} ({len(prompts[i])} tokens)"
-        stats = llm.group.stats()
+        stats = llm.cluster.stats()
         assert stats["recoveries"] == 0
         assert all(not s["failed"] for s in stats["decode"])
     finally:
@@ -62,12 +62,12 @@ def test_prefill_rank_killed_mid_transfer(tiny_model, oracle):
     prompts, expected = oracle
     llm = LLM(tiny_model, prefill_tp=2, decode_dp=2, page_size=4, **KW)
     try:
-        victim = llm.group.prefill[0].actors[1]
+        victim = llm.cluster.prefill[0].actors[1]
         ray.get(victim.arm_fault.remote("kv_send", 30))  # dies after 30 layer batches
         got = _generate(llm, prompts)
         for i, (a, b) in enumerate(zip(got, expected)):
             assert a == b, f"prompt {i}"
-        stats = llm.group.stats()
+        stats = llm.cluster.stats()
         assert stats["recoveries"] == 1 and stats["prefill_epochs"] == [2], stats
     finally:
         llm.close()
@@ -81,11 +81,11 @@ def test_prefill_rank_killed_without_recovery_budget_fails_fast(tiny_model, orac
     prompts, _ = oracle
     llm = LLM(tiny_model, prefill_tp=2, decode_dp=2, page_size=4, max_recoveries=0, **KW)
     try:
-        ray.get(llm.group.prefill[0].actors[1].arm_fault.remote("kv_send", 10))
+        ray.get(llm.cluster.prefill[0].actors[1].arm_fault.remote("kv_send", 10))
         with pytest.raises(GroupFailure) as info:
             _generate(llm, prompts)
         assert 1 in info.value.dead_ranks, info.value
-        assert llm.group.recoveries == 0
+        assert llm.cluster.recoveries == 0
     finally:
         llm.close()
 
@@ -112,12 +112,12 @@ def test_decode_rank_killed_mid_all_to_all(tiny_model, oracle):
     prompts, expected = oracle
     llm = LLM(tiny_model, prefill_tp=1, decode_dp=2, page_size=4, **KW)
     try:
-        victim = llm.group.decode.actors[1]
+        victim = llm.cluster.decode.actors[1]
         ray.get(victim.arm_fault.remote("moe_dispatch", 25))  # a few decode steps in
         got = _generate(llm, prompts)
         for i, (a, b) in enumerate(zip(got, expected)):
             assert a == b, f"prompt {i}"
-        stats = llm.group.stats()
+        stats = llm.cluster.stats()
         assert stats["decode_recoveries"] == 1 and stats["decode_epoch"] == 2, stats
         assert stats["recoveries"] == 0
     finally:
@@ -137,7 +137,7 @@ def test_in_place_announced_transfers_match_transformers(tiny_model, oracle):
         got = _generate(llm, prompts)
         for i, (a, b) in enumerate(zip(got, expected)):
             assert a == b, f"prompt {i} ({len(prompts[i])} tokens)"
-        kv = [ray.get(a.kv_stats.remote()) for a in llm.group.decode.actors]
+        kv = [ray.get(a.kv_stats.remote()) for a in llm.cluster.decode.actors]
         assert all(s["announced"] > 0 and s["direct"] > 0 and s["withdrawn"] == 0
                    and s["rejected"] == 0 for s in kv), kv
     finally:
@@ -204,7 +204,7 @@ def test_requests_aborted_mid_flight_leave_nothing_behind(tiny_model, oracle):
     llm = LLM(tiny_model, prefill_tp=1, decode_dp=2, page_size=4, kv_in_place_min_bytes=512,
               **KW)
     try:
-        client = llm.group
+        client = llm.cluster
         for tag, when in (("a", "prefill"), ("b", "decode")):
             assert _run_aborting(client, long, prompts, params, when, tag) == expected
         _wait_until_no_page_is_held(client)
@@ -229,7 +229,7 @@ def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_mo
     llm = LLM(tiny_model, prefill_tp=1, decode_dp=1, page_size=4, kv_in_place_min_bytes=512,
               **KW)
     try:
-        client, rank = llm.group, llm.group.prefill[0].actors[0]
+        client, rank = llm.cluster, llm.cluster.prefill[0].actors[0]
         receiver = client.decode.actors[0]
         ray.get(rank.arm_fault.remote("kv_send", 0, stall_s=3.0))  # before its first send
         client.submit("long", long, params)
@@ -272,7 +272,7 @@ def test_second_turn_streams_only_what_decode_does_not_cache(tiny_model):
     [expected] = hf_greedy(tiny_model, [second], MAX_NEW)
     llm = LLM(tiny_model, prefill_tp=1, decode_dp=1, page_size=4, **KW)
     try:
-        receiver = llm.group.decode.actors[0]
+        receiver = llm.cluster.decode.actors[0]
         assert _generate(llm, [first]) == [answer]
         bytes_first = ray.get(receiver.kv_stats.remote())["bytes"]
         assert _generate(llm, [second]) == [expected]

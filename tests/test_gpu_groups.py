@@ -70,7 +70,7 @@ def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp, exchange, eag
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         for i, out in enumerate(outs):
             assert out.outputs[0].token_ids == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
-        stats = llm.group.stats()
+        stats = llm.cluster.stats()
         assert all(not s["failed"] for s in stats)
         if exchange == "peer":
             assert all(s["peer_exchanges"] > 0 for s in stats), stats
@@ -89,7 +89,7 @@ def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model, exchange):
               collective_timeout_s=deadline, max_recoveries=0,  # the fail-fast path
               ep_exchange=exchange)
     try:
-        victim = llm.group.supervisor.actors[1]
+        victim = llm.cluster.supervisor.actors[1]
         ray.get(victim.arm_fault.remote("moe_dispatch", 40))
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         t0 = time.monotonic()
@@ -133,12 +133,12 @@ def test_two_gpu_disaggregated_equals_cpu(tiny_model, cpu_tokens):
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         for i, out in enumerate(outs):
             assert out.outputs[0].token_ids == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
-        stats = llm.group.stats()
+        stats = llm.cluster.stats()
         assert stats["recoveries"] == 0
-        kv = ray.get(llm.group.decode.actors[0].kv_stats.remote())
+        kv = ray.get(llm.cluster.decode.actors[0].kv_stats.remote())
         print(f"decode receiver: {kv}")
         assert kv["messages"] > 0 and kv["rejected"] == 0
-        gpus = [info["gpu"] for sup in (llm.group.decode, *llm.group.prefill)
+        gpus = [info["gpu"] for sup in (llm.cluster.decode, *llm.cluster.prefill)
                 for info in sup.start_info]
         assert all(0 <= g < torch.cuda.device_count() for g in gpus), gpus
         assert SHARED or len(set(gpus)) == len(gpus), gpus  # the GPUs Ray assigned

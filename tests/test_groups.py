@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from phalanx import LLM, SamplingParams
+from phalanx.actors.cluster import Placement
 from phalanx.actors.rank_actor import RankActor
 from phalanx.actors.supervisor import GroupFailure, GroupSupervisor
 from phalanx.kernels.comm import CollectiveError
@@ -37,15 +38,24 @@ def oracle(tiny_model):
     return prompts, hf_greedy(tiny_model, prompts, MAX_NEW)
 
 
-def _uneven(dp: int):
+def _uneven(dp: int, n: int) -> list[Placement]:
     """Most requests on DP rank 0; the others get one short request each, then idle."""
-    calls = {"n": 0}
+    return [Placement(i + 1 if i < dp - 1 else 0) for i in range(n)]
 
-    def place(request_id: str) -> int:
-        calls["n"] += 1
-        return calls["n"] % dp if calls["n"] <= dp - 1 else 0
 
-    return place
+def _generate_placed(llm: LLM, prompts, params: SamplingParams, placements) -> list[list[int]]:
+    """Each prompt's tokens, submitted to the cluster with its placement."""
+    rids = [f"placed-{i}" for i in range(len(prompts))]
+    for rid, prompt, placement in zip(rids, prompts, placements):
+        llm.cluster.submit(rid, list(prompt), params, placement)
+    got: dict[str, list[int]] = {rid: [] for rid in rids}
+    pending = set(rids)
+    while pending:
+        for out in llm._poll():
+            got[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                pending.discard(out.request_id)
+    return [got[rid] for rid in rids]
 
 
 @pytest.mark.parametrize("tp, dp, exchange", [
@@ -62,17 +72,19 @@ def test_layouts_match_transformers(tiny_model, oracle, tp, dp, exchange):
     llm = LLM(tiny_model, tp=tp, dp=dp, max_num_seqs=8, max_num_batched_tokens=96, page_size=4,
               num_pages=120, collective_timeout_s=30, ep_exchange=exchange)
     try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         if dp > 1:
-            llm.group.place = _uneven(dp)
             # the short requests placed on ranks 1.. finish early: those ranks run dummy steps
             order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+            got = _generate_placed(llm, [prompts[i] for i in order], params,
+                                   _uneven(dp, len(order)))
         else:
             order = list(range(len(prompts)))
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-        outs = llm.generate(prompt_token_ids=[prompts[i] for i in order], sampling_params=params)
-        for i, out in zip(order, outs):
-            assert out.outputs[0].token_ids == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
-        stats = llm.group.stats()
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            got = [o.outputs[0].token_ids for o in outs]
+        for i, tokens in zip(order, got):
+            assert tokens == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
+        stats = llm.cluster.stats()
         assert all(not s["failed"] for s in stats)
         if exchange == "peer":  # decode steps went through the peers' memory
             assert all(s["peer_exchanges"] > 0 for s in stats), stats
@@ -90,7 +102,7 @@ def test_layouts_match_transformers(tiny_model, oracle, tp, dp, exchange):
 def test_ranks_load_only_their_share(tiny_model):
     llm = LLM(tiny_model, tp=2, dp=2, page_size=8, num_pages=64, collective_timeout_s=30)
     try:
-        info = sorted(llm.group.supervisor.start_info, key=lambda i: i["rank"])
+        info = sorted(llm.cluster.supervisor.start_info, key=lambda i: i["rank"])
         cfg = read_model_config(tiny_model)
         full = sum(p.numel() for p in CausalLM(cfg).parameters())
         for i in info:
@@ -123,7 +135,7 @@ def test_rank_killed_mid_all_to_all_fails_fast(tiny_model, exchange):
     llm = LLM(tiny_model, dp=3, page_size=8, num_pages=256, collective_timeout_s=deadline,
               max_recoveries=0, ep_exchange=exchange)
     try:
-        victim = llm.group.supervisor.actors[2]
+        victim = llm.cluster.supervisor.actors[2]
         # exit at the 40th MoE dispatch (real or dummy): peers are inside the all-to-all
         ray.get(victim.arm_fault.remote("moe_dispatch", 40))
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -164,11 +176,11 @@ def generate_indexed(llm: LLM, prompts, params: SamplingParams) -> list[list[int
 def check_one_recovery(llm: LLM, point: str, count: int, prompts, expected) -> None:
     """Rank 1 exits at the `count`-th pass through `point`; greedy generation still gives
     `expected`, each token once, after exactly one re-formation (epoch 2)."""
-    ray.get(llm.group.supervisor.actors[1].arm_fault.remote(point, count))
+    ray.get(llm.cluster.supervisor.actors[1].arm_fault.remote(point, count))
     params = SamplingParams(temperature=0.0, max_tokens=len(expected[0]), ignore_eos=True)
     for i, tokens in enumerate(generate_indexed(llm, prompts, params)):
         assert tokens == expected[i], f"prompt {i}"
-    assert llm.group.recoveries == 1 and llm.group.epoch == 2
+    assert llm.cluster.recoveries == 1 and llm.cluster.epoch == 2
 
 
 @pytest.mark.parametrize("tp, dp, point, count", [(1, 2, "moe_dispatch", 25), (2, 1, "step", 6)],

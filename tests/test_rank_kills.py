@@ -22,7 +22,8 @@ from phalanx import LLM, SamplingParams
 from phalanx.chaos.drill import Kill, run_drill
 from phalanx.chaos.ranks import rank_processes, sigkill
 from phalanx.models.loader import read_model_config
-from phalanx.sdk import APIError, start_local
+from phalanx.sdk import APIError
+from phalanx.server import start_local
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from phalanx import LLM
-from phalanx.sdk import APIError, ChatCompletionChunk, Completion, LocalClient, start_local
+from phalanx.sdk import APIError, ChatCompletionChunk, Completion
+from phalanx.server import LocalClient, start_local
 
 from test_server import _chat_ids, _prompts, _reference
 

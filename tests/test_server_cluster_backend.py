@@ -62,20 +62,16 @@ class FakeClient:
     held: dict = field(default_factory=dict)  # group -> page hashes of its prompts
     evicted: dict | None = None  # set: report evictions (group -> hashes) instead
 
-    def __post_init__(self) -> None:
-        self.place = lambda rid: 0
-        self.place_prefill = lambda rid: 0
-
     def topology(self) -> dict:
         return {"dp": self.dp, "prefill_instances": self.prefill_instances, "page_size": PAGE,
                 "prefill_page_size": PAGE, "num_pages": 256, "prefill_num_pages": 256}
 
-    def submit(self, rid: str, tokens: list[int], params: SamplingParams) -> None:
+    def submit(self, rid: str, tokens: list[int], params: SamplingParams, placement) -> None:
         self.threads.add(threading.get_ident())
         if max(tokens) >= VOCAB:
             raise ValueError(f"prompt: token {max(tokens)} is outside the vocabulary")
-        group = self.place(rid)
-        self.placed[rid] = (group, self.place_prefill(rid) if self.prefill_instances else None)
+        group = placement.dp_group
+        self.placed[rid] = (group, placement.prefill_instance if self.prefill_instances else None)
         self.held.setdefault(group, set()).update(page_hashes(tokens, PAGE))
         self.reqs[rid] = _Req(list(tokens), params.max_tokens)
 

@@ -1,6 +1,6 @@
 """`LocalClient`: the `AsyncClient` API over an in-process backend, without HTTP.
 
-    from phalanx.sdk import start_local
+    from phalanx.server import start_local
     client = start_local(prefill_tp=1, decode_dp=2)   # blocks while the cluster loads
     async with client:
         done = await client.complete("Hello", max_tokens=8, temperature=0)
@@ -25,14 +25,14 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import msgspec
 
-from .errors import APIError
-from .types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
+from ..openai_types import ChatCompletion, ChatCompletionChunk, Completion, Model, ModelList
+from ..sdk.errors import APIError
 
 __all__ = ["LocalClient", "start_local"]
 
 
 def _api_error(e: Exception) -> APIError:
-    from ..server.errors import OpenAIError
+    from .errors import OpenAIError
     if isinstance(e, OpenAIError):
         return APIError(e.status, e.type, e.message, e.param, e.code)
     return APIError(500, "server_error", f"{type(e).__name__}: {e}")
@@ -46,8 +46,8 @@ class LocalClient:
                  on_close: Optional[Callable[[], None]] = None) -> None:
         """`model_name`: the id requests may name (default `backend.model_name`); requests
         that name no model use it. `on_close` runs after the backend is closed."""
-        from ..server.handlers import GenerationHandlers
-        from ..server.metrics import ServerMetrics
+        from .handlers import GenerationHandlers
+        from .metrics import ServerMetrics
 
         self.backend, self.model = backend, model_name or backend.model_name
         self.metrics = ServerMetrics()
@@ -102,7 +102,7 @@ class LocalClient:
     async def _plan(self, kind: str, model: Optional[str], params: dict, stream: bool,
                     **fields: Any):
         """The validated plan of a request body built from the keywords (OpenAIError)."""
-        from ..server import protocol as proto
+        from . import protocol as proto
 
         if self._closed:
             raise APIError(None, "client_closed", "the client is closed")
@@ -145,7 +145,7 @@ def start_local(model: Optional[str | os.PathLike] = None, *, model_name: Option
     the layout rule is `phalanx serve`'s: no layout keyword, the disaggregated default
     (prefill TP=1 -> decode DP=2) on Ray; `tp=1, dp=1`, one in-process engine without
     Ray. If this call starts (or joins) Ray, closing the client shuts it down."""
-    from ..server.launch import build_backend
+    from .launch import build_backend
 
     was_connected = _ray_connected()
 
