@@ -71,7 +71,7 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        tokens = self._validate_prompt(prompt_token_ids, params)
+        tokens = self.validate_prompt(prompt_token_ids, params)
         if params.seed is None and not params.greedy:
             params = params.with_seed(self._seed_rng.getrandbits(63))
         seq = Sequence(request_id, tokens, params, next(self._arrivals))
@@ -81,7 +81,7 @@ class LLMEngine:
                   max_tokens=params.max_tokens, greedy=params.greedy)
         return seq
 
-    def _validate_prompt(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
+    def validate_prompt(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
         return check_prompt(prompt_token_ids, params, self.config, self.num_pages)
 
     # -- disaggregation: prefill here, decode elsewhere (ARCHITECTURE §2) -----------
@@ -118,7 +118,7 @@ class LLMEngine:
         reserved under its id, `first_token` was sampled by the prefill side."""
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        tokens = self._validate_prompt(prompt_token_ids, params)
+        tokens = self.validate_prompt(prompt_token_ids, params)
         seq = Sequence(request_id, tokens, params, next(self._arrivals))
         seq.output_token_ids.append(int(first_token))
         self.scheduler.admit_prefilled(seq)
@@ -192,11 +192,26 @@ class LLMEngine:
         return work
 
     def _launch_scheduled(self):
-        batch = self.scheduler.schedule()
-        if not batch:
+        planned = self.schedule()
+        if planned is None:
             return None
-        inputs = self.runner.prepare(batch)
-        return batch, inputs, self.runner.forward(inputs)
+        batch, inputs = planned
+        return batch, inputs, self.execute(inputs)
+
+    # -- one step as three public parts (what a rank of a group runs in lockstep) ------
+    def schedule(self) -> Optional[tuple[ScheduledBatch, BatchInputs]]:
+        """The next batch and its prepared inputs, or None when nothing is runnable."""
+        batch = self.scheduler.schedule()
+        return (batch, self.runner.prepare(batch)) if batch else None
+
+    def execute(self, inputs: BatchInputs, layer_done=None):
+        """The batch's forward (the model's logits for its sampled rows); `layer_done(i)`
+        is called after layer i (a prefill rank streams that layer's KV)."""
+        return self.runner.forward(inputs, layer_done)
+
+    def update(self, batch: ScheduledBatch, inputs: BatchInputs, logits) -> list[StepOutput]:
+        """Sample the step's tokens, advance the scheduler, one output per token."""
+        return self.step_outputs(batch, self.runner.sample(inputs, logits))
 
     def _launch_ahead(self, batch: ScheduledBatch, inputs: BatchInputs,
                       pending: Optional[PendingTokens] = None) -> None:

@@ -179,7 +179,7 @@ class RankEngine:
         """Validate a new request in the caller's thread and queue it as inbox `kind`."""
         if not self.is_leader:
             raise ValueError(f"rank {self.spec.rank} is not a DP leader")
-        self.engine._validate_prompt(prompt_token_ids, params)
+        self.engine.validate_prompt(prompt_token_ids, params)
         with self._lock:
             self._raise_if_failed()
             if request_id in self._live:
@@ -328,15 +328,15 @@ class RankEngine:
     def _step(self) -> int:
         """One lockstep iteration; returns the group's status (IDLE, WORK or STOP)."""
         self.fault_point("step")
-        s, sched, runner = self.spec, self.engine.scheduler, self.engine.runner
+        s, engine = self.spec, self.engine
         batch, inputs, status = None, None, planmod.IDLE
         if self.is_leader:
             if self._drain_inbox():
                 status = planmod.STOP
             else:
-                batch = sched.schedule()
-                if batch:
-                    inputs, status = runner.prepare(batch), planmod.WORK
+                planned = engine.schedule()
+                if planned is not None:
+                    (batch, inputs), status = planned, planmod.WORK
         if s.tp > 1:
             status, inputs = self._share_plan(status, inputs)
         tokens = 0 if inputs is None else int(inputs.host["input_ids"].shape[0])
@@ -356,7 +356,7 @@ class RankEngine:
             self._settle_exchanges()
             return status
         if size is None:
-            logits = runner.forward(inputs, self._layer_hook(inputs))
+            logits = engine.execute(inputs, self._layer_hook(inputs))
         self._settle_exchanges()
         self._after_forward(inputs)
         self.steps += 1
@@ -369,7 +369,7 @@ class RankEngine:
                              self._plan_channel)
 
     def _finish(self, batch, inputs, logits) -> None:
-        outputs = self.engine.step_outputs(batch, self.engine.runner.sample(inputs, logits))
+        outputs = self.engine.update(batch, inputs, logits)
         for o in outputs:
             o.epoch = self.spec.epoch
         if outputs:
