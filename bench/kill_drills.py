@@ -31,7 +31,7 @@ import sys
 import time
 
 from phalanx import LLM, SamplingParams
-from phalanx.chaos.drill import Kill, percentile, run_drill
+from phalanx.chaos.drill import Kill, percentile, run_drill, streamed_requests
 from phalanx.models.loader import read_model_config
 from phalanx.models.tiny import default_model_dir
 from phalanx.server import start_local
@@ -41,20 +41,11 @@ ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, page_size=4, num_page
 
 
 def workload(model: str, n: int, max_tokens: int, rng: random.Random):
-    vocab = read_model_config(model).vocab_size
-    requests, params = [], []
-    for i in range(n):
-        prompt = [rng.randrange(vocab - 8) for _ in range(rng.randint(4, 60))]
-        body = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        if i % 2:
-            seed = rng.randrange(1 << 30)
-            body.update(temperature=0.8, seed=seed)
-            p = SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True, seed=seed)
-        requests.append((prompt, body))
-        params.append(p)
+    """The streamed requests and their fault-free texts (the single-rank engine)."""
+    requests = streamed_requests(n, read_model_config(model).vocab_size, max_tokens, rng)
     offline = LLM(model, **ENGINE)
-    outs = offline.generate(prompt_token_ids=[r[0] for r in requests], sampling_params=params)
+    outs = offline.generate(prompt_token_ids=[r[0] for r in requests],
+                            sampling_params=[SamplingParams(**body) for _, body in requests])
     return requests, [offline.decode(o.outputs[0].token_ids) for o in outs]
 
 

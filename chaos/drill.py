@@ -25,7 +25,8 @@ from typing import Any, Optional, Sequence
 
 from .ranks import RankProcess, rank_processes, sigkill
 
-__all__ = ["Kill", "StreamResult", "DrillReport", "Killer", "run_drill", "percentile"]
+__all__ = ["Kill", "StreamResult", "DrillReport", "Killer", "run_drill", "percentile",
+           "streamed_requests"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,22 @@ class DrillReport:
                 "stall_p50_s": percentile(self.stalls, 50), "stall_p99_s": percentile(self.stalls, 99),
                 "seconds": round(self.seconds, 2), "resumed_s": self.resumed_s,
                 "killer_error": self.killer_error}
+
+
+def streamed_requests(n: int, vocab: int, max_tokens: int, rng: random.Random
+                      ) -> list[tuple[list[int], dict]]:
+    """`n` (prompt token ids, request body) pairs: prompts of 4-60 random tokens,
+    `max_tokens` each with `ignore_eos`; even ones greedy, odd ones sampled at
+    temperature 0.8 with a seed of their own (the body's keys are `SamplingParams`
+    fields too, so a reference run takes `SamplingParams(**body)`)."""
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(vocab - 8) for _ in range(rng.randint(4, 60))]
+        body = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        if i % 2:
+            body.update(temperature=0.8, seed=rng.randrange(1 << 30))
+        out.append((prompt, body))
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:

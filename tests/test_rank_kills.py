@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from phalanx import LLM, SamplingParams
-from phalanx.chaos.drill import Kill, run_drill
+from phalanx.chaos.drill import Kill, run_drill, streamed_requests
 from phalanx.chaos.ranks import rank_processes, sigkill
 from phalanx.models.loader import read_model_config
 from phalanx.sdk import APIError
@@ -37,21 +37,11 @@ MODEL = "tiny"
 def workload(tiny_model):
     """16 requests, half greedy, half seeded sampling at temperature 0.8, and their
     fault-free texts from the single-rank engine."""
-    rng = random.Random(11)
     vocab = read_model_config(tiny_model).vocab_size
-    requests, params = [], []
-    for i in range(STREAMS):
-        prompt = [rng.randrange(vocab - 8) for _ in range(rng.randint(4, 60))]
-        body = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
-        p = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        if i % 2:
-            seed = rng.randrange(1 << 30)
-            body.update(temperature=0.8, seed=seed)
-            p = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True, seed=seed)
-        requests.append((prompt, body))
-        params.append(p)
+    requests = streamed_requests(STREAMS, vocab, MAX_TOKENS, random.Random(11))
     offline = LLM(tiny_model, **ENGINE)
-    outs = offline.generate(prompt_token_ids=[r[0] for r in requests], sampling_params=params)
+    outs = offline.generate(prompt_token_ids=[r[0] for r in requests],
+                            sampling_params=[SamplingParams(**body) for _, body in requests])
     return requests, [offline.decode(o.outputs[0].token_ids) for o in outs]
 
 
