@@ -34,7 +34,6 @@ there is room for it.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -314,11 +313,3 @@ class Reconciler:
     def _note(self, now: float, what: str, key: Hashable, epoch: int, why: str) -> None:
         self.history.append((now, what, key, epoch, why))
         del self.history[:-256]
-
-    def describe(self) -> dict:
-        """Plain data for logs and metrics."""
-        return {"groups": {str(k): dataclasses.asdict(g) | {"phase": g.phase.value}
-                           for k, g in self.groups.items()},
-                "restarts_in_window": len(self.restarts), "restarts": self.total_restarts,
-                "failed": self.failed is not None}
-

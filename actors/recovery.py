@@ -35,12 +35,6 @@ def intensity_of(config: EngineConfig, max_recoveries: Optional[int] = None) -> 
                             p.recovery_window_s)
 
 
-def widths_of(recovery: "Recovery") -> dict:
-    """`{"width": ..., "desired": ...}` per group key (str), for metrics and views."""
-    return {str(k): {"width": g.width, "desired": g.desired}
-            for k, g in recovery.reconciler.groups.items()}
-
-
 class Recovery:
     """`groups`: key -> supervisor, each formed already (the epoch it serves under, at
     the width it should have); `narrowable`: keys of the groups that may serve with fewer
