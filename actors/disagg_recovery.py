@@ -175,10 +175,9 @@ class DisaggRecovery:
                 self._withdraw_prefill(req)
             else:
                 self._resume(req)
-            req.dp_rank = -1  # placed again on the new group
             self._requeue(req)
-        for req in self._reqs.values():
-            req.dp_rank = -1 if req.state == "queued" else req.dp_rank
+        for req in self._reqs.values():  # every one is queued now: placed on the new group
+            req.dp_rank = -1
         self._aborting.clear()  # their pages and gates went with the group
 
     def _on_fence(self, key) -> None:
