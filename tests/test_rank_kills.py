@@ -82,11 +82,13 @@ def _settled_view(client, timeout_s: float = 30.0) -> dict:
 
 LAYOUTS = {"disagg": {}, "dp2": dict(dp=2)}
 PLANS = {
-    "death-during-reformation-x3": [Kill()] + [Kill(during_formation=True)] * 3,
+    # a decode rank first: every stream waits for its group, so the streams are still
+    # open while the later kills land (a prefill death alone lets decoding go on)
+    "death-during-reformation-x3": [Kill(role="decode")] + [Kill(during_formation=True)] * 3,
     "two-at-once": [Kill(role=("decode", "decode"))],
     "prefill-and-decode-at-once": [Kill(role=("prefill", "decode"))],
     # the decode group loses a rank while the prefill instance re-forms (seconds)
-    "decode-dies-while-prefill-reforms": [Kill(role="prefill"), Kill(role="decode", delay_s=(0.5, 1.0))],
+    "decode-dies-while-prefill-reforms": [Kill(role="prefill"), Kill(role="decode", delay_s=(0.2, 0.5))],
     "dp2-death-during-reformation-x3": [Kill()] + [Kill(during_formation=True)] * 3,
     "dp2-two-at-once": [Kill(role=("group", "group"))],
 }
