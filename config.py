@@ -207,7 +207,7 @@ class ParallelConfig:
     # CPU/GPU) is not waited for: the group re-forms one DP rank narrower, and back to
     # `dp` once there is room again.
     replace_timeout_s: float = 30.0
-    # MoE all-to-all over a DP×EP world (`kernels.dispatch`): "exact" (uneven splits; the
+    # MoE all-to-all over a DP×EP world (`comm.dispatch`): "exact" (uneven splits; the
     # host reads the counts every layer) or "padded" (equal splits sized by the step's
     # agreed token count, padding rows skipped by the experts; no counts exchange, no
     # host read of them), or "peer" (the padded rows stored straight into the peers'

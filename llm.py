@@ -120,13 +120,13 @@ class LLM:
             if tp * dp != 1:
                 raise ValueError("tp/dp: give either tp/dp (colocated) or the prefill_*/decode_* "
                                  "layout (disaggregated), not both")
-            from .actors.cluster import build_cluster
+            from .actors.cluster_builder import build_cluster
             self.cluster = build_cluster(self.config, disagg_config(*disagg, collective_timeout_s),
                                          ray_address)
         elif tp * dp == 1:
             self.engine = LLMEngine(self.config)
         else:
-            from .actors.cluster import build_cluster
+            from .actors.cluster_builder import build_cluster
             self.cluster = build_cluster(self.config, None, ray_address)
         self._tokenizer = None
         self._ids = itertools.count()

@@ -8,7 +8,7 @@
 - Recovery: `reconciler.Reconciler` (plain logic, no Ray: desired vs actual layout,
   restart intensity, width) and its thin executor `recovery.Recovery`.
 - The contract the server and `LLM` drive: `cluster.ClusterClient`, built by
-  `cluster.build_cluster`; its two forms `group_client.GroupClient` (one colocated
+  `cluster_builder.build_cluster`; its two forms `group_client.GroupClient` (one colocated
   group) and `disagg_client.DisaggClient` (prefill instances → decode group, with
   `disagg_recovery`, `disagg_views`, `abort_cleanup`), both resuming requests with
   `resume.resume_from` and reporting held prefixes through `held_reports`.

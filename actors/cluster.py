@@ -1,5 +1,5 @@
 """The contract between whoever drives a multi-rank layout (the server's driver thread,
-the offline `LLM`) and the layout, and the one function that builds a layout.
+the offline `LLM`) and the layout; `cluster_builder.build_cluster` builds one.
 
 `ClusterClient` is what `GroupClient` (one colocated TP or DP×EP group) and
 `DisaggClient` (prefill instances streaming KV to a decode group) both are. One thread
@@ -10,15 +10,13 @@ restart intensity, a `GroupFailure` from `poll`, `maintain` and the views.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
-from ..config import DisaggConfig, EngineConfig
 from ..engine.outputs import StepOutput
 from ..engine.sampling_params import SamplingParams
 
-__all__ = ["Placement", "ClusterClient", "build_cluster"]
+__all__ = ["Placement", "ClusterClient"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,20 +66,3 @@ class ClusterClient(Protocol):
 
     def close(self) -> None:
         """Stop every rank actor."""
-
-
-def build_cluster(config: EngineConfig, disagg: Optional[DisaggConfig] = None,
-                  ray_address: Optional[str] = None) -> ClusterClient:
-    """The layout `config.parallel` (colocated: tp × dp ranks) or `disagg` (prefill
-    instances → decode group; the decode side takes `config`, the prefill side the same
-    with its own page size) describes, formed on Ray (started locally unless
-    `ray_address`); blocks until every rank has loaded its shard."""
-    deadline = config.parallel.collective_timeout_s
-    if disagg is None:
-        from .group_client import GroupClient
-        return GroupClient(config, config.parallel.tp, config.parallel.dp, deadline, ray_address)
-    from .disagg_client import DisaggClient
-    cache = dataclasses.replace(config.cache,
-                                page_size=disagg.prefill_page_size or config.cache.page_size)
-    return DisaggClient(dataclasses.replace(config, cache=cache), config, disagg, deadline,
-                        ray_address)

@@ -60,7 +60,7 @@ def _rank_layout(rank: int, dev: torch.device, opts: dict, comm, tp: int, epoch:
     in lockstep; DP > 1 places the experts over all the group's ranks (EP)."""
     from phalanx.engine.llm_engine import LLMEngine
     from phalanx.engine.rank_spec import RankSpec, shard_for
-    from phalanx.kernels.dispatch import EPDispatcher
+    from phalanx.comm.dispatch import EPDispatcher
     from phalanx.models.parallel import ExpertParallel
 
     def config(eager: bool):
@@ -82,7 +82,7 @@ def _rank_layout(rank: int, dev: torch.device, opts: dict, comm, tp: int, epoch:
 
 def _rank_dp_ep(rank: int, world: int, opts: dict, dev: torch.device, layout) -> dict:
     """Phases decode and moe in DPN x EPN, N = world (one group for both)."""
-    from phalanx.kernels.comm import GroupComm
+    from phalanx.comm.group_comm import GroupComm
 
     phases, out = opts["phases"], {}
     init = rendezvous(opts, "dp_ep")
@@ -110,7 +110,7 @@ def _rank_dp_ep(rank: int, world: int, opts: dict, dev: torch.device, layout) ->
 
 def _rank_prefill(rank: int, opts: dict, dev: torch.device, layout) -> list[dict]:
     """Phase prefill in TP=`prefill_tp` on ranks 0 .. prefill_tp - 1."""
-    from phalanx.kernels.comm import GroupComm
+    from phalanx.comm.group_comm import GroupComm
 
     tp = opts["prefill_tp"]
     init = rendezvous(opts, "prefill")
@@ -132,7 +132,7 @@ def _rank_prefill(rank: int, opts: dict, dev: torch.device, layout) -> list[dict
 def _rank_check_attempt(rank: int, world: int, opts: dict, layout, dtype: str, index: int,
                         ref: bool) -> dict:
     """One check attempt in DPN x EPN: this rank's share of the prompts, greedy."""
-    from phalanx.kernels.comm import CollectiveError, GroupComm
+    from phalanx.comm.group_comm import CollectiveError, GroupComm
 
     init = rendezvous(opts, f"check{index}")
     comm = GroupComm.init(rank, world, 1, init, 3 + index, opts["check_deadline_s"],

@@ -102,7 +102,7 @@ def _moe_rows(opts: dict, cfg, ranks: dict, decode_rows: list[dict]) -> list[dic
 
 def layout_summary(cfg, world: int, tp: int) -> dict:
     """The decode and prefill layouts: ranks, experts per rank, KV-head replication."""
-    from phalanx.kernels.dispatch import make_expert_placement
+    from phalanx.comm.dispatch import make_expert_placement
     experts = [len(e) for e in make_expert_placement(cfg.num_experts, world)[2]]
     return dict(world=world, decode=f"DP{world}xEP{world}", experts_per_rank=experts,
                 prefill=f"TP{tp}", prefill_tp=tp,

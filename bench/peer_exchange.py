@@ -1,4 +1,4 @@
-"""The MoE exchange through symmetric memory (kernels/peer_exchange.py) on one GPU, its
+"""The MoE exchange through symmetric memory (comm/peer_exchange.py) on one GPU, its
 ranks simulated as streams of one process (`LocalWorld`): what a step's exchange costs
 in device time, against the copy floor measured in the same run.
 
@@ -98,8 +98,8 @@ def _round_s(ex, streams, sends, counts, iters: int) -> tuple[float, float]:
 
 
 def _case(world: int, tokens: int, iters: int, rate: float) -> list[dict]:
-    from phalanx.kernels.peer_exchange import PeerExchange
-    from phalanx.kernels.peer_memory import LocalWorld
+    from phalanx.comm.peer_exchange import PeerExchange
+    from phalanx.comm.peer_memory import LocalWorld
     cap, width = tokens * TOP_K, HIDDEN + META
     lw = LocalWorld(world, "cuda")
     ex = [PeerExchange(lw.rank(r), "ch", cap, width, torch.bfloat16) for r in range(world)]

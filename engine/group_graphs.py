@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from ..kernels.dispatch import EPDispatcher
-from ..kernels.peer_exchange import PeerExchange
+from ..comm.dispatch import EPDispatcher
+from ..comm.peer_exchange import PeerExchange
 from ..log import get_logger
 from ..models.qwen3_moe import SparseMoE
 from .cuda_graphs import DecodeGraphs

@@ -24,9 +24,9 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
-from ..kernels.comm import GroupComm
-from ..kernels.dispatch import EPDispatcher
-from ..kernels.peer_exchange import PeerExchange, open_moe_channels
+from ..comm.group_comm import GroupComm
+from ..comm.dispatch import EPDispatcher
+from ..comm.peer_exchange import PeerExchange, open_moe_channels
 from ..log import get_logger
 from ..models.parallel import ExpertParallel
 from . import plan as planmod

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import EngineConfig
-from ..kernels.dispatch import make_expert_placement
+from ..comm.dispatch import make_expert_placement
 from ..models.shard import ModelShard
 
 __all__ = ["RankFailure", "RankSpec", "shard_for", "tensor_channel_bytes"]

@@ -1,6 +1,6 @@
 """How a model shard talks to its peers: the TP collectives and expert parallelism.
 
-`ModelComm` is what the model needs from a tensor-parallel group (`kernels.comm.GroupComm`
+`ModelComm` is what the model needs from a tensor-parallel group (`comm.group_comm.GroupComm`
 provides it; `LocalComm` is the single-rank identity). `ExpertParallel` carries the MoE
 dispatcher of a DP×EP group and a hook run just before every dispatch (fault injection
 names that point "moe_dispatch").
@@ -38,7 +38,7 @@ class LocalComm:
 
 @dataclass
 class ExpertParallel:
-    """The MoE dispatcher of a DP×EP group (`kernels.dispatch.EPDispatcher`)."""
+    """The MoE dispatcher of a DP×EP group (`comm.dispatch.EPDispatcher`)."""
 
     dispatcher: Any
     before_dispatch: Optional[Callable[[str], None]] = None

@@ -4,7 +4,7 @@ and `phalanx.server.start_local` share this).
 Layout rule: with no layout argument at all, the disaggregated default — one prefill
 instance of TP=1 streaming KV to a decode group of DP=2 (`DEFAULT_LAYOUT`); `tp=1,
 dp=1` given explicitly (and nothing disaggregated), one in-process engine
-(`EngineBackend`, no Ray); anything else, the layout `actors.cluster.build_cluster`
+(`EngineBackend`, no Ray); anything else, the layout `actors.cluster_builder.build_cluster`
 forms from the same keywords as `LLM`'s, served by a `ClusterBackend` (Ray started
 locally, or joined with `ray_address`).
 """
@@ -93,7 +93,7 @@ def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str
                      routing_policy: Optional[str], say: Progress) -> ServingBackend:
     from transformers import AutoTokenizer
 
-    from ..actors.cluster import build_cluster
+    from ..actors.cluster_builder import build_cluster
     from ..llm import disagg_config, engine_config
     from .cluster_backend import ClusterBackend
     from .cluster_driver import DriverConfig

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from phalanx.kernels.comm import CollectiveError, GroupComm
-from phalanx.kernels.dispatch import EPDispatcher, make_expert_placement, moe_reference
+from phalanx.comm.group_comm import CollectiveError, GroupComm
+from phalanx.comm.dispatch import EPDispatcher, make_expert_placement, moe_reference
 from phalanx.kernels.moe import fused_experts, route_ref
 from phalanx.spawn import run_ranks
 

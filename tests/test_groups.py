@@ -16,7 +16,7 @@ from phalanx import LLM, SamplingParams
 from phalanx.actors.cluster import Placement
 from phalanx.actors.rank_actor import RankActor
 from phalanx.actors.supervisor import GroupFailure, GroupSupervisor
-from phalanx.kernels.comm import CollectiveError
+from phalanx.comm.group_comm import CollectiveError
 from phalanx.llm import engine_config
 from phalanx.engine.rank_spec import RankSpec, shard_for
 from phalanx.models.loader import read_model_config

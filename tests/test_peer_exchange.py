@@ -1,4 +1,4 @@
-"""The peer exchange (kernels/peer_exchange.py): an all-to-all through symmetric memory
+"""The peer exchange (comm/peer_exchange.py): an all-to-all through symmetric memory
 whose waits spin in device code, run on CPU under Triton's interpreter (in a subprocess:
 TRITON_INTERPRET must be set before triton is imported) over a world simulated in one
 process (`LocalWorld`).
@@ -27,8 +27,8 @@ from interpreter_checks import checks_in, print_results, run_checks, run_module
 
 def _world(world: int, max_rows: int = 32, width: int = 64, dtype=None, max_spins: int = 400):
     import torch
-    from phalanx.kernels.peer_exchange import PeerExchange
-    from phalanx.kernels.peer_memory import LocalWorld
+    from phalanx.comm.peer_exchange import PeerExchange
+    from phalanx.comm.peer_memory import LocalWorld
     lw = LocalWorld(world)
     return [PeerExchange(lw.rank(r), "ch", max_rows=max_rows, width=width,
                          dtype=dtype or torch.bfloat16, max_spins=max_spins)
@@ -69,7 +69,7 @@ def check_blocks_land_where_all_to_all_puts_them() -> dict:
 
 def check_missing_peer_fails_only_its_block_and_settle_raises() -> dict:
     import torch
-    from phalanx.kernels.comm import CollectiveError
+    from phalanx.comm.group_comm import CollectiveError
     ex = _world(3, max_spins=300)
     sends = [torch.ones(3 * 8, 16, dtype=torch.bfloat16) * (r + 1) for r in range(3)]
     for r in range(3):  # one good exchange: rank 2's flags now hold sequence 1
@@ -114,8 +114,8 @@ def check_host_abort_ends_a_spinning_wait() -> dict:
 
 def check_watchdog_aborts_a_pending_wait_and_spares_finished_ones() -> dict:
     import torch
-    from phalanx.kernels.peer_exchange import PeerExchange
-    from phalanx.kernels.peer_memory import LocalWorld
+    from phalanx.comm.peer_exchange import PeerExchange
+    from phalanx.comm.peer_memory import LocalWorld
     lw = LocalWorld(2)
     ex = [PeerExchange(lw.rank(r), "ch", 4, 8, torch.bfloat16, max_spins=2**31 - 1,
                        deadline_s=0.3) for r in range(2)]
@@ -142,8 +142,8 @@ def check_channels_sharing_an_abort_word_end_together() -> dict:
     """A step's dispatch and combine share one abort word: once the watchdog ends one
     channel's wait, the other's waits end at once (not one deadline each)."""
     import torch
-    from phalanx.kernels.peer_exchange import PeerExchange, new_abort_word
-    from phalanx.kernels.peer_memory import LocalWorld
+    from phalanx.comm.peer_exchange import PeerExchange, new_abort_word
+    from phalanx.comm.peer_memory import LocalWorld
     lw, word = LocalWorld(2), new_abort_word(torch.device("cpu"))
     a, b = (PeerExchange(lw.rank(0), name, 4, 8, torch.bfloat16, max_spins=2**31 - 1,
                          deadline_s=0.3, abort_word=word) for name in ("a", "b"))
@@ -202,10 +202,10 @@ def _moe_rank(r: int, tag: str, out) -> None:
     try:
         import torch
         from types import SimpleNamespace
-        from phalanx.kernels.dispatch import EPDispatcher, make_expert_placement
+        from phalanx.comm.dispatch import EPDispatcher, make_expert_placement
         from phalanx.kernels.moe import fused_experts_ref
-        from phalanx.kernels.peer_exchange import PeerExchange
-        from phalanx.kernels.peer_memory import ShmPeers
+        from phalanx.comm.peer_exchange import PeerExchange
+        from phalanx.comm.shm_peers import ShmPeers
         c = _MOE
         w13, w2, xs, ids, wts = _moe_inputs()
         owner, local_index, experts_of_rank = make_expert_placement(c["E"], c["world"])
@@ -230,7 +230,7 @@ def check_padded_moe_through_shared_memory_ranks_equals_reference() -> dict:
     """Rank processes (spawned) exchanging through /dev/shm, as the CPU path runs."""
     import multiprocessing as mp
     import torch
-    from phalanx.kernels.dispatch import moe_reference
+    from phalanx.comm.dispatch import moe_reference
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     tag = f"test{os.getpid()}"
@@ -267,9 +267,9 @@ def check_rehearsal_runs_a_rank_alone_and_restores_its_channels() -> dict:
     raised in any rank's buffers."""
     import torch
     from types import SimpleNamespace
-    from phalanx.kernels.dispatch import EPDispatcher, make_expert_placement
-    from phalanx.kernels.peer_exchange import PeerExchange
-    from phalanx.kernels.peer_memory import LocalWorld
+    from phalanx.comm.dispatch import EPDispatcher, make_expert_placement
+    from phalanx.comm.peer_exchange import PeerExchange
+    from phalanx.comm.peer_memory import LocalWorld
     c = _MOE
     w13, w2, xs, ids, wts = _moe_inputs()
     owner, local_index, experts_of_rank = make_expert_placement(c["E"], c["world"])

@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _ranks(world: int, max_rows: int, width: int):
-    from phalanx.kernels.peer_exchange import PeerExchange
-    from phalanx.kernels.peer_memory import LocalWorld
+    from phalanx.comm.peer_exchange import PeerExchange
+    from phalanx.comm.peer_memory import LocalWorld
     lw = LocalWorld(world, "cuda")
     return [PeerExchange(lw.rank(r), "ch", max_rows, width, torch.bfloat16) for r in range(world)]
 
@@ -55,7 +55,7 @@ def test_blocks_land_on_one_gpu_with_ranks_on_streams(world, cap, width):
 
 
 def test_abort_word_ends_a_wait_whose_peer_never_sends():
-    from phalanx.kernels.comm import CollectiveError
+    from phalanx.comm.group_comm import CollectiveError
     ex = _ranks(2, 64, 256)
     ex[0].put(torch.ones(128, 256, dtype=torch.bfloat16, device="cuda"))
     ex[0].wait()
@@ -72,8 +72,8 @@ def test_watchdog_aborts_a_pending_wait_and_spares_finished_ones():
     """deadline_s: a wait whose event is still pending at the deadline is aborted (the
     host never syncs here: the watchdog thread alone ends the spin); waits that finished
     are not, though nothing settled them."""
-    from phalanx.kernels.peer_exchange import PeerExchange
-    from phalanx.kernels.peer_memory import LocalWorld
+    from phalanx.comm.peer_exchange import PeerExchange
+    from phalanx.comm.peer_memory import LocalWorld
     lw = LocalWorld(2, "cuda")
     ex = [PeerExchange(lw.rank(r), "ch", 64, 256, torch.bfloat16, deadline_s=0.3)
           for r in range(2)]
@@ -101,8 +101,8 @@ def test_watchdog_aborts_a_pending_wait_and_spares_finished_ones():
 
 _NVSHMEM_ONE_PE = """
 import torch
-from phalanx.kernels.gpu.nvshmem_peers import NvshmemPeers
-from phalanx.kernels.peer_exchange import PeerExchange
+from phalanx.comm.gpu.nvshmem_peers import NvshmemPeers
+from phalanx.comm.peer_exchange import PeerExchange
 torch.cuda.set_device(0)
 peers = NvshmemPeers(0, 1, torch.device("cuda", 0), broadcast=lambda t: t, barrier=lambda: None)
 ex = PeerExchange(peers, "ch", 32, 64, torch.bfloat16)
@@ -131,16 +131,16 @@ def _peer_rank(rank: int, port: int, backend: str, out) -> None:
     import os
     import traceback
     try:
-        from phalanx.kernels.comm import CollectiveError, GroupComm
-        from phalanx.kernels.peer_exchange import PeerExchange
+        from phalanx.comm.group_comm import CollectiveError, GroupComm
+        from phalanx.comm.peer_exchange import PeerExchange
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         comm = GroupComm.init(rank, 2, 1, f"tcp://127.0.0.1:{port}", 1, 30.0)
         if backend == "nvshmem":
-            from phalanx.kernels.gpu.nvshmem_peers import NvshmemPeers
+            from phalanx.comm.gpu.nvshmem_peers import NvshmemPeers
             peers = NvshmemPeers(rank, 2, device, comm.broadcast_world, comm.barrier)
         else:
-            from phalanx.kernels.gpu.ipc_peers import CudaIpcPeers
+            from phalanx.comm.gpu.ipc_peers import CudaIpcPeers
             peers = CudaIpcPeers(rank, 2, device, comm.broadcast_world, comm.barrier)
         ex = PeerExchange(peers, "ch", 256, 2056, torch.bfloat16, epoch=1, deadline_s=2.0)
 
@@ -206,10 +206,10 @@ def test_padded_moe_through_peer_exchanges_queues_without_host_syncs():
     sync debug mode set to raise. Equals the single-rank reference."""
     from types import SimpleNamespace
 
-    from phalanx.kernels.dispatch import EPDispatcher, make_expert_placement, moe_reference
+    from phalanx.comm.dispatch import EPDispatcher, make_expert_placement, moe_reference
     from phalanx.kernels.moe import fused_experts
-    from phalanx.kernels.peer_exchange import PeerExchange
-    from phalanx.kernels.peer_memory import LocalWorld
+    from phalanx.comm.peer_exchange import PeerExchange
+    from phalanx.comm.peer_memory import LocalWorld
     world, E, k, H, I = 2, 16, 4, 128, 64
     g = torch.Generator(device="cuda").manual_seed(7)
     dt = torch.bfloat16

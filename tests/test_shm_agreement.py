@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from phalanx.kernels.shm_agreement import ShmAgreement
+from phalanx.comm.shm_agreement import ShmAgreement
 from phalanx.spawn import run_ranks
 
 ROUNDS = 300
@@ -24,7 +24,7 @@ def _values(round_: int, rank: int) -> list[int]:
 
 
 def _agreement(rank: int, world: int, tag: str, deadline_s: float) -> ShmAgreement:
-    from phalanx.kernels.peer_memory import ShmPeers
+    from phalanx.comm.shm_peers import ShmPeers
     return ShmAgreement(ShmPeers(rank, world, tag, deadline_s=30.0), deadline_s)
 
 
@@ -81,7 +81,7 @@ def test_a_missing_rank_ends_the_wait(stall):
 
 
 def test_values_it_cannot_carry_are_refused():
-    from phalanx.kernels.peer_memory import ShmPeers
+    from phalanx.comm.shm_peers import ShmPeers
     agree = ShmAgreement(ShmPeers(0, 1, f"agree{os.getpid()}v"), 1.0)
     assert agree.max([3, 2**32 - 1]) == [3, 2**32 - 1]
     for bad in ([-1], [2**32], [], list(range(9))):
@@ -93,8 +93,8 @@ def test_values_it_cannot_carry_are_refused():
 def _group_agreement(rank: int, world: int, port: int, root: str) -> tuple:
     """A gloo world's agreement; with `root`, each rank's files in its own folder (a
     machine whose processes do not share /dev/shm)."""
-    import phalanx.kernels.local_channels as channels
-    from phalanx.kernels.comm import GroupComm
+    import phalanx.comm.local_channels as channels
+    from phalanx.comm.group_comm import GroupComm
     if root:
         channels.SHM_OPEN_S = 1.0
         shm_peers = channels.ShmPeers

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from phalanx.kernels.shm_broadcast import ShmBroadcast
+from phalanx.comm.shm_broadcast import ShmBroadcast
 from phalanx.spawn import run_ranks
 
 ROUNDS, CAPACITY = 200, 64
@@ -30,7 +30,7 @@ def _fits(words: np.ndarray) -> bool:
 
 
 def _channel(rank: int, world: int, tag: str) -> ShmBroadcast:
-    from phalanx.kernels.peer_memory import ShmPeers
+    from phalanx.comm.shm_peers import ShmPeers
     channel = ShmBroadcast(ShmPeers(rank, world, tag), CAPACITY, 5.0)
     return channel
 
@@ -84,7 +84,7 @@ def test_a_root_that_exits_ends_the_readers_waits():
 
 
 def _tp_plans(rank: int, world: int, port: int) -> list:
-    from phalanx.kernels.comm import GroupComm
+    from phalanx.comm.group_comm import GroupComm
     comm = GroupComm.init(rank, world, 2, f"tcp://127.0.0.1:{port}", 1, 20.0)
     try:
         got = [comm.open_tp_channel(16)]

@@ -18,8 +18,8 @@ CAPACITY = 4096  # bytes per rank and round
 
 
 def _channel(rank: int, world: int, tag: str, deadline_s: float):
-    from phalanx.kernels.peer_memory import ShmPeers
-    from phalanx.kernels.shm_collectives import ShmCollectives
+    from phalanx.comm.shm_peers import ShmPeers
+    from phalanx.comm.shm_collectives import ShmCollectives
     return ShmCollectives(ShmPeers(rank, world, tag, deadline_s=30.0), CAPACITY, deadline_s)
 
 

@@ -1,5 +1,5 @@
 """Symmetric memory over NVSHMEM (nvshmem4py): the GPU backend of
-:class:`~phalanx.kernels.peer_memory.PeerMemory`.
+:class:`~phalanx.comm.peer_memory.PeerMemory`.
 
 One NVSHMEM world per process and formation: rank 0 makes the unique id, the caller
 carries its bytes to the others (``broadcast``: e.g. ``GroupComm.broadcast_world`` over

@@ -13,8 +13,8 @@ step). Two exchanges, same results bit for bit:
   rank, its pairs first and padding rows (local expert -1, which experts skip) after;
   no counts, no host sync, so a GPU step is queued without waiting for the device.
 
-Torch reference over :class:`~phalanx.kernels.comm.GroupComm` (gloo on CPU). The padded
-exchange can instead go through two :class:`~phalanx.kernels.peer_exchange.PeerExchange`
+Torch reference over :class:`~phalanx.comm.group_comm.GroupComm` (gloo on CPU). The padded
+exchange can instead go through two :class:`~phalanx.comm.peer_exchange.PeerExchange`
 channels (:meth:`EPDispatcher.use_peer_exchanges`: symmetric memory, NVSHMEM on GPU):
 each block carries only its pairs (the receiver marks the rest as padding from the
 counts that travel with the flags), nothing waits on the host, and a step whose rows
@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .comm import GroupComm
-from .moe import fused_experts_ref
+from ..kernels.moe import fused_experts_ref
+from .group_comm import GroupComm
 from .peer_exchange import PeerExchange
 from .peer_memory import LocalWorld
 

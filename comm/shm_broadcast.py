@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from .peer_memory import ShmPeers
+from .shm_peers import ShmPeers
 from .shm_agreement import ShmAgreement, spin_until
 
 __all__ = ["ShmBroadcast"]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .peer_memory import ShmPeers
+from .shm_peers import ShmPeers
 
 __all__ = ["ShmAgreement", "spin_until"]
 

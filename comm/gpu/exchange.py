@@ -1,4 +1,4 @@
-"""Triton kernels of the peer exchange (kernels/peer_exchange.py): an all-to-all whose
+"""Triton kernels of the peer exchange (comm/peer_exchange.py): an all-to-all whose
 sends are stores into the peers' symmetric buffers and whose waits spin on signal words
 on the device, each wait bounded by an abort word the host sets at its deadline.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .compiled_launch import CompiledLaunches
+from ...kernels.gpu.compiled_launch import CompiledLaunches
 
 ROWS = 16          # rows per put program
 BLOCK_W = 256      # elements per row tile

@@ -3,7 +3,7 @@
 ``exchange(send)`` has ``all_to_all_single``'s result for equal splits: with ``cap``
 rows per block, rank d's ``recv[s * cap:(s + 1) * cap]`` is rank s's
 ``send[d * cap:(d + 1) * cap]``. The sends are stores into the peers' buffers and the
-waits spin on flags in device code (kernels/gpu/exchange.py), so a step of exchanges is
+waits spin on flags in device code (comm/gpu/exchange.py), so a step of exchanges is
 queued without the host waiting per collective, and can be captured in a CUDA graph.
 
 Failure (ARCHITECTURE §5): a wait ends when every block is flagged, when the host sets
@@ -32,8 +32,9 @@ import time
 
 import torch
 
-from .comm import CollectiveError
-from .peer_memory import PeerMemory, open_peer_memory
+from .errors import CollectiveError
+from .peer_backends import open_peer_memory
+from .peer_memory import PeerMemory
 
 __all__ = ["PeerExchange", "new_abort_word", "open_moe_channels"]
 

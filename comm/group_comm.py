@@ -24,35 +24,17 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .errors import CollectiveError
 from .local_channels import LocalChannels
 from .shm_agreement import ShmAgreement
 from .shm_broadcast import ShmBroadcast
 from .shm_collectives import ShmCollectives
 
-__all__ = ["CollectiveError", "GroupComm"]
+__all__ = ["CollectiveError", "GroupComm"]  # CollectiveError re-exported from .errors
 
 _R = TypeVar("_R")
 # Deadline of an epoch's first NCCL collective, which sets up the connections (seconds).
 NCCL_CONNECT_S = 60.0
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed, timed out, or was called on a broken communicator.
-
-    Fields: ``op`` (the collective's name), ``epoch`` and ``rank`` of the communicator.
-    The torch.distributed exception, when there is one, is the ``__cause__``.
-    """
-
-    def __init__(self, op: str, epoch: int, rank: int, detail: str = "") -> None:
-        self.op = op
-        self.epoch = epoch
-        self.rank = rank
-        msg = f"collective {op!r} failed on rank {rank} (epoch {epoch})"
-        super().__init__(f"{msg}: {detail}" if detail else msg)
-        self.detail = detail
-
-    def __reduce__(self):  # crosses Ray (actor method errors): rebuild from the fields
-        return (CollectiveError, (self.op, self.epoch, self.rank, self.detail))
 
 
 class GroupComm(LocalChannels):

@@ -1,5 +1,5 @@
 """Symmetric memory over CUDA IPC: the backend of
-:class:`~phalanx.kernels.peer_memory.PeerMemory` for rank processes that share one GPU
+:class:`~phalanx.comm.peer_memory.PeerMemory` for rank processes that share one GPU
 (where NVSHMEM's several-processes-per-GPU mode does not deliver peers' stores: measured
 on one H200 without MPS, its waits missed their deadline) or see their peers' GPUs.
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .peer_memory import ShmPeers
+from .shm_peers import ShmPeers
 from .shm_agreement import ShmAgreement
 from .shm_broadcast import ShmBroadcast
 from .shm_collectives import ShmCollectives

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .peer_memory import ShmPeers
+from .shm_peers import ShmPeers
 from .shm_agreement import spin_until
 
 __all__ = ["ShmCollectives"]

@@ -1,0 +1,29 @@
+"""The one function that forms a layout for whoever drives it (the server's driver thread,
+the offline `LLM`): a :class:`~phalanx.actors.cluster.ClusterClient`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from ..config import DisaggConfig, EngineConfig
+from .cluster import ClusterClient
+from .disagg_client import DisaggClient
+from .group_client import GroupClient
+
+__all__ = ["build_cluster"]
+
+
+def build_cluster(config: EngineConfig, disagg: Optional[DisaggConfig] = None,
+                  ray_address: Optional[str] = None) -> ClusterClient:
+    """The layout `config.parallel` (colocated: tp × dp ranks) or `disagg` (prefill
+    instances → decode group; the decode side takes `config`, the prefill side the same
+    with its own page size) describes, formed on Ray (started locally unless
+    `ray_address`); blocks until every rank has loaded its shard."""
+    deadline = config.parallel.collective_timeout_s
+    if disagg is None:
+        return GroupClient(config, config.parallel.tp, config.parallel.dp, deadline, ray_address)
+    cache = dataclasses.replace(config.cache,
+                                page_size=disagg.prefill_page_size or config.cache.page_size)
+    return DisaggClient(dataclasses.replace(config, cache=cache), config, disagg, deadline,
+                        ray_address)
