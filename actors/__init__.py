@@ -1,8 +1,8 @@
 """Ray actors and what drives them from the caller's process.
 
-- A rank: `rank_actor.RankActor` (a thin Ray wrapper of `engine.rank_engine.RankEngine`),
-  with the KV roles `prefill_rank.PrefillRank` / `decode_rank.DecodeRank` (over
-  `kv_rank.KVRank`).
+- A rank: `rank.rank.Rank` (plain, no Ray) composed of a mailbox, a lockstep part and a
+  role (`rank/`); the actors `rank_actor.RankActor` / `PrefillRank` / `DecodeRank` are
+  thin Ray wrappers of it with the colocated, prefill and decode roles.
 - A group of ranks under an epoch: `supervisor.GroupSupervisor` (placement groups,
   formation that fails fast, deaths reported by Ray).
 - Recovery: `reconciler.Reconciler` (plain logic, no Ray: desired vs actual layout,
@@ -13,6 +13,7 @@
   `disagg_recovery`, `disagg_views`, `abort_cleanup`), both resuming requests with
   `resume.resume_from` and reporting held prefixes through `held_reports`.
 
-Depends on `engine`, `kernels`, `kv_transfer`, `config`; plain-logic parts
+Depends on `engine`, `comm`, `kv_transfer`, `models` (the shard and the MoE interface a
+rank builds), `config`; plain-logic parts
 (`reconciler`, `abort_cleanup`, `held_reports`, `resume`) import no Ray.
 """

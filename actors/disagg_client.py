@@ -36,13 +36,13 @@ from ..engine.sampling_params import SamplingParams
 from ..kv_transfer.staging_memory import staging_bytes
 from ..log import get_logger
 from .abort_cleanup import AbortCleanup
-from .decode_rank import RemoteDecodeRank
 from .disagg_recovery import (CALL_ERRORS, DECODE, DecodeLost, DisaggRecovery,
                               prefill_key)
 from .disagg_views import DisaggViews
 from .cluster import ANYWHERE, Placement
 from .held_reports import HeldReports
-from .prefill_rank import KVDestination, RemotePrefillRank
+from .rank.prefill_role import KVDestination
+from .rank_actor import RemoteDecodeRank, RemotePrefillRank
 from .recovery import Recovery, intensity_of
 from .supervisor import GroupSupervisor, ensure_ray
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from ..engine.rank_spec import RankFailure
+from .rank.spec import RankFailure
 from ..log import get_logger
 from .abort_cleanup import AbortCleanup, Stage
 from .resume import resume_from

@@ -25,7 +25,7 @@ from .supervisor import GroupSupervisor, ensure_ray, settle
 from ..config import EngineConfig
 from ..engine.outputs import StepOutput
 from ..engine.prompt_check import check_prompt
-from ..engine.rank_spec import RankFailure
+from .rank.spec import RankFailure
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from .cluster import ANYWHERE, Placement

@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import EngineConfig
-from ..engine.rank_spec import RankSpec
+from .rank.spec import RankSpec
 from ..log import get_logger
 from .rank_actor import MAX_CONCURRENCY, RemoteRank
 

@@ -17,7 +17,7 @@ Phases (`--phases`, default all), each in spawned processes, one GPU each:
    - decode: DPN x EPN, `--batches` sequences per rank admitted as already prefilled
      with `--ctx` tokens (pages reserved and `admit_prefilled`, as a disaggregated
      decode rank does; the KV pool holds random normal data), `--warm` steps, then
-     `--steps` timed steps of `RankEngine._step` (DP agreement included) on every rank;
+     `--steps` timed steps of `Lockstep.step` (DP agreement included) on every rank;
    - moe: per-layer MoE of layer 0 at the same per-rank token counts: `EPDispatcher.moe`
      with the experts, with an identity expert (dispatch + combine only), its four
      all-to-alls through `GroupComm` (counts, rows, metadata, return rows; splits

@@ -1,6 +1,6 @@
 """Helpers of `bench/multi_gpu.py`: model shapes, deterministic random weights built
 straight on the device for any shard, engine configs, a lockstep driver over
-`RankEngine._step`, and the byte / FLOP floors.
+`Lockstep.step`, and the byte / FLOP floors.
 
 Weights: every tensor is drawn from its own generator, seeded by a hash of
 (seed, canonical parameter name, expert id), in float32 at its *full* (unsharded)
@@ -19,10 +19,11 @@ import torch
 
 from phalanx.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                             SchedulerConfig)
-from phalanx.engine import plan as planmod
+from phalanx.actors.rank import plan as planmod
+from phalanx.actors.rank.lockstep import Lockstep
+from phalanx.actors.rank.role import RankRole
 from phalanx.engine.llm_engine import LLMEngine
-from phalanx.engine.rank_engine import RankEngine
-from phalanx.engine.rank_spec import RankSpec
+from phalanx.actors.rank.spec import RankSpec
 from phalanx.engine.sampling_params import SamplingParams
 from phalanx.models.qwen3_moe import CausalLM, DenseMLP, SparseMoE
 from phalanx.models.shard import ModelShard
@@ -148,38 +149,48 @@ def pages_for(num_seqs: int, tokens: int) -> int:
 # ------------------------------------------------------------------ stepping
 
 class Stepper:
-    """One step of a rank (`RankEngine._step`: plan broadcast, DP agreement, dummy steps)
-    or of the single-rank engine (`LLMEngine.step`); collects the sampled tokens."""
+    """One step of a rank (`Lockstep.step`: plan sharing, DP agreement, dummy steps, the
+    leader scheduling as `Rank` does) or of the single-rank engine (`LLMEngine.step`);
+    collects the sampled tokens."""
 
-    def __init__(self, engine: LLMEngine, rank_engine: Optional[RankEngine] = None) -> None:
+    def __init__(self, engine: LLMEngine, lockstep: Optional[Lockstep] = None) -> None:
         self.engine = engine
-        self.re = rank_engine
+        self.lockstep = lockstep
+        self.stopping = False  # the leader's next step tells its group to stop
         self.tokens: dict[str, list[int]] = {}
+        self._role = RankRole()
 
     @classmethod
     def for_rank(cls, spec: RankSpec, comm, engine: LLMEngine, ep=None) -> "Stepper":
-        re = RankEngine(spec)
-        re.comm, re.engine = comm, engine
-        re.use_exchange(ep)
-        re.use_graphs(ep)  # a peer-exchange group's decode steps, unless the spec is eager
-        return cls(engine, re)
+        lockstep = Lockstep(spec, lambda point: None)
+        lockstep.comm, lockstep.engine = comm, engine
+        lockstep.use_exchange(ep)
+        lockstep.use_graphs(ep)  # a peer-exchange group's decode steps, unless the spec is eager
+        return cls(engine, lockstep)
 
     def graph_replays(self) -> int:
         """Steps this rank has replayed as CUDA graphs so far (`GroupGraphs`)."""
-        graphs = None if self.re is None else self.re._graphs
+        graphs = None if self.lockstep is None else self.lockstep.graphs
         return 0 if graphs is None else graphs.replays
 
     @property
     def leader(self) -> bool:
-        return self.re is None or self.re.is_leader
+        return self.lockstep is None or self.lockstep.is_leader
 
     def step(self) -> int:
-        if self.re is None:
+        ls = self.lockstep
+        if ls is None:
             outs = self.engine.step()
             status = planmod.WORK
         else:
-            status = self.re._step()
-            outs, self.re._outbox = self.re._outbox, []
+            status, planned = planmod.IDLE, None
+            if ls.is_leader:
+                if self.stopping:
+                    status = planmod.STOP
+                else:
+                    planned = self.engine.schedule()
+                    status = planmod.IDLE if planned is None else planmod.WORK
+            status, outs = ls.step(status, planned, self._role)
         for o in outs:
             self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         return status
@@ -188,21 +199,21 @@ class Stepper:
         """Step until every leader's `done()` holds; every rank of the group calls it.
         DP groups agree each iteration (one gloo all-reduce); TP followers step until
         their leader broadcasts STOP."""
-        re = self.re
-        if re is None:
+        ls = self.lockstep
+        if ls is None:
             while not done():
                 self.step()
             return
-        if re.spec.dp > 1:
-            while re.comm.all_reduce_world_max(0 if done() else 1):
+        if ls.spec.dp > 1:
+            while ls.comm.all_reduce_world_max(0 if done() else 1):
                 self.step()
             return
         while True:
-            if re.is_leader and done():
-                re._stop = True
+            if ls.is_leader and done():
+                self.stopping = True
             status = self.step()
             if status == planmod.STOP:
-                re._stop = False
+                self.stopping = False
                 return
 
 

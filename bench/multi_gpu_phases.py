@@ -59,7 +59,7 @@ def _rank_layout(rank: int, dev: torch.device, opts: dict, comm, tp: int, epoch:
     """This rank's engine in `comm`'s group with TP=`tp` (DP = group size / tp), driven
     in lockstep; DP > 1 places the experts over all the group's ranks (EP)."""
     from phalanx.engine.llm_engine import LLMEngine
-    from phalanx.engine.rank_spec import RankSpec, shard_for
+    from phalanx.actors.rank.spec import RankSpec, shard_for
     from phalanx.comm.dispatch import EPDispatcher
     from phalanx.models.parallel import ExpertParallel
 
@@ -68,7 +68,7 @@ def _rank_layout(rank: int, dev: torch.device, opts: dict, comm, tp: int, epoch:
                                 ep_exchange=opts["ep_exchange"])
 
     # the engine runs eager; the rank captures the group's decode steps where it can
-    # (peer exchange, tp 1, GPU: `RankEngine.use_graphs`) unless --group-eager
+    # (peer exchange, tp 1, GPU: `Lockstep.use_graphs`) unless --group-eager
     spec = RankSpec(rank, tp, comm.world_size // tp, epoch, init, comm.deadline_s,
                     config(opts["group_eager"]))
     shard, placement = shard_for(spec, cfg.num_experts)

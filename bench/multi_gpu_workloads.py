@@ -51,7 +51,7 @@ def decode_bench(stepper: mm.Stepper, opts: dict, dev: torch.device) -> list[dic
         stepper.tokens.clear()
         rows.append(dict(batch=b, ctx=ctx, steps=steps, step_ms=dt / steps * 1e3, tok_s=b * steps / dt,
                          graphed_steps=graphed))
-        mode = "" if stepper.re is None else f" ({graphed} of {steps} group steps as graphs)"
+        mode = "" if stepper.lockstep is None else f" ({graphed} of {steps} group steps as graphs)"
         log(opts, f"  decode batch {b}: {dt / steps * 1e3:.2f} ms/step, {b * steps / dt:.0f} tok/s"
                   f"{mode}")
     return rows

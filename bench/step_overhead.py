@@ -17,7 +17,7 @@ for the whole run) and batch size (decode requests with a ~16-token prompt, gree
 ignore_eos, max_tokens far past the window), after `--warmup` tokens per request:
 - caller ms/step: wall time for `--steps` tokens per request to arrive through
   `LLM._poll` (GroupClient.poll over Ray, or LLMEngine.step for the single rank);
-- leader ms/step: wall time over RankEngine.steps of DP rank 0's leader (`stats()`);
+- leader ms/step: wall time over Lockstep.steps of DP rank 0's leader (`stats()`);
 - a breakdown of the leader's loop (schedule, prepare, plan broadcast, world
   all-reduce, finish = sample + scheduler update + publish, idle iterations), and the
   same for every other rank (JSON);
@@ -43,7 +43,7 @@ import ray
 import torch
 
 from phalanx.actors.rank_actor import RankActor
-from phalanx.engine import plan as planmod
+from phalanx.actors.rank import plan as planmod
 from phalanx.engine.sampling_params import SamplingParams
 from phalanx.llm import LLM
 from phalanx.models.tiny import default_model_dir
@@ -101,31 +101,32 @@ class StubRankActor(RankActor):
 
     def start(self) -> dict:
         info = super().start()
-        install_stub(self.engine)
+        rank, lockstep = self.rank, self.rank.lockstep
+        install_stub(rank.engine)
         self._timers = t = Timers()
         self._statuses = {planmod.IDLE: 0, planmod.WORK: 0, planmod.STOP: 0}
-        t.wrap(self, "_drain_inbox", "drain_inbox")
-        t.wrap(self.engine.scheduler, "schedule", "schedule")
-        t.wrap(self.engine.runner, "prepare", "prepare")
-        t.wrap(self, "_share_plan", "share_plan")
-        t.wrap(self.comm, "all_reduce_world_max", "world_all_reduce")
-        t.wrap(self.engine.runner, "forward", "forward_stub")
-        t.wrap(self, "_finish", "finish")
-        step = self._step
+        t.wrap(rank, "_drain_inbox", "drain_inbox")
+        t.wrap(rank.engine.scheduler, "schedule", "schedule")
+        t.wrap(rank.engine.runner, "prepare", "prepare")
+        t.wrap(lockstep, "share_plan", "share_plan")
+        t.wrap(lockstep.comm, "all_reduce_world_max", "world_all_reduce")
+        t.wrap(rank.engine.runner, "forward", "forward_stub")
+        t.wrap(lockstep, "finish", "finish")
+        step = rank._step
 
         def counted_step():
             status = step()
             self._statuses[status] = self._statuses.get(status, 0) + 1
             return status
 
-        self._step = counted_step
-        t.wrap(self, "_step", "step")
+        rank._step = counted_step
+        t.wrap(rank, "_step", "step")
         return info
 
     def timers(self) -> dict:
         snap = self._timers.snapshot()
         snap["statuses"] = dict(self._statuses)
-        snap["steps"] = self.steps
+        snap["steps"] = self.rank.lockstep.steps
         snap["time"] = time.perf_counter()
         return snap
 
@@ -181,7 +182,7 @@ class GroupProbe:
         stats = ray.get(self.leader.stats.remote())
         snaps = ray.get([a.timers.remote() for a in self.actors])
         snap = snaps[0]
-        snap["steps"] = stats["steps"]  # RankEngine.steps through the public stats()
+        snap["steps"] = stats["steps"]  # Lockstep.steps through the public stats()
         snap["time"] = (t0 + time.perf_counter()) / 2
         snap["others"] = snaps[1:]
         return snap
@@ -338,7 +339,7 @@ def _print_table(rows: list[dict], args, total_s: float, out: str) -> None:
     print(f"\n{args.steps} decode steps per point after {args.warmup} warm-up tokens, "
           f"{os.cpu_count()} CPUs, total {total_s:.0f} s; JSON: {out}")
     print("caller: wall time per step of tokens arriving through LLM's polling; leader: "
-          "RankEngine.steps of DP rank 0 over wall time; poll: mean time of one LLM._poll "
+          "Lockstep.steps of DP rank 0 over wall time; poll: mean time of one LLM._poll "
           "(tokens arrive at most once per poll); plan+agree: leader's time per step in the "
           "TP plan broadcast and the DP all-reduce; no-poll: leader ms/step while the caller "
           "sleeps")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from phalanx.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from phalanx.engine.group_graphs import GroupGraphs
+from phalanx.actors.rank.group_graphs import GroupGraphs
 from phalanx.llm import engine_config
 
 

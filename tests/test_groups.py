@@ -18,7 +18,7 @@ from phalanx.actors.rank_actor import RankActor
 from phalanx.actors.supervisor import GroupFailure, GroupSupervisor
 from phalanx.comm.group_comm import CollectiveError
 from phalanx.llm import engine_config
-from phalanx.engine.rank_spec import RankSpec, shard_for
+from phalanx.actors.rank.spec import RankSpec, shard_for
 from phalanx.models.loader import read_model_config
 from phalanx.models.qwen3_moe import CausalLM
 

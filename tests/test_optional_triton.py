@@ -14,7 +14,7 @@ class Block:
             raise ImportError("triton is not installed (blocked for this check)")
 sys.meta_path.insert(0, Block())
 import torch
-import phalanx.actors.decode_rank, phalanx.actors.prefill_rank, phalanx.actors.disagg_client
+import phalanx.actors.rank_actor, phalanx.actors.disagg_client
 import phalanx.server.launch, phalanx.llm, phalanx.engine.model_runner
 from phalanx.kv_transfer import messages as m
 from phalanx.kv_transfer.staging import _Pools

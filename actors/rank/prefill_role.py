@@ -1,5 +1,5 @@
-"""Prefill role: a rank of a prefill TP group that streams each request's KV to its
-decode ranks layer by layer, while it computes the later layers (ARCHITECTURE §2, §4).
+"""`PrefillRole`: a rank of a prefill TP group streams each request's KV to its decode
+ranks layer by layer, while it computes the later layers (ARCHITECTURE §2, §4).
 
 Every rank of the group learns each request's destination up front (`expect`, before
 the leader schedules it) and recognises the request's rows in every step by their plan
@@ -16,13 +16,14 @@ import concurrent.futures
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import ray
+from ...kv_transfer.copy_table import layer_batches, plan_batches
+from ...kv_transfer.layout import KVLayout
+from ...kv_transfer.transport import Address, BlockingKVSender
+from ...log import get_logger
+from .kv_side import TRANSFER_EPOCH, KVSide
+from .role import RankRole
 
-from ..kv_transfer.copy_table import layer_batches, plan_batches
-from ..kv_transfer.layout import KVLayout
-from ..kv_transfer.transport import Address, BlockingKVSender
-from ..log import get_logger
-from .kv_rank import TRANSFER_EPOCH, KVRank
+__all__ = ["KVDestination", "PrefillRole", "TransferEvent"]
 
 log = get_logger(__name__)
 
@@ -60,23 +61,29 @@ class _Stream:
     failed: str = ""
 
 
-class PrefillRank(KVRank):
-    """`RankActor` with a KV sender; the leader prefills and holds, every rank streams."""
+class PrefillRole(RankRole):
+    """Every rank streams the KV it holds; the leader prefills and holds the pages.
 
-    def __init__(self, spec=None) -> None:
-        super().__init__(spec)
-        self._streams: dict[int, _Stream] = {}  # plan row key -> stream
-        self._events: list[TransferEvent] = []
+    Caller side: `expect`, `submit_prefill`, `forget`, `release` (the actor's methods);
+    transfer events reach callers through the rank's `poll_events`."""
+
+    name = "prefill"
+
+    def __init__(self) -> None:
+        self._rank = None
+        self._streams: dict[int, _Stream] = {}  # plan row key -> stream (under the mailbox lock)
         self._step_keys: list[tuple[int, int]] = []  # (key, end) streamed by this step
         self._sender = None
+        self._kv: KVSide = None
 
-    def start(self) -> dict:
-        info = super().start()
-        s = self.spec
+    def start(self, rank) -> dict:
+        s = rank.spec
+        self._rank, self._lock = rank, rank.mailbox.lock
+        self._kv = KVSide.open(rank.engine, s.tp, s.rank)
         self._sender = BlockingKVSender(
-            self._transport, self.engine.runner.caches, rank=s.tp_rank, epoch=TRANSFER_EPOCH,
+            self._kv.transport, rank.engine.runner.caches, rank=s.tp_rank, epoch=TRANSFER_EPOCH,
             timeout_s=s.deadline_s, in_place_min_bytes=s.config.cache.kv_in_place_min_bytes)
-        return info
+        return {}
 
     # -- caller side -----------------------------------------------------------------
     def expect(self, key: int, dest: KVDestination) -> None:
@@ -84,12 +91,12 @@ class PrefillRank(KVRank):
         for address in dest.addresses:
             self._sender.connect(tuple(address))
         with self._lock:
-            self._raise_if_failed()
+            self._rank.mailbox.raise_if_failed()
             self._streams[key] = _Stream(dest, sent_upto=dest.start)
 
     def submit_prefill(self, request_id: str, prompt_token_ids: list[int], params, key: int) -> None:
         """Prefill only (the leader): sample the first token, hold the pages for `release`."""
-        self._enqueue_request("prefill", request_id, prompt_token_ids, params, key)
+        self._rank.enqueue("prefill", request_id, prompt_token_ids, params, key)
 
     def forget(self, key: int) -> None:
         """Stop streaming `key` (its request was aborted or moved elsewhere); what this
@@ -101,36 +108,26 @@ class PrefillRank(KVRank):
 
     def release(self, request_id: str) -> None:
         """Every reader is done: the leader frees the request's pages."""
-        with self._lock:
-            self._post("release", request_id)
-
-    def poll_events(self, timeout_s: float = 0.1) -> tuple[list, list[TransferEvent]]:
-        """(step outputs, transfer events) since the last call; waits up to `timeout_s`."""
-        with self._lock:
-            if not self._outbox and not self._events and self._failure is None:
-                self._lock.wait(timeout_s)
-            self._raise_if_failed()
-            out, self._outbox = self._outbox, []
-            events, self._events = self._events, []
-        return out, events
+        self._rank.mailbox.post("release", request_id)
 
     # -- loop side -------------------------------------------------------------------
-    def _handle(self, kind: str, item) -> None:
+    def handle(self, kind: str, item) -> bool:
         if kind == "prefill":
-            self.engine.add_prefill_request(*item)
+            self._rank.engine.add_prefill_request(*item)
         elif kind == "release":
-            self.engine.release_held(item)
+            self._rank.engine.release_held(item)
         else:
-            super()._handle(kind, item)
+            return False
+        return True
 
-    def _layer_hook(self, inputs):
+    def layer_hook(self, inputs):
         sends = self._plan_sends(inputs)
         if not sends:
             return None
 
         def layer_done(layer: int) -> None:
             for key, dst_rank, copies in sends.get(layer, ()):
-                self.fault_point("kv_send")
+                self._rank.fault_point("kv_send")
                 stream = self._streams.get(key)
                 if stream is None:  # forgotten during the step (its batches withdrawn)
                     continue
@@ -147,6 +144,7 @@ class PrefillRank(KVRank):
         sends: dict[int, list] = defaultdict(list)
         with self._lock:
             streams = dict(self._streams)
+        layout, tp_rank = self._kv.layout, self._rank.spec.tp_rank
         for row, key in enumerate(h["row_keys"].tolist()):
             stream = streams.get(key)
             if not key or stream is None or stream.failed:
@@ -155,11 +153,11 @@ class PrefillRank(KVRank):
             end = min(int(h["seq_lens"][row]), dest.num_tokens)
             if end <= stream.sent_upto:
                 continue
-            src_pages = h["block_tables"][row, :-(-end // self.layout.page_size)].tolist()
-            batches = plan_batches(self.layout, dest.layout, range(stream.sent_upto, end),
+            src_pages = h["block_tables"][row, :-(-end // layout.page_size)].tolist()
+            batches = plan_batches(layout, dest.layout, range(stream.sent_upto, end),
                                    src_pages, dest.pages, replica_hint=dest.replica_hint)
             for (src_rank, dst_rank), pair in batches.items():
-                if src_rank == self.spec.tp_rank:
+                if src_rank == tp_rank:
                     for layer, parts in layer_batches(pair).items():
                         sends[layer].append((key, dst_rank, parts))
             self._step_keys.append((key, end))
@@ -170,7 +168,7 @@ class PrefillRank(KVRank):
                                   for key, dst_rank, copies in layer_sends])
         return sends
 
-    def _after_forward(self, inputs) -> None:
+    def after_forward(self, inputs) -> None:
         with self._lock:
             for key, end in self._step_keys:
                 stream = self._streams.get(key)  # None: forgotten during the step
@@ -178,11 +176,11 @@ class PrefillRank(KVRank):
                     stream.sent_upto = end
         self._step_keys = []
 
-    def _service(self) -> None:
+    def service(self) -> None:
         """Report streams whose last batch is acked, or that failed."""
         if not self._streams:
             return
-        events = []
+        events, spec = [], self._rank.spec
         with self._lock:
             for key, st in list(self._streams.items()):
                 error = st.failed or _first_error(st.futures)
@@ -191,15 +189,12 @@ class PrefillRank(KVRank):
                     continue
                 del self._streams[key]
                 events.append(TransferEvent(st.dest.request_id, st.dest.transfer_id,
-                                            self.spec.rank, not error, error))
-            if events:
-                self._events.extend(events)
-                self._lock.notify_all()
+                                            spec.rank, not error, error))
+        self._rank.mailbox.publish_events(events)
         for e in events:
             if not e.ok:
-                log.warning("kv_transfer_failed", rank=self.spec.rank, epoch=self.spec.epoch,
+                log.warning("kv_transfer_failed", rank=spec.rank, epoch=spec.epoch,
                             request_id=e.request_id, transfer_id=e.transfer_id, error=e.error)
-
 
 
 def _first_error(futures: list[concurrent.futures.Future]) -> str:
@@ -207,6 +202,3 @@ def _first_error(futures: list[concurrent.futures.Future]) -> str:
         if f.done() and f.exception() is not None:
             return f"{type(f.exception()).__name__}: {f.exception()}"
     return ""
-
-
-RemotePrefillRank = ray.remote(PrefillRank)

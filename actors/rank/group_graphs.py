@@ -17,12 +17,11 @@ from typing import Optional
 
 import torch
 
-from ..comm.dispatch import EPDispatcher
-from ..comm.peer_exchange import PeerExchange
-from ..log import get_logger
-from ..models.qwen3_moe import SparseMoE
-from .cuda_graphs import DecodeGraphs
-from .llm_engine import LLMEngine
+from ...comm.dispatch import EPDispatcher
+from ...comm.peer_exchange import PeerExchange
+from ...engine.cuda_graphs import DecodeGraphs
+from ...engine.llm_engine import LLMEngine
+from ...log import get_logger
 
 log = get_logger(__name__)
 
@@ -44,7 +43,7 @@ class GroupGraphs:
 
         self.graphs.capture(dispatcher.rehearsal, sized)
         runner.graphs, runner.auto_graphs = self.graphs, False  # the group decides
-        self.moe_layers = sum(isinstance(layer.mlp, SparseMoE) for layer in engine.model.layers)
+        self.moe_layers = cfg.model.num_moe_layers
         self.replays = 0
 
     @staticmethod

@@ -1,14 +1,14 @@
 """Where a rank sits (`RankSpec`), how its loop failed (`RankFailure`), and its model
-shard (`shard_for`): plain data shared by `RankEngine`, the actors and the benches."""
+shard (`shard_for`): plain data shared by `Rank`, the supervisors and the benches."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import EngineConfig
-from ..comm.dispatch import make_expert_placement
-from ..models.shard import ModelShard
+from ...config import EngineConfig
+from ...comm.dispatch import make_expert_placement
+from ...models.shard import ModelShard
 
 __all__ = ["RankFailure", "RankSpec", "shard_for", "tensor_channel_bytes"]
 

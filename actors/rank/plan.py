@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .model_runner import BatchInputs
+from ...engine.model_runner import BatchInputs
 
 IDLE, WORK, STOP = 0, 1, 2
 HEADER_SIZE = 8

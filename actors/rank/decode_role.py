@@ -1,5 +1,5 @@
-"""Decode role: a rank of the decode DP×EP group whose KV cache receives prompts'
-KV from prefill groups (ARCHITECTURE §2).
+"""`DecodeRole`: a rank of the decode DP×EP group whose KV cache receives prompts' KV
+from prefill groups (ARCHITECTURE §2).
 
 Each rank listens with a gated `KVReceiver` on its own KV pools. For a request, the
 caller (1) reserves pages on the DP leader, (2) opens every rank's gate for the
@@ -13,30 +13,34 @@ from __future__ import annotations
 
 from typing import Optional
 
-import ray
+from ...kv_transfer.staging_memory import message_bytes
+from ...kv_transfer.transport import BlockingKVReceiver
+from .kv_side import TRANSFER_EPOCH, KVSide
+from .role import RankRole
 
-from ..kv_transfer.staging_memory import message_bytes
-from ..kv_transfer.transport import BlockingKVReceiver
-from .kv_rank import TRANSFER_EPOCH, KVRank
+__all__ = ["DecodeRole"]
 
 
-class DecodeRank(KVRank):
-    """`RankActor` with a KV receiver; the DP leader reserves pages and admits."""
+class DecodeRole(RankRole):
+    """Every rank receives KV; the DP leader reserves pages and admits. `host`: the
+    address this rank's receiver listens on (its node's IP)."""
 
-    def __init__(self, spec=None) -> None:
-        super().__init__(spec)
+    name = "decode"
+
+    def __init__(self, host: str) -> None:
+        self._host = host
+        self._rank = None
         self._receiver = None
 
-    def start(self) -> dict:
-        info = super().start()
-        s = self.spec
+    def start(self, rank) -> dict:
+        s = rank.spec
+        self._rank = rank
+        kv = KVSide.open(rank.engine, s.tp, s.rank)
         self._receiver = BlockingKVReceiver(
-            self._transport, self.engine.runner.caches, rank=s.tp_rank, epoch=TRANSFER_EPOCH,
-            host=ray.util.get_node_ip_address(), timeout_s=s.deadline_s, gated=True,
-            max_payload_bytes=message_bytes(self.engine.device.type))
-        info["kv_address"] = tuple(self._receiver.start())
-        info["kv_layout"] = self.layout
-        return info
+            kv.transport, rank.engine.runner.caches, rank=s.tp_rank, epoch=TRANSFER_EPOCH,
+            host=self._host, timeout_s=s.deadline_s, gated=True,
+            max_payload_bytes=message_bytes(rank.engine.device.type))
+        return {"kv_address": tuple(self._receiver.start()), "kv_layout": kv.layout}
 
     def open_gate(self, transfer_id: str) -> None:
         self._receiver.expect(transfer_id)
@@ -56,23 +60,17 @@ class DecodeRank(KVRank):
                 room = not out or out[-1] is not None
                 out.append(engine.reserve(request_id, prompt_token_ids) if room else None)
             return out
-        return self.run_on_loop(reserve)
+        return self._rank.run_on_loop(reserve)
 
     def unreserve(self, request_id: str) -> None:
-        self.run_on_loop(lambda engine: engine.unreserve(request_id))
+        self._rank.run_on_loop(lambda engine: engine.unreserve(request_id))
 
     def admit_many(self, items: list[tuple[str, list[int], int, object]]) -> None:
         """Continue requests whose prompt KV has landed in their reserved pages, each
         (request_id, prompt, first token, params), in one turn of the loop. The first
         error is raised once every item was tried; the others stay admitted."""
         ids = [item[0] for item in items]
-        with self._lock:
-            self._raise_if_failed()
-            taken = [rid for rid in ids if rid in self._live] + [
-                rid for i, rid in enumerate(ids) if rid in ids[:i]]
-            if taken:
-                raise ValueError(f"request_id {taken[0]!r} is already in use")
-            self._live.update(ids)
+        self._rank.mailbox.claim(ids)
 
         def admit(engine) -> list:
             failed = []
@@ -84,18 +82,14 @@ class DecodeRank(KVRank):
             return failed
 
         try:
-            failed = self.run_on_loop(admit)
+            failed = self._rank.run_on_loop(admit)
         except Exception:
             failed = [(rid, None) for rid in ids]
             raise
         finally:
-            with self._lock:
-                self._live.difference_update(rid for rid, _ in failed)
+            self._rank.mailbox.release(rid for rid, _ in failed)
         if failed:
             raise failed[0][1]
 
     def kv_stats(self) -> dict:
         return self._receiver.stats()
-
-
-RemoteDecodeRank = ray.remote(DecodeRank)

@@ -1,4 +1,5 @@
-"""`RankEngine` driven directly, without Ray: a one-rank group in this process."""
+"""`Rank` (mailbox + lockstep + role) driven directly, without Ray: a one-rank group in
+this process."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 
 from phalanx import LLM, SamplingParams
 from phalanx.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from phalanx.engine.rank_engine import RankEngine
-from phalanx.engine.rank_spec import RankSpec
+from phalanx.actors.rank.lockstep import Lockstep
+from phalanx.actors.rank.rank import Rank
+from phalanx.actors.rank.spec import RankSpec
 from phalanx.models.loader import read_model_config
 
 
@@ -26,7 +28,7 @@ def rank(tiny_model):
                        cache=CacheConfig(page_size=8, num_pages=128),
                        scheduler=SchedulerConfig(max_num_batched_tokens=64),
                        parallel=ParallelConfig(tp=1, dp=1))
-    eng = RankEngine(RankSpec(0, 1, 1, 3, f"tcp://127.0.0.1:{_port()}", 10.0, cfg))
+    eng = Rank(RankSpec(0, 1, 1, 3, f"tcp://127.0.0.1:{_port()}", 10.0, cfg))
     info = eng.start()
     assert info["rank"] == 0 and info["epoch"] == 3 and info["num_pages"] == 128
     yield eng
@@ -35,7 +37,7 @@ def rank(tiny_model):
     eng.comm.destroy()
 
 
-def _collect(eng: RankEngine, rids: set[str], timeout_s: float = 60.0) -> dict[str, list]:
+def _collect(eng: Rank, rids: set[str], timeout_s: float = 60.0) -> dict[str, list]:
     tokens: dict[str, list[int]] = {r: [] for r in rids}
     done: set[str] = set()
     end = time.monotonic() + timeout_s
@@ -90,11 +92,11 @@ def test_an_idle_rank_wakes_when_a_peer_has_work(tiny_model):
     import threading
     cfg = EngineConfig(model_path=tiny_model, model=read_model_config(tiny_model),
                        parallel=ParallelConfig(tp=2, dp=1))
-    eng = RankEngine(RankSpec(1, 2, 1, 3, "tcp://127.0.0.1:1", 10.0, cfg))
-    eng.comm = _WakeComm()
-    timer = threading.Timer(0.2, lambda: setattr(eng.comm, "count", 1))
+    lockstep = Lockstep(RankSpec(1, 2, 1, 3, "tcp://127.0.0.1:1", 10.0, cfg), lambda point: None)
+    lockstep.comm = _WakeComm()
+    timer = threading.Timer(0.2, lambda: setattr(lockstep.comm, "count", 1))
     timer.start()
     t0 = time.monotonic()
-    eng._idle_wait(60.0)
+    lockstep.idle_wait(threading.Event(), 60.0)
     assert time.monotonic() - t0 < 30.0, "slept through the peer's wake"
     timer.join()
