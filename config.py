@@ -153,7 +153,7 @@ class CacheConfig:
     # large moves in place, pool to pool; smaller pieces go through staging buffers
     kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
     # device memory kept out of the KV pool for the KV transport's staging buffers; 0: the
-    # disaggregated layout reserves each role's worst case (kv_transfer.staging_memory)
+    # disaggregated layout reserves each role's worst case (kv_transfer.transport.staging_memory)
     kv_staging_bytes: int = 0
 
     def __post_init__(self) -> None:

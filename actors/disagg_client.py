@@ -33,7 +33,7 @@ from ..config import DisaggConfig, EngineConfig
 from ..engine.outputs import StepOutput
 from ..engine.prompt_check import check_prompt
 from ..engine.sampling_params import SamplingParams
-from ..kv_transfer.staging_memory import staging_bytes
+from ..kv_transfer.transport.staging_memory import staging_bytes
 from ..log import get_logger
 from .abort_cleanup import AbortCleanup
 from .disagg_recovery import (CALL_ERRORS, DECODE, DecodeLost, DisaggRecovery,

@@ -253,7 +253,7 @@ def _parse_args() -> argparse.Namespace:
     args.tls = DEFAULT_TLS[args.device] if args.tls is None else args.tls
     args.ucx_env = DEFAULT_UCX_ENV[args.device] if args.ucx_env is None else args.ucx_env
     if args.progress_mode is None:
-        from phalanx.kv_transfer.ucx_runtime import progress_mode_for
+        from phalanx.kv_transfer.transport.ucx_runtime import progress_mode_for
         args.progress_mode = progress_mode_for(torch.device(args.device))
     return args
 

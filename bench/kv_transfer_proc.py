@@ -41,9 +41,9 @@ def make_pools(num_pages: int, heads: int, fill: bool, dev: torch.device):
 def digest(pools, tables: list, side: str) -> str:
     """Hash of the slots `tables` name on `side`, in payload order (block by block): equal
     on both sides exactly when every slot landed with its value."""
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.staging import _Pools
-    view, h = _Pools(pools), hashlib.blake2b(digest_size=16)
+    from phalanx.kv_transfer.planning import messages as m
+    from phalanx.kv_transfer.transport.staging import KVPools
+    view, h = KVPools(pools), hashlib.blake2b(digest_size=16)
     for table in tables:
         for template, blocks in m.templates_of(table):
             tmpl = view.template(template, side)
@@ -58,16 +58,16 @@ def digest(pools, tables: list, side: str) -> str:
 def pool_spans(pools, table, side: str) -> list:
     """The regions (uint8 views of the pools, as ucxx takes them) of the blocks of `table`
     that are spans of `side`'s pools, in payload order."""
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.staging import _Pools
-    from phalanx.kv_transfer.ucx_runtime import _ucx_buf
-    view, out = _Pools(pools), []
+    from phalanx.kv_transfer.planning import messages as m
+    from phalanx.kv_transfer.transport.staging import KVPools
+    from phalanx.kv_transfer.transport.ucx_runtime import ucx_buffer
+    view, out = KVPools(pools), []
     for template, blocks in m.templates_of(table):
         tmpl = view.template(template, side)
         for layer, kind, r0, r1 in blocks.tolist():
             span = tmpl.spans.span(r0, r1)
             if span is not None:
-                out.append(_ucx_buf(view.region(layer, kind, span)))
+                out.append(ucx_buffer(view.region(layer, kind, span)))
     return out
 
 
@@ -105,7 +105,7 @@ def skip_staging_copies() -> None:
     """`--payload-only`: the transport's gather and scatter move no bytes (the scatter
     still reports the slots it would land), so `pipelined` times the wire, the control
     messages and the acks alone."""
-    from phalanx.kv_transfer import staging
+    from phalanx.kv_transfer.transport import staging 
 
     def scatter(self, tmpl, blocks, payload):
         landed: dict[int, int] = {}
@@ -113,8 +113,8 @@ def skip_staging_copies() -> None:
             landed[layer] = landed.get(layer, 0) + int(tmpl.slots_cum[r1] - tmpl.slots_cum[r0])
         return landed, None
 
-    staging._Pools.gather = lambda self, tmpl, blocks, out, ready=(): None
-    staging._Pools.scatter = scatter
+    staging.KVPools.gather = lambda self, tmpl, blocks, out, ready=(): None
+    staging.KVPools.scatter = scatter
 
 
 async def recv_cmd(pipe):

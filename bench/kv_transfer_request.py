@@ -15,7 +15,7 @@ LAYERS, KV_HEADS, HEAD_DIM, PAGE = 48, 4, 128, 16
 
 
 def kv_layouts(p: int, d: int):
-    from phalanx.kv_transfer.layout import KVLayout
+    from phalanx.kv_transfer.planning.layout import KVLayout
     return (KVLayout(p, KV_HEADS, PAGE, HEAD_DIM, LAYERS, 2),
             KVLayout(d, KV_HEADS, PAGE, HEAD_DIM, LAYERS, 2))
 
@@ -35,7 +35,7 @@ def request_pages(num_pages: int, tokens: int, seed: int, order: str) -> list[in
 def request_plan(p: int, tokens: int, num_pages: int, order: str):
     """The request's copy tables by (src, dst) rank pair (the same pages in every
     process; built as the prefill ranks build them) and the time it took."""
-    from phalanx.kv_transfer.copy_table import plan_tables
+    from phalanx.kv_transfer.planning.copy_table import plan_tables
     src, dst = kv_layouts(p, 1)
     t = time.perf_counter()
     tables = plan_tables(src, dst, range(tokens), request_pages(num_pages, tokens, 1, order),
@@ -45,7 +45,7 @@ def request_plan(p: int, tokens: int, num_pages: int, order: str):
 
 def sender_shares(p: int, tokens: int, num_pages: int, order: str) -> list[int]:
     """Bytes each sender rank moves to the receiver."""
-    from phalanx.kv_transfer.copy_table import table_nbytes
+    from phalanx.kv_transfer.planning.copy_table import table_nbytes
     tables = request_plan(p, tokens, num_pages, order)[0]
     return [table_nbytes(tables[(r, 0)], HEAD_DIM, 2) for r in range(p)]
 
@@ -53,7 +53,7 @@ def sender_shares(p: int, tokens: int, num_pages: int, order: str) -> list[int]:
 def rank_batches(rank: int, p: int, tokens: int, num_pages: int, order: str):
     """This rank's copies of the request as the sender takes them (`plan_batches`' template
     batches): per layer, and whole; the planning time; bytes."""
-    from phalanx.kv_transfer.copy_table import layer_batches, plan_batches
+    from phalanx.kv_transfer.planning.copy_table import layer_batches, plan_batches
     src, dst = kv_layouts(p, 1)
     t = time.perf_counter()
     whole = plan_batches(src, dst, range(tokens), request_pages(num_pages, tokens, 1, order),

@@ -30,7 +30,7 @@ def _tag_name(tag) -> str:
 
 
 def install() -> None:
-    from phalanx.kv_transfer import (direct_landing, receiver, send_connection, sender,
+    from phalanx.kv_transfer.transport import (direct_landing, receiver, send_connection, sender,
                                      staging, ucx_runtime as rt)
 
     _TAGS.update({rt.TAG_CTRL: "ctrl", rt.TAG_PAYLOAD: "payload", rt.TAG_REPLY: "reply",
@@ -56,30 +56,30 @@ def install() -> None:
                 yield buf
                 out[-1].add_done_callback(lambda _f, size=size: mark(f"{name}_done", size))
 
-        return rt._post_all(ep, send, tag, marked(), into=out)
+        return rt.post_all(ep, send, tag, marked(), into=out)
 
     for module in (sender, direct_landing, send_connection, receiver):
-        module._post_all = traced_all
+        module.post_all = traced_all
     Endpoint.send = handed("send", Endpoint.send)
     Endpoint.recv = handed("recv", Endpoint.recv)
-    for cls, name in ((staging._Pools, "gather"), (staging._Pools, "scatter"),
-                      (staging._Pools, "wait")):
+    for cls, name in ((staging.KVPools, "gather"), (staging.KVPools, "scatter"),
+                      (staging.KVPools, "wait")):
         _wrap_method(cls, name)
     _wrap_method(receiver.KVReceiver, "_apply")
-    from phalanx.kv_transfer import part_cutter, slab_copy
-    _wrap_method(send_connection._SenderConn, "request")
+    from phalanx.kv_transfer.transport import part_cutter, slab_copy
+    _wrap_method(send_connection.SendConnection, "request")
     _wrap_method(slab_copy.SlabIndex, "copy")
     _wrap_method(slab_copy.SlabIndex, "block_rows")
     _wrap_method(slab_copy.DescRing, "upload")
     _wrap_launch(slab_copy._slab_copy_kernel)
-    _wrap_method(staging._Pools, "_record")
+    _wrap_method(staging.KVPools, "_record")
     for cls, name in ((part_cutter.PartCutter, "_batches"),
                       (part_cutter.PartCutter, "_template"),
-                      (send_connection._SenderConn, "next_message"),
-                      (send_connection._SenderConn, "announce"),
+                      (send_connection.SendConnection, "next_message"),
+                      (send_connection.SendConnection, "announce"),
                       (receiver.KVReceiver, "_template"),
                       (receiver.KVReceiver, "_land_in_place"), (receiver.KVReceiver, "_finish"),
-                      (sender.KVSender, "send_layer"), (staging._Pools, "ready_event"),
+                      (sender.KVSender, "send_layer"), (staging.KVPools, "ready_event"),
                       (sender.KVSender, "_post"), (sender.KVSender, "_conn")):
         _wrap_method(cls, name)
 

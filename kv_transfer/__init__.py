@@ -1,10 +1,11 @@
-"""The KV cache from prefill to decode ranks (ARCHITECTURE §4).
+"""The KV cache from prefill to decode ranks (ARCHITECTURE §4), in two parts, the
+dependency strictly downward (transport uses planning, never the other way):
 
-Planning (plain logic): `layout` (a side's KV layout), `planner` (which head and token
-ranges go from which prefill rank to which decode rank), `copy_table`, `packed_table`,
-`spans`, `part_cutter`, `messages` (msgspec wire structs). Transport: `ucx_runtime`
-(ucxx), `sender` / `send_connection`, `receiver` / `receive_connection`,
-`direct_landing`, `staging` / `staging_memory` / `slab_copy` (host or device staging),
-`transport` and `blocking` (the thread and the synchronous fronts the rank roles use),
-`errors`. Issue 27 splits planning from transport into two subpackages.
+- `planning/` — plain logic, no I/O: `layout` (a side's KV layout), `planner` (which head
+  and token ranges go from which prefill rank to which decode rank), `copy_table` and
+  `packed_table` (the same as int32 tables), `spans` (copies that are whole page runs on
+  both sides), `messages` (the msgspec wire structs).
+- `transport/` — moving the bytes: UCX via ucxx, host or device staging, deadlines and
+  fencing; `transport.protocols` is the sender/receiver contract the prefill and decode
+  roles hold (`actors/rank/`), `transport.blocking` its implementation.
 """

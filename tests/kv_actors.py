@@ -130,7 +130,7 @@ def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies
     """Every src rank streams every layer to every dst rank, all batches in flight.
     form: each batch as `planner.Copy` lists ("copies"), as template batches per layer
     ("batches"), or the whole request in one template batch per rank pair ("whole")."""
-    from phalanx.kv_transfer.copy_table import layer_batches
+    from phalanx.kv_transfer.planning.copy_table import layer_batches
     plan, futures, sends = case_plan(case), [], []
     if form == "copies":
         for layer in range(LAYERS):
@@ -155,9 +155,9 @@ def send_all(state, case: str, addrs: dict, request_id: str, form: str = "copies
 
 
 def posts_straight(state, key: tuple) -> list[bool]:
-    """Per live connection of the sender or receiver at `key`: whether `_post_all` posts
+    """Per live connection of the sender or receiver at `key`: whether `post_all` posts
     on it straight through ucxx's request API."""
-    from phalanx.kv_transfer.ucx_runtime import _posts_straight
+    from phalanx.kv_transfer.transport.ucx_runtime import _posts_straight
     obj = state[key]
     inner = obj.sender if isinstance(obj, BlockingKVSender) else obj.receiver
     conns = inner._conns.values() if isinstance(obj, BlockingKVSender) else inner._conns
@@ -206,18 +206,18 @@ def _with_output(state, coro) -> tuple:
 
 def post_burst(state, count: int) -> tuple[bool, bool, str]:
     """In this process: `count` receives and `count` sends of 64 bytes posted at once with
-    `_post_all` on a new loopback connection; (every receive holds its send's bytes, both
+    `post_all` on a new loopback connection; (every receive holds its send's bytes, both
     endpoints post straight, what the process wrote to stdout and stderr meanwhile)."""
     import asyncio
 
-    from phalanx.kv_transfer import ucx_runtime as rt
+    from phalanx.kv_transfer.transport import ucx_runtime as rt
 
     async def burst():
         rt.ensure_ucx("thread")
         listener, client, server = await _loopback()
         got = [np.zeros(64, np.uint8) for _ in range(count)]
         sent = [np.full(64, i % 251, np.uint8) for i in range(count)]
-        ops = rt._post_all(server, False, 9, got) + rt._post_all(client, True, 9, sent)
+        ops = rt.post_all(server, False, 9, got) + rt.post_all(client, True, 9, sent)
         await asyncio.wait_for(asyncio.gather(*ops), CALL_TIMEOUT_S / 2)
         straight = rt._posts_straight(server) and rt._posts_straight(client)
         await client.close()
@@ -231,7 +231,7 @@ def post_burst(state, count: int) -> tuple[bool, bool, str]:
 def prepare_all(state, case: str, addrs: dict, request_id: str) -> str:
     """`prepare` every per-layer template batch of the request (as `send_all`'s
     "batches" form sends them), then another rank's copies: the ValueError's text."""
-    from phalanx.kv_transfer.copy_table import layer_batches
+    from phalanx.kv_transfer.planning.copy_table import layer_batches
     by_layer = {pair: layer_batches(b) for pair, b in case_batches(case).items()}
     sends = state[("prepared", case)] = [(s, d, by_layer[(s, d)][layer])
                                          for layer in range(LAYERS) for s, d in by_layer]
@@ -334,30 +334,30 @@ def join_layer(state, case: str, rank: int = 0, tag: str = "", timeout_s: float 
 
 
 def cut_receives_then_fresh(state) -> tuple[bool, list, str]:
-    """In this process: receives posted straight with `_post_all` that nothing sends,
+    """In this process: receives posted straight with `post_all` that nothing sends,
     cut by a deadline (`wait_for` cancels their futures, as the receiver's in-place
     deadline does) and their endpoints aborted (as `_break` does); then a receive and a
     send on a new loopback connection. (every cut future cancelled, what the new receive
     got, what the process wrote to stdout and stderr meanwhile)."""
     import asyncio
 
-    from phalanx.kv_transfer import ucx_runtime as rt
+    from phalanx.kv_transfer.transport import ucx_runtime as rt
 
     async def cut_then_fresh():
         rt.ensure_ucx("thread")
         listener, client, server = await _loopback()
-        cut = rt._post_all(server, False, 9, [np.zeros(64, np.uint8) for _ in range(4)])
+        cut = rt.post_all(server, False, 9, [np.zeros(64, np.uint8) for _ in range(4)])
         try:
             await asyncio.wait_for(asyncio.gather(*cut), 0.3)
         except asyncio.TimeoutError:
             pass
-        rt._abort(server)
-        rt._abort(client)
+        rt.abort_endpoint(server)
+        rt.abort_endpoint(client)
         await asyncio.sleep(0.3)  # ucxx completes the aborted requests meanwhile
         listener2, client2, server2 = await _loopback()
         got = np.zeros(64, np.uint8)
-        ops = (rt._post_all(server2, False, 9, [got])
-               + rt._post_all(client2, True, 9, [np.full(64, 5, np.uint8)]))
+        ops = (rt.post_all(server2, False, 9, [got])
+               + rt.post_all(client2, True, 9, [np.full(64, 5, np.uint8)]))
         await asyncio.wait_for(asyncio.gather(*ops), CALL_TIMEOUT_S / 2)
         await client2.close()
         listener2.close()

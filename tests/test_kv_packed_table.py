@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.kv_transfer import messages as m
-from phalanx.kv_transfer.copy_table import plan_batches
-from phalanx.kv_transfer.layout import KVLayout
-from phalanx.kv_transfer.packed_table import RAW, RLE, pack_table, unpack_table
+from phalanx.kv_transfer.planning import messages as m
+from phalanx.kv_transfer.planning.copy_table import plan_batches
+from phalanx.kv_transfer.planning.layout import KVLayout
+from phalanx.kv_transfer.planning.packed_table import RAW, RLE, pack_table, unpack_table
 
 WIDTH = len(m.COPY_FIELDS)
 I32 = st.integers(np.iinfo(np.int32).min, np.iinfo(np.int32).max)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.kv_transfer.layout import KVLayout
-from phalanx.kv_transfer.planner import KINDS, Copy, plan_request, plan_tokens
+from phalanx.kv_transfer.planning.layout import KVLayout
+from phalanx.kv_transfer.planning.planner import KINDS, Copy, plan_request, plan_tokens
 from phalanx.models.shard import ModelShard
 
 
@@ -241,8 +241,8 @@ def test_copy_tables_equal_the_copies(case, chunk_start):
     pair by pair and in the same layer-major order."""
     import numpy as np
 
-    from phalanx.kv_transfer.copy_table import layer_slices, plan_tables
-    from phalanx.kv_transfer.messages import encode_copies
+    from phalanx.kv_transfer.planning.copy_table import layer_slices, plan_tables
+    from phalanx.kv_transfer.planning.messages import encode_copies
 
     src, dst, num_tokens, src_pages, dst_pages_per_dp = case
     tokens = range(min(chunk_start * 37, num_tokens - 1), num_tokens)
@@ -266,8 +266,8 @@ def test_copy_batches_replay_to_the_copy_tables(case, chunk_start, max_rows):
 
     import numpy as np
 
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.copy_table import layer_batches, layer_slices, plan_batches, plan_tables
+    from phalanx.kv_transfer.planning import messages as m
+    from phalanx.kv_transfer.planning.copy_table import layer_batches, layer_slices, plan_batches, plan_tables
 
     src, dst, num_tokens, src_pages, dst_pages_per_dp = case
     tokens = range(min(chunk_start * 37, num_tokens - 1), num_tokens)

@@ -1,4 +1,4 @@
-"""`_SenderConn.next_message`: how the queued runs of message parts become messages.
+"""`SendConnection.next_message`: how the queued runs of message parts become messages.
 
 Pure queue logic (no UCX, no pools): the messages, in order, carry every queued block
 once and in queue order; each holds blocks of one request, epoch, template, directness
@@ -16,8 +16,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.kv_transfer import messages as m
-from phalanx.kv_transfer.send_connection import _Batch, _Run, _SenderConn
+from phalanx.kv_transfer.planning import messages as m
+from phalanx.kv_transfer.transport.send_connection import SendBatch, PartRun, SendConnection
 
 CAPACITY = 100
 
@@ -42,21 +42,21 @@ def test_messages_take_every_block_once_in_order_within_their_limits(case):
 
     async def run():
         sents = [object(), object()]
-        batches = [_Batch(f"r{i}", 1, 0, None) for i in range(2)]
+        batches = [SendBatch(f"r{i}", 1, 0, None) for i in range(2)]
         conn = SimpleNamespace(queue=deque(), capacity=CAPACITY)
         order, serial = [], 0
         for req, tmpl, sizes, direct, pooled in spec:
             rows = np.arange(serial, serial + len(sizes), dtype=np.int32)
             serial += len(sizes)
             blocks = np.stack([np.zeros_like(rows), np.zeros_like(rows), rows, rows + 1], 1)
-            conn.queue.append((batches[req], _Run(sents[tmpl], blocks, np.array(sizes), direct,
+            conn.queue.append((batches[req], PartRun(sents[tmpl], blocks, np.array(sizes), direct,
                                                   pooled)))
             order += [(req, tmpl, direct, pooled, size) for size in sizes]
         saved, m.MAX_BLOCKS = m.MAX_BLOCKS, max_blocks
         try:
             messages = []
             while conn.queue:
-                messages.append(_SenderConn.next_message(conn))
+                messages.append(SendConnection.next_message(conn))
         finally:
             m.MAX_BLOCKS = saved
         return sents, batches, order, messages
@@ -90,16 +90,16 @@ def test_a_message_keeps_its_seq_while_it_waits_for_a_staging_buffer():
     message, was dropped, and the batch waited out its deadline)."""
     from kv_cases import case_batches, side_pools
 
-    from phalanx.kv_transfer.sender import KVSender
-    from phalanx.kv_transfer.ucx_runtime import TAG_PAYLOAD
+    from phalanx.kv_transfer.transport.sender import KVSender
+    from phalanx.kv_transfer.transport.ucx_runtime import TAG_PAYLOAD
 
     async def run():
         tx = KVSender(side_pools("tp2_to_tp1", "src", 0, "noise"), rank=0, epoch=1)
         hello = m.HelloAck(1, 0, True, 1 << 20, "", ())  # takes nothing in place: staged
-        conn = _SenderConn("peer", None, hello, staging=1, fail=lambda why: None)
+        conn = SendConnection("peer", None, hello, staging=1, fail=lambda why: None)
         copies = case_batches("tp2_to_tp1")[(0, 0)]
         runs = tx._cutter.runs(conn, "r", copies)
-        batch = _Batch("r", 1, sum(len(r.nbytes) for r in runs), None)
+        batch = SendBatch("r", 1, sum(len(r.nbytes) for r in runs), None)
         conn.queue.extend((batch, run) for run in runs)
         only = await conn.free.get()  # the one staging buffer is busy
         waiting = asyncio.create_task(tx._message(conn))

@@ -1,4 +1,4 @@
-"""The transport's one-launch slab kernel (kv_transfer/slab_copy.py) against its
+"""The transport's one-launch slab kernel (kv_transfer/transport/slab_copy.py) against its
 per-granule-run torch path, on CPU under Triton's interpreter (in a subprocess, since
 TRITON_INTERPRET must be set before triton is imported): for the resharding cases of
 kv_cases (partial pages, mixed granules, different page sizes), blocks cut into
@@ -21,8 +21,8 @@ def _check(case: str, device: str = "cpu", ring_capacity: int = 0) -> dict:
     small (laps every few launches) instead of the default one."""
     import numpy as np
     import torch
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.staging import _Pools
+    from phalanx.kv_transfer.planning import messages as m
+    from phalanx.kv_transfer.transport.staging import KVPools
     import kv_cases as t
 
     plan = t.case_plan(case)
@@ -33,15 +33,15 @@ def _check(case: str, device: str = "cpu", ring_capacity: int = 0) -> dict:
             buf = torch.stack([torch.stack(pair) for pair in pools]).to(device)
             return [(buf[i, 0], buf[i, 1]) for i in range(len(pools))]
         pools = {k: on(t.zero_pools(case, d)) for k in ("kernel", "torch")}
-        dst = {"kernel": _Pools(pools["kernel"], slab_kernel=True),
-               "torch": _Pools(pools["torch"], slab_kernel=False)}
+        dst = {"kernel": KVPools(pools["kernel"], slab_kernel=True),
+               "torch": KVPools(pools["torch"], slab_kernel=False)}
         for s in range(src_layout.tp):
             table = m.encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == (s, d)])
             src_pools = on(t.side_pools(case, "src", s, "noise"))
-            src = {"kernel": _Pools(src_pools, slab_kernel=True),
-                   "torch": _Pools(src_pools, slab_kernel=False)}
+            src = {"kernel": KVPools(src_pools, slab_kernel=True),
+                   "torch": KVPools(src_pools, slab_kernel=False)}
             if ring_capacity:
-                from phalanx.kv_transfer.slab_copy import DescRing
+                from phalanx.kv_transfer.transport.slab_copy import DescRing
                 for p in (src["kernel"], dst["kernel"]):
                     p._ring = DescRing(p.device, capacity=ring_capacity)
             for template, blocks in m.templates_of(table):
@@ -109,7 +109,7 @@ def test_slab_kernel_reading_rows_in_host_memory_over_ring_laps():
     """The block rows read in place from a small pinned ring (laps every few launches),
     through the compiled kernel after each shape's first launch: still bit-equal."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from phalanx.kv_transfer import slab_copy
+    from phalanx.kv_transfer.transport import slab_copy
 
     slab_copy._launches._compiled.clear()
     got = _check("tp2_to_tp1", "cuda", ring_capacity=32)
@@ -128,7 +128,7 @@ def test_launch_choice_between_compiled_kernel_jit_and_device_rows(monkeypatch):
     import torch
 
     from phalanx.kernels.gpu.compiled_launch import CompiledLaunches
-    from phalanx.kv_transfer import slab_copy
+    from phalanx.kv_transfer.transport import slab_copy
 
     calls = []
 
@@ -192,7 +192,7 @@ def test_desc_ring_rows_survive_laps_behind_a_busy_stream(how):
     import triton
     import triton.language as tl
 
-    from phalanx.kv_transfer.slab_copy import DescRing
+    from phalanx.kv_transfer.transport.slab_copy import DescRing
 
     @triton.jit
     def read_rows(src_ptr, off, out_ptr, n, BLOCK: tl.constexpr):

@@ -9,10 +9,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.kv_transfer import messages as m
-from phalanx.kv_transfer.copy_table import plan_tables
-from phalanx.kv_transfer.layout import KVLayout
-from phalanx.kv_transfer.spans import SlabSpans
+from phalanx.kv_transfer.planning import messages as m
+from phalanx.kv_transfer.planning.copy_table import plan_tables
+from phalanx.kv_transfer.planning.layout import KVLayout
+from phalanx.kv_transfer.planning.spans import SlabSpans
 
 HEAD_DIM = 4
 
@@ -98,7 +98,7 @@ def test_direct_spans_land_whole_slots_inside_the_pools_or_are_refused():
     start and size alone) gives each block's elements in its (layer, kind) pool; a
     block outside the pool, the message's layers or whole token slots, or counts that
     disagree, is refused naming the block."""
-    from phalanx.kv_transfer.spans import direct_spans
+    from phalanx.kv_transfer.planning.spans import direct_spans
     pool, esize = 10 * 2 * 4 * HEAD_DIM, 2  # 10 pages x 2 heads x page 4, 2-byte elements
     blocks = np.array([[1, 0, 0, 5], [1, 1, 0, 5], [2, 0, 7, 9]], dtype=np.int32)
     starts = np.array([0, 16, pool - 8], dtype="<i8")

@@ -113,7 +113,7 @@ def test_pooled_spans_travel_as_one_message_beyond_the_capacity(pair):
 
 
 def test_a_burst_of_posts_goes_straight_and_keeps_the_futures_pool_filled(pair):
-    """300 receives and 300 sends posted at once through `_post_all` (as a large request's
+    """300 receives and 300 sends posted at once through `post_all` (as a large request's
     in-place blocks are) all land, straight through ucxx's request API, and ucxx never
     finds its futures pool empty (it would log "No Futures available")."""
     equal, straight, err = pair[0].call(post_burst, count=300)

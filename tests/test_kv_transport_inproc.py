@@ -9,13 +9,13 @@ import pytest
 import torch
 from kv_cases import LAYERS, case_layouts, case_plan, side_pools, zero_pools
 
-from phalanx.kv_transfer.packed_table import pack_table
+from phalanx.kv_transfer.planning.packed_table import pack_table
 
 
 def test_wire_format_round_trips_and_validates():
     """Framed msgspec messages round-trip; copy tables encode compactly and cut into
     templates + blocks that replay to the same table; out-of-range copies are named."""
-    from phalanx.kv_transfer import messages as m
+    from phalanx.kv_transfer.planning import messages as m
     req = m.TransferRequest("r", 3, 7, 0, 2, 5, b"\x01\x02", b"", 10)
     buf = bytearray(m.frame(req)) + bytearray(100)  # a fixed receive buffer, partly used
     assert m.unframe(buf, m.TO_RECEIVER) == req
@@ -57,16 +57,16 @@ def test_gather_scatter_match_the_plan_in_process(case, one_allocation):
     slab, whatever granule each side picks (partial pages, different page sizes), also
     when blocks are cut at row boundaries to fit small messages; with pools allocated
     one by one (a copy per granule run) and as one allocation (a copy per message)."""
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.transport import _Pools
+    from phalanx.kv_transfer.planning import messages as m
+    from phalanx.kv_transfer.transport import KVPools
     plan = case_plan(case)
     shape = _one_allocation if one_allocation else (lambda pools: pools)
     for d in range(case_layouts(case)[1].tp):
-        dst = _Pools(shape(zero_pools(case, d)))
+        dst = KVPools(shape(zero_pools(case, d)))
         assert (dst._flat is not None) == one_allocation
         for s in range(case_layouts(case)[0].tp):
             table = m.encode_copies([c for c in plan if (c.src_rank, c.dst_rank) == (s, d)])
-            src = _Pools(shape(side_pools(case, "src", s, "noise")))
+            src = KVPools(shape(side_pools(case, "src", s, "noise")))
             for template, blocks in m.templates_of(table):
                 tx, rx = src.template(template, "src"), dst.template(template, "dst")
                 pieces = [p for b in blocks.tolist() for p, _ in tx.cut(b, 700)]
@@ -87,8 +87,8 @@ def test_receiver_rejects_bad_batches_without_writing():
     untouched (a good template defined ahead is used)."""
     import asyncio
     from collections import OrderedDict
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.receive_connection import _RecvConn
+    from phalanx.kv_transfer.planning import messages as m
+    from phalanx.kv_transfer.transport.receive_connection import ReceiveConnection
     from phalanx.kv_transfer.transport import KVReceiver
 
     async def run():
@@ -109,7 +109,7 @@ def test_receiver_rejects_bad_batches_without_writing():
                   rx._apply(m.TransferRequest("r", 2, 2, 0, 1, 1, tb, raw, n - 4), payload, known),
                   rx._apply(m.TransferRequest("r", 2, 3, 0, 1, 7, b"", raw, n), payload, known),
                   rx._apply(m.TransferRequest("r", 1, 4, 0, 1, 1, b"", raw, n), payload, known)]
-        conn = _RecvConn(None)  # templates defined ahead: a bad one, then a good one
+        conn = ReceiveConnection(None)  # templates defined ahead: a bad one, then a good one
         rx._define(conn, m.DefineTemplate("r", 2, 8, pack_table(bad)))
         rx._define(conn, m.DefineTemplate("r", 2, 9, tb))
         errors.append(rx._apply(m.TransferRequest("r", 2, 5, 0, 1, 8, b"", raw, n), payload,
@@ -160,10 +160,10 @@ def test_in_place_receives_land_and_release_waits_for_them():
     land inside the pools, is received into scratch space by its declared block sizes:
     the pools stay as they were and the connection goes on."""
     import asyncio
-    from phalanx.kv_transfer import messages as m
-    from phalanx.kv_transfer.receive_connection import _RecvConn
-    from phalanx.kv_transfer.receiver import KVReceiver
-    from phalanx.kv_transfer.ucx_runtime import direct_tag
+    from phalanx.kv_transfer.planning import messages as m
+    from phalanx.kv_transfer.transport.receive_connection import ReceiveConnection
+    from phalanx.kv_transfer.transport.receiver import KVReceiver
+    from phalanx.kv_transfer.transport.ucx_runtime import direct_tag
 
     case = "tp1_to_tp1_runs"
     ((template, blocks),) = m.templates_of(m.encode_copies(case_plan(case).copies))
@@ -179,7 +179,7 @@ def test_in_place_receives_land_and_release_waits_for_them():
         n = tmpl.nbytes(direct)
         sizes = tmpl.block_bytes(direct).astype("<i8").tobytes()
         starts = tmpl.spans.start[direct[:, 2]].astype("<i8")
-        conn = _RecvConn(_FakeEndpoint())
+        conn = ReceiveConnection(_FakeEndpoint())
         msg = m.TransferRequest("r", 1, 1, 0, LAYERS, -1, b"", m.encode_blocks(direct),
                                 n, True, sizes, starts.tobytes())
         error, landed, done = rx._land_in_place(conn, msg, None)
@@ -228,7 +228,7 @@ def test_device_regions_are_cuda_arrays_that_ucxx_reads():
     CUDA buffer at its address and size; no device is touched to build it."""
     from ucxx._lib.arr import Array
 
-    from phalanx.kv_transfer.staging import DeviceBytes
+    from phalanx.kv_transfer.transport.staging import DeviceBytes
 
     buf = Array(DeviceBytes(0x7F0000001000, 4096))
     assert buf.cuda and buf.ptr == 0x7F0000001000 and buf.nbytes == 4096

@@ -16,12 +16,12 @@ sys.meta_path.insert(0, Block())
 import torch
 import phalanx.actors.rank_actor, phalanx.actors.disagg_client
 import phalanx.server.launch, phalanx.llm, phalanx.engine.model_runner
-from phalanx.kv_transfer import messages as m
-from phalanx.kv_transfer.staging import _Pools
+from phalanx.kv_transfer.planning import messages as m
+from phalanx.kv_transfer.transport.staging import KVPools
 buf = torch.randn(2, 2, 4, 2, 4, 8)
-src = _Pools([(buf[i, 0], buf[i, 1]) for i in range(2)])
+src = KVPools([(buf[i, 0], buf[i, 1]) for i in range(2)])
 dst_buf = torch.zeros_like(buf)
-dst = _Pools([(dst_buf[i, 0], dst_buf[i, 1]) for i in range(2)])
+dst = KVPools([(dst_buf[i, 0], dst_buf[i, 1]) for i in range(2)])
 import numpy as np
 # one copy (messages.COPY_FIELDS order): layer 0, K, heads 0-1, src page 1 -> dst page 1
 table = np.array([[0, 0, 0, 0, 2, 1, 0, 1, 0, 4]], dtype=np.int32)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...kv_transfer.staging_memory import message_bytes
-from ...kv_transfer.transport import BlockingKVReceiver
+from ...kv_transfer.transport.staging_memory import message_bytes
+from ...kv_transfer.transport import BlockingKVReceiver, KVReceiverProtocol
 from .kv_side import TRANSFER_EPOCH, KVSide
 from .role import RankRole
 
@@ -30,7 +30,7 @@ class DecodeRole(RankRole):
     def __init__(self, host: str) -> None:
         self._host = host
         self._rank = None
-        self._receiver = None
+        self._receiver: KVReceiverProtocol = None
 
     def start(self, rank) -> dict:
         s = rank.spec

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kv_transfer.layout import KVLayout
+from ...kv_transfer.planning.layout import KVLayout
 from ...kv_transfer.transport import TransportThread
 
 __all__ = ["KVSide", "TRANSFER_EPOCH", "kv_layout_of"]

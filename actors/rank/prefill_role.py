@@ -16,9 +16,9 @@ import concurrent.futures
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ...kv_transfer.copy_table import layer_batches, plan_batches
-from ...kv_transfer.layout import KVLayout
-from ...kv_transfer.transport import Address, BlockingKVSender
+from ...kv_transfer.planning.copy_table import layer_batches, plan_batches
+from ...kv_transfer.planning.layout import KVLayout
+from ...kv_transfer.transport import Address, BlockingKVSender, KVSenderProtocol
 from ...log import get_logger
 from .kv_side import TRANSFER_EPOCH, KVSide
 from .role import RankRole
@@ -73,7 +73,7 @@ class PrefillRole(RankRole):
         self._rank = None
         self._streams: dict[int, _Stream] = {}  # plan row key -> stream (under the mailbox lock)
         self._step_keys: list[tuple[int, int]] = []  # (key, end) streamed by this step
-        self._sender = None
+        self._sender: KVSenderProtocol = None
         self._kv: KVSide = None
 
     def start(self, rank) -> dict:

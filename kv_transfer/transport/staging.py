@@ -1,6 +1,6 @@
-"""Staging of KV pages: `_Pools` validates a rank's per-layer (K, V) pools and gathers
+"""Staging of KV pages: `KVPools` validates a rank's per-layer (K, V) pools and gathers
 (sender) or scatters (receiver) the blocks of a copy template through one contiguous
-staging buffer; `_Template` is a template located in one side's pools (its pool-row
+staging buffer; `PoolTemplate` is a template located in one side's pools (its pool-row
 indices built once, on the pools' device, and reused by every block).
 
 Streams (CUDA): gathers and scatters run on the pools' own non-blocking copy stream, not
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from . import messages as m
-from .spans import SlabSpans
+from ..planning import messages as m
+from ..planning.spans import SlabSpans
 
 if TYPE_CHECKING:
     from .slab_copy import SlabIndex
@@ -52,7 +52,7 @@ class DeviceBytes:
         return self.__cuda_array_interface__["shape"][0]
 
 
-class _Pools:
+class KVPools:
     """Per-layer (K, V) pools `[num_pages, heads, page_size, head_dim]`, one dtype and
     device; gathers and scatters template blocks: one indexed copy per message when the
     pools are one allocation, else one per (block, granule run)."""
@@ -145,14 +145,14 @@ class _Pools:
     def nbytes(self, table: np.ndarray) -> int:
         return m.payload_nbytes(table, self.head_dim, self.row_bytes // self.head_dim)
 
-    def template(self, table: np.ndarray, side: str) -> "_Template":
+    def template(self, table: np.ndarray, side: str) -> "PoolTemplate":
         """Validate a template for `side` and locate it; ValueError naming what is wrong."""
         error = self.check(table, side)
         if error:
             raise ValueError(error)
-        return _Template(self, table, side)
+        return PoolTemplate(self, table, side)
 
-    def _copies(self, tmpl: "_Template", blocks: np.ndarray, buf: torch.Tensor):
+    def _copies(self, tmpl: "PoolTemplate", blocks: np.ndarray, buf: torch.Tensor):
         """(pool rows `[-1, width]`, row index, payload rows `[-1, width]`) covering the
         blocks in payload order: one triple over the flat view when there is one and
         the template has one granule, else one per (block, granule run). `buf` holds
@@ -177,7 +177,7 @@ class _Pools:
             pos = end
 
     @staticmethod
-    def _block_slices(tmpl: "_Template", blocks: np.ndarray,
+    def _block_slices(tmpl: "PoolTemplate", blocks: np.ndarray,
                       device: Optional[torch.device] = None):
         """Per (block, granule run) in payload order: (layer, kind, i0, i1, host rows
         [, granule, rows on `device`]): rows[i0:i1] are the run's slabs within the block."""
@@ -189,7 +189,7 @@ class _Pools:
                     yield ((layer, kind, i0, i1, host_rows, g, tmpl.device_rows(i, device))
                            if device is not None else (layer, kind, i0, i1, host_rows))
 
-    def gather(self, tmpl: "_Template", blocks: np.ndarray, out: torch.Tensor,
+    def gather(self, tmpl: "PoolTemplate", blocks: np.ndarray, out: torch.Tensor,
                ready: Sequence[Any] = ()) -> Optional["torch.cuda.Event"]:
         """Source slabs of `blocks` into the uint8 buffer `out`, in payload order, after
         the `ready` events. CPU: done on return (None). CUDA: queued on the copy stream;
@@ -222,7 +222,7 @@ class _Pools:
             self._ring = DescRing(self.device)
         return self._ring
 
-    def prebuild(self, tmpl: "_Template") -> None:
+    def prebuild(self, tmpl: "PoolTemplate") -> None:
         """Build what a first gather or scatter of `tmpl` would (its pool rows; with the
         slab kernel, its device index), e.g. while the engine computes."""
         if self._slab_kernel:
@@ -249,7 +249,7 @@ class _Pools:
         return (torch.cuda.stream(self._stream) if self._stream is not None
                 else contextlib.nullcontext())
 
-    def scatter(self, tmpl: "_Template", blocks: np.ndarray, payload: torch.Tensor
+    def scatter(self, tmpl: "PoolTemplate", blocks: np.ndarray, payload: torch.Tensor
                 ) -> tuple[dict[int, int], Optional["torch.cuda.Event"]]:
         """Payload into the destination slots of `blocks`: (token slots written per layer,
         event). CPU: done on return, through numpy (one thread; its row assignment ran
@@ -270,7 +270,7 @@ class _Pools:
         return tmpl.landed(blocks), self._record()
 
 
-class _Template:
+class PoolTemplate:
     """A template (copy table, layer/kind unused) located in one side's pools: for each
     run of rows with one granule g, the pool rows (`[-1, g * head_dim]` view) of every
     slab in payload order (on the host; on the device once a copy needs them), and per
@@ -278,7 +278,7 @@ class _Template:
     sized and indexed in O(runs); its `spans` in this side's pools (which blocks move in
     place: those need no rows at all)."""
 
-    def __init__(self, pools: _Pools, table: np.ndarray, side: str) -> None:
+    def __init__(self, pools: KVPools, table: np.ndarray, side: str) -> None:
         self.table = np.ascontiguousarray(table, dtype=np.dtype("<i4"))
         self.rows, self._side, self._shape = len(table), side, (pools.heads, pools.page_size)
         self._slots = table[:, m.F_NUM_HEADS].astype(np.int64) * table[:, m.F_NUM_TOKENS]
@@ -322,7 +322,7 @@ class _Template:
             rows = self._device_rows[run] = torch.from_numpy(self.runs[run][4]).to(device)
         return rows
 
-    def slabs(self, pools: _Pools) -> "SlabIndex":
+    def slabs(self, pools: KVPools) -> "SlabIndex":
         """This template's `SlabIndex` on the pools' device (built on first use)."""
         if self._slabs is None:
             from .slab_copy import SlabIndex  # triton: only where the slab kernel runs

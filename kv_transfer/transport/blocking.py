@@ -11,11 +11,11 @@ from typing import Any, Optional
 
 import torch
 
-from . import messages as m
+from ..planning import messages as m
 from .receiver import KVReceiver
 from .part_cutter import Copies
 from .sender import KVSender
-from .ucx_runtime import _MARGIN_S, Address, TransportThread, _on_loop
+from .ucx_runtime import BLOCKING_MARGIN_S, Address, TransportThread, on_loop
 
 __all__ = ["BlockingKVReceiver", "BlockingKVSender"]
 
@@ -29,11 +29,11 @@ class BlockingKVSender:
     def __init__(self, thread: TransportThread, pools: Sequence[tuple[torch.Tensor, ...]],
                  **kwargs: Any) -> None:
         self.thread = thread
-        self.sender: KVSender = thread.call(_on_loop(KVSender, pools, **kwargs), _MARGIN_S)
+        self.sender: KVSender = thread.call(on_loop(KVSender, pools, **kwargs), BLOCKING_MARGIN_S)
 
     def connect(self, peer: Address) -> int:
         return self.thread.call(self.sender.connect(peer),
-                                self.sender.connect_timeout_s + _MARGIN_S)
+                                self.sender.connect_timeout_s + BLOCKING_MARGIN_S)
 
     def submit_layer(self, peer: Address, request_id: str, copies: Copies, *,
                      timeout_s: Optional[float] = None) -> concurrent.futures.Future:
@@ -47,22 +47,22 @@ class BlockingKVSender:
         """`KVSender.prepare` of each (peer, request_id, copies), queued on the loop as
         one call (returns at once: it runs there before the sends submitted after it).
         Every batch is tried; the Future raises the first error."""
-        return self.thread.submit(_on_loop(_prepare_all, self.sender, batches))
+        return self.thread.submit(on_loop(_prepare_all, self.sender, batches))
 
     def withdraw(self, request_id: str) -> int:
         """`KVSender.withdraw`: how many prepared batches were withdrawn."""
-        return self.thread.call(_on_loop(self.sender.withdraw, request_id), _MARGIN_S)
+        return self.thread.call(on_loop(self.sender.withdraw, request_id), BLOCKING_MARGIN_S)
 
     def send_layer_sync(self, peer: Address, request_id: str, copies: Copies, *,
                         timeout_s: Optional[float] = None) -> m.TransferAck:
-        bound = (self.sender.timeout_s if timeout_s is None else timeout_s) + _MARGIN_S
+        bound = (self.sender.timeout_s if timeout_s is None else timeout_s) + BLOCKING_MARGIN_S
         return self.submit_layer(peer, request_id, copies, timeout_s=timeout_s).result(bound)
 
     def set_epoch(self, epoch: int) -> None:
-        self.thread.call(_on_loop(self.sender.set_epoch, epoch), _MARGIN_S)
+        self.thread.call(on_loop(self.sender.set_epoch, epoch), BLOCKING_MARGIN_S)
 
     def close(self) -> None:
-        self.thread.call(self.sender.close(), _MARGIN_S)
+        self.thread.call(self.sender.close(), BLOCKING_MARGIN_S)
 
 
 def _prepare_all(sender: KVSender, batches: Sequence[tuple[Address, str, Copies]]) -> None:
@@ -83,33 +83,33 @@ class BlockingKVReceiver:
     def __init__(self, thread: TransportThread, pools: Sequence[tuple[torch.Tensor, ...]],
                  **kwargs: Any) -> None:
         self.thread = thread
-        self.receiver: KVReceiver = thread.call(_on_loop(KVReceiver, pools, **kwargs),
-                                                _MARGIN_S)
+        self.receiver: KVReceiver = thread.call(on_loop(KVReceiver, pools, **kwargs),
+                                                BLOCKING_MARGIN_S)
 
     def start(self) -> Address:
-        return self.thread.call(self.receiver.start(), _MARGIN_S)
+        return self.thread.call(self.receiver.start(), BLOCKING_MARGIN_S)
 
     def wait_request_sync(self, request_id: str, num_tokens: int, *,
                           layers: Optional[range] = None,
                           timeout_s: Optional[float] = None) -> None:
-        bound = (self.receiver.timeout_s if timeout_s is None else timeout_s) + _MARGIN_S
+        bound = (self.receiver.timeout_s if timeout_s is None else timeout_s) + BLOCKING_MARGIN_S
         self.thread.call(self.receiver.wait_request(request_id, num_tokens, layers=layers,
                                                     timeout_s=timeout_s), bound)
 
     def set_epoch(self, epoch: int) -> None:
-        self.thread.call(_on_loop(self.receiver.set_epoch, epoch), _MARGIN_S)
+        self.thread.call(on_loop(self.receiver.set_epoch, epoch), BLOCKING_MARGIN_S)
 
     def expect(self, request_id: str) -> None:
-        self.thread.call(_on_loop(self.receiver.expect, request_id), _MARGIN_S)
+        self.thread.call(on_loop(self.receiver.expect, request_id), BLOCKING_MARGIN_S)
 
     def release(self, request_id: str) -> None:
-        self.thread.call(self.receiver.release(request_id), self.receiver.timeout_s + _MARGIN_S)
+        self.thread.call(self.receiver.release(request_id), self.receiver.timeout_s + BLOCKING_MARGIN_S)
 
     def landed(self, request_id: str) -> dict[int, int]:
-        return self.thread.call(_on_loop(self.receiver.landed, request_id), _MARGIN_S)
+        return self.thread.call(on_loop(self.receiver.landed, request_id), BLOCKING_MARGIN_S)
 
     def stats(self) -> dict[str, int]:
-        return self.thread.call(_on_loop(dict, self.receiver.stats), _MARGIN_S)
+        return self.thread.call(on_loop(dict, self.receiver.stats), BLOCKING_MARGIN_S)
 
     def close(self) -> None:
-        self.thread.call(self.receiver.close(), _MARGIN_S)
+        self.thread.call(self.receiver.close(), BLOCKING_MARGIN_S)

@@ -1,7 +1,7 @@
-"""State of one `KVSender` connection: its batches (`_Batch`), the templates it has
-located and defined (`_Sent`), runs of message parts (`_Run`), prepared batches
-(`_Prepared`) and their announced messages (`_Announced`), and the queue its pump sends
-from (`_SenderConn`, which also numbers, builds, announces and withdraws messages)."""
+"""State of one `KVSender` connection: its batches (`SendBatch`), the templates it has
+located and defined (`SentTemplate`), runs of message parts (`PartRun`), prepared batches
+(`PreparedBatch`) and their announced messages (`AnnouncedMessage`), and the queue its pump sends
+from (`SendConnection`, which also numbers, builds, announces and withdraws messages)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from . import messages as m
-from .packed_table import pack_table
-from .spans import SlabSpans
-from .staging import _Template
-from .ucx_runtime import TAG_CTRL, _post_all, direct_tag
+from ..planning import messages as m
+from ..planning.packed_table import pack_table
+from ..planning.spans import SlabSpans
+from .staging import PoolTemplate
+from .ucx_runtime import TAG_CTRL, post_all, direct_tag
 
 _EMPTY = np.empty(0, dtype=np.uint8)  # a withdrawn block: completes its receive, writes nothing
 
 
-class _Batch:
+class SendBatch:
     """One `send_layer` call: done when every part of it is acked."""
 
     __slots__ = ("request_id", "epoch", "future", "parts_left", "ready")
@@ -33,61 +33,61 @@ class _Batch:
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
-class _Sent:
+class SentTemplate:
     """A template as one connection knows it: its id, its location in this rank's pools,
     its spans in the receiver's (None: the receiver takes no direct payloads) and, per
     row range [r0, r1), how a block of it is cut into message pieces (layer-free)."""
 
     __slots__ = ("tid", "tmpl", "dst", "cuts")
 
-    def __init__(self, tid: int, tmpl: _Template, dst: Optional[SlabSpans]) -> None:
+    def __init__(self, tid: int, tmpl: PoolTemplate, dst: Optional[SlabSpans]) -> None:
         self.tid, self.tmpl, self.dst = tid, tmpl, dst
         # (r0, r1) -> [(a, b, payload bytes, direct, pooled)]
         self.cuts: dict[tuple[int, int], list[tuple[int, int, int, bool, bool]]] = {}
 
 
-class _Run:
+class PartRun:
     """Consecutive message parts of one template, directness and pooledness: blocks
     `[n, 4]` int32 (layer, kind, r0, r1) and their payload bytes `[n]` int64."""
 
     __slots__ = ("sent", "blocks", "nbytes", "direct", "pooled")
 
-    def __init__(self, sent: _Sent, blocks: np.ndarray, nbytes: np.ndarray, direct: bool,
+    def __init__(self, sent: SentTemplate, blocks: np.ndarray, nbytes: np.ndarray, direct: bool,
                  pooled: bool) -> None:
         self.sent, self.blocks, self.nbytes = sent, blocks, nbytes
         self.direct, self.pooled = direct, pooled
 
-    def tail(self, k: int) -> "_Run":
-        return _Run(self.sent, self.blocks[k:], self.nbytes[k:], self.direct, self.pooled)
+    def tail(self, k: int) -> "PartRun":
+        return PartRun(self.sent, self.blocks[k:], self.nbytes[k:], self.direct, self.pooled)
 
 
-class _Announced:
+class AnnouncedMessage:
     """A direct message from this rank's pools whose `TransferRequest` went ahead of its
     payload (`seq`, of `request_id` at `epoch`; its template, blocks `[n, 4]` and their
     payload bytes `[n]`). The queue sends it whole; it is never merged with others."""
 
     __slots__ = ("seq", "request_id", "epoch", "sent", "blocks", "cuts")
 
-    def __init__(self, seq: int, request_id: str, epoch: int, sent: _Sent,
+    def __init__(self, seq: int, request_id: str, epoch: int, sent: SentTemplate,
                  blocks: np.ndarray, cuts: np.ndarray) -> None:
         self.seq, self.request_id, self.epoch = seq, request_id, epoch
         self.sent, self.blocks, self.cuts = sent, blocks, cuts
 
 
-class _Prepared:
+class PreparedBatch:
     """A `prepare`d batch: its copies (their id names it while this holds them), the runs
     of its parts not announced, its announced messages, the epoch they carry, and the
     timer that withdraws them if the batch is not sent in time."""
 
     __slots__ = ("copies", "runs", "announced", "epoch", "timer")
 
-    def __init__(self, copies: Any, runs: list[_Run], announced: list[_Announced],
+    def __init__(self, copies: Any, runs: list[PartRun], announced: list[AnnouncedMessage],
                  epoch: int, timer: Optional[asyncio.TimerHandle]) -> None:
         self.copies, self.runs, self.announced = copies, runs, announced
         self.epoch, self.timer = epoch, timer
 
 
-class _SenderConn:
+class SendConnection:
     """One connection to a receiver: its endpoint, what the receiver told (rank, capacity,
     pool shape), the queue and the staging buffers; it numbers and builds the control
     messages."""
@@ -104,18 +104,18 @@ class _SenderConn:
         self.seq = 0
         # (batch, run of its parts or an announced message); pooled runs: direct parts
         # that are spans of this rank's pools too (sent from them)
-        self.queue: deque[tuple[_Batch, Union[_Run, _Announced]]] = deque()
-        self.templates: OrderedDict[tuple[str, bytes], _Sent] = OrderedDict()  # (request, table)
+        self.queue: deque[tuple[SendBatch, Union[PartRun, AnnouncedMessage]]] = deque()
+        self.templates: OrderedDict[tuple[str, bytes], SentTemplate] = OrderedDict()  # (request, table)
         self.defined: set[int] = set()  # template ids whose table the receiver was sent
         # (request, id(copies)) -> its `prepare`d batch, taken by the send
-        self.prepared: OrderedDict[tuple[str, int], _Prepared] = OrderedDict()
+        self.prepared: OrderedDict[tuple[str, int], PreparedBatch] = OrderedDict()
         self.next_template = 0
         self.wake = asyncio.Event()
-        self.pending: dict[int, list[tuple[_Batch, int]]] = {}  # seq -> (batch, its parts in it)
+        self.pending: dict[int, list[tuple[SendBatch, int]]] = {}  # seq -> (batch, its parts in it)
         self.broken = ""
         self.tasks: list[asyncio.Task] = []
 
-    def request(self, seq: int, request_id: str, epoch: int, sent: _Sent, blocks: np.ndarray,
+    def request(self, seq: int, request_id: str, epoch: int, sent: SentTemplate, blocks: np.ndarray,
                 nbytes: int, direct: bool, cuts: np.ndarray, announce_ms: int = 0
                 ) -> m.TransferRequest:
         """The control message of message `seq`'s blocks (the seq the caller took: the
@@ -134,8 +134,8 @@ class _SenderConn:
         self.defined.add(sent.tid)
         return m.TransferRequest(*head, sent.tid, definition, m.encode_blocks(blocks), nbytes)
 
-    def announce(self, request_id: str, epoch: int, runs: list[_Run], wait_s: float
-                 ) -> list[_Announced]:
+    def announce(self, request_id: str, epoch: int, runs: list[PartRun], wait_s: float
+                 ) -> list[AnnouncedMessage]:
         """Send ahead the control messages of `runs`' direct parts that are spans of this
         rank's pools (up to `MAX_BLOCKS` blocks each), promising each one's `Posted` or
         `Withdrawn` within `wait_s`: the announced messages, in order."""
@@ -149,10 +149,10 @@ class _SenderConn:
                 msg = self.request(self.seq, request_id, epoch, run.sent, blocks,
                                    int(cuts.sum()), True, cuts, max(1, round(wait_s * 1e3)))
                 self._ctrl(msg)
-                out.append(_Announced(self.seq, request_id, epoch, run.sent, blocks, cuts))
+                out.append(AnnouncedMessage(self.seq, request_id, epoch, run.sent, blocks, cuts))
         return out
 
-    def define(self, request_id: str, epoch: int, runs: list[_Run]) -> None:
+    def define(self, request_id: str, epoch: int, runs: list[PartRun]) -> None:
         """Send ahead the definitions of the templates that `runs`' staged parts name and
         the receiver does not know yet (it locates them while the pages are computed)."""
         for run in runs:
@@ -161,7 +161,7 @@ class _SenderConn:
                                             pack_table(run.sent.tmpl.table)))
                 self.defined.add(run.sent.tid)
 
-    def withdraw(self, prepared: _Prepared) -> None:
+    def withdraw(self, prepared: PreparedBatch) -> None:
         """Withdraw a prepared batch's announced messages: a `Withdrawn` each, then one
         empty message per block on its tag (the receiver's posted receives complete and
         nothing is written). Its timer is stopped."""
@@ -169,7 +169,7 @@ class _SenderConn:
             prepared.timer.cancel()
         for ann in prepared.announced if not self.broken else ():
             self._ctrl(m.Withdrawn(ann.request_id, ann.epoch, ann.seq))
-            for send in _post_all(self.ep, True, direct_tag(ann.seq),
+            for send in post_all(self.ep, True, direct_tag(ann.seq),
                                   [_EMPTY] * len(ann.blocks)):
                 send.add_done_callback(self._check)
         prepared.announced = []
@@ -178,7 +178,7 @@ class _SenderConn:
         """Post a control message (straight: control messages reach UCX in call order);
         its failure breaks the connection."""
         try:
-            _post_all(self.ep, True, TAG_CTRL, [m.frame(msg)])[0].add_done_callback(self._check)
+            post_all(self.ep, True, TAG_CTRL, [m.frame(msg)])[0].add_done_callback(self._check)
         except Exception as e:  # the endpoint failed meanwhile
             self.fail(f"send failed: {e!r}")
 
@@ -186,7 +186,7 @@ class _SenderConn:
         if not done.cancelled() and done.exception() is not None:
             self.fail(f"send failed: {done.exception()!r}")
 
-    def next_message(self) -> tuple[list[tuple[_Batch, int]], _Sent, np.ndarray, int,
+    def next_message(self) -> tuple[list[tuple[SendBatch, int]], SentTemplate, np.ndarray, int,
                                     bool, bool]:
         """The queue's head block and the following ones of the same request, epoch,
         template, directness and pooledness, within the receiver's capacity unless
@@ -198,7 +198,7 @@ class _SenderConn:
         taken, blocks, total, count = [], [], 0, 0
         while self.queue and count < m.MAX_BLOCKS:
             batch, run = self.queue[0]
-            if (isinstance(run, _Announced)
+            if (isinstance(run, AnnouncedMessage)
                     or (batch.request_id, batch.epoch) != (head_batch.request_id,
                                                            head_batch.epoch)
                     or run.sent is not head.sent or (run.direct, run.pooled)

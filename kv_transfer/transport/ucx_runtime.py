@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..log import get_logger
-from . import messages as m
+from ...log import get_logger
+from ..planning import messages as m
 
 __all__ = ["Address", "TAG_CTRL", "TAG_DIRECT", "TAG_PAYLOAD", "TAG_REPLY",
            "TransportThread", "direct_tag", "ensure_ucx", "progress_mode_for", "shutdown_ucx"]
@@ -86,7 +86,7 @@ def shutdown_ucx() -> None:
     _ucx_loop, _ucx_futures = None, False
 
 
-def _ucx_buf(t: Any) -> Any:
+def ucx_buffer(t: Any) -> Any:
     """A buffer UCX takes: CPU tensors as numpy views; CUDA tensors and buffers as they are."""
     return t.numpy() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t
 
@@ -96,7 +96,7 @@ def _retrieved(task: asyncio.Task) -> None:
         task.exception()  # an aborted connection fails posted operations nobody awaits
 
 
-def _settle(landing: asyncio.Future, done: asyncio.Future) -> None:
+def settle_landing(landing: asyncio.Future, done: asyncio.Future) -> None:
     """Done callback: `done`'s outcome is seen (its waiter, if any, re-raises it) and
     `landing` ends."""
     if not done.cancelled():
@@ -112,13 +112,13 @@ def _post_send(ep: Any, tag: int, buf: Any) -> asyncio.Task:
     return task
 
 
-def _post_recv(ep: Any, tag: int, buf: Any) -> asyncio.Task:
+def post_recv(ep: Any, tag: int, buf: Any) -> asyncio.Task:
     task = asyncio.ensure_future(ep.recv(buf, tag=tag))
     task.add_done_callback(_retrieved)
     return task
 
 
-def _post_all(ep: Any, send: bool, tag: int, bufs: Iterable[Any],
+def post_all(ep: Any, send: bool, tag: int, bufs: Iterable[Any],
               into: Optional[list] = None) -> list[asyncio.Future]:
     """Post one send (`send`) or receive per buffer of `bufs`, in order; their futures
     are appended to `into` as they are posted (a new list by default) and returned. A
@@ -132,7 +132,7 @@ def _post_all(ep: Any, send: bool, tag: int, bufs: Iterable[Any],
     used, or runs without Python futures, it falls back to such tasks."""
     out: list = [] if into is None else into
     if not _posts_straight(ep):
-        post = _post_send if send else _post_recv
+        post = _post_send if send else post_recv
         out.extend(post(ep, tag, buf) for buf in bufs)
         return out
     array, make_tag, mask_full, hash64 = _request_api()
@@ -153,7 +153,7 @@ def _post_all(ep: Any, send: bool, tag: int, bufs: Iterable[Any],
 
 
 def _released(keep: tuple, fut: asyncio.Future) -> None:
-    """Done callback of a `_post_all` operation: marks its error retrieved; until now
+    """Done callback of a `post_all` operation: marks its error retrieved; until now
     `keep` (its request and buffer) stayed referenced."""
     if not fut.cancelled():
         fut.exception()
@@ -175,14 +175,14 @@ def _futures_refill() -> Optional[Callable[[], None]]:
 
 
 def _posts_straight(ep: Any) -> bool:
-    """Whether `_post_all` posts on `ep` straight through ucxx's request API."""
+    """Whether `post_all` posts on `ep` straight through ucxx's request API."""
     return (_ucx_futures and _request_api() is not None
             and all(hasattr(ep, a) for a in ("_ep", "_tags", "closed")))
 
 
 @functools.lru_cache(maxsize=1)
 def _request_api() -> Optional[tuple]:
-    """ucxx internals of `_post_all` (what its `Endpoint.send/recv` use), or None:
+    """ucxx internals of `post_all` (what its `Endpoint.send/recv` use), or None:
     (Array, tag type, full tag mask, hash64bits)."""
     try:
         from ucxx._lib.arr import Array
@@ -193,24 +193,24 @@ def _request_api() -> Optional[tuple]:
     return Array, UCXXTag, UCXXTagMaskFull, hash64bits
 
 
-async def _send_msg(ep: Any, tag: int, msg: Any, timeout: float) -> None:
+async def send_msg(ep: Any, tag: int, msg: Any, timeout: float) -> None:
     await asyncio.wait_for(ep.send(m.frame(msg), tag=tag), timeout)
 
 
-async def _recv_msg(ep: Any, tag: int, decoder: Any, timeout: Optional[float]) -> Any:
+async def recv_msg(ep: Any, tag: int, decoder: Any, timeout: Optional[float]) -> Any:
     buf = bytearray(m.MAX_REPLY_BYTES)
     await asyncio.wait_for(ep.recv(buf, tag=tag), timeout)
     return m.unframe(buf, decoder)
 
 
-def _abort(ep: Any) -> None:
+def abort_endpoint(ep: Any) -> None:
     try:
         ep.abort(period=_ABORT_PERIOD_NS)
     except Exception as e:  # already closed or failed
         log.debug("ucx_abort_failed", error=repr(e))
 
 
-def _reason(e: BaseException) -> str:
+def failure_reason(e: BaseException) -> str:
     return "timeout" if isinstance(e, asyncio.TimeoutError) else repr(e)
 
 
@@ -250,9 +250,9 @@ class TransportThread:
                 self._thread.join(timeout_s)
 
 
-_MARGIN_S = 5.0  # outer bound of blocking calls on top of the transport's own deadlines
+BLOCKING_MARGIN_S = 5.0  # outer bound of blocking calls on top of the transport's own deadlines
 
 
-async def _on_loop(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+async def on_loop(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 

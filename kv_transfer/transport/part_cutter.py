@@ -1,5 +1,5 @@
 """`PartCutter`: a batch of copies for one connection cut into runs of message parts
-(`send_connection._Run`), the in-place ones first; what `KVSender.prepare` does ahead and
+(`send_connection.PartRun`), the in-place ones first; what `KVSender.prepare` does ahead and
 `send_layer` otherwise. Templates are located once per connection and request, and each
 block's cut is kept on its template."""
 
@@ -11,11 +11,11 @@ from typing import Union
 
 import numpy as np
 
-from . import messages as m
-from .planner import Copy
-from .send_connection import _Run, _Sent, _SenderConn
-from .spans import SlabSpans
-from .staging import _Pools
+from ..planning import messages as m
+from ..planning.planner import Copy
+from .send_connection import PartRun, SentTemplate, SendConnection
+from ..planning.spans import SlabSpans
+from .staging import KVPools
 
 __all__ = ["Copies", "PartCutter"]
 
@@ -31,10 +31,10 @@ class PartCutter:
     block by block; smaller pieces travel together through a staging buffer (one message
     each would cost more than the copy it saves)."""
 
-    def __init__(self, pools: _Pools, rank: int, in_place_min_bytes: int) -> None:
+    def __init__(self, pools: KVPools, rank: int, in_place_min_bytes: int) -> None:
         self._pools, self.rank, self.in_place_min_bytes = pools, rank, in_place_min_bytes
 
-    def runs(self, conn: _SenderConn, request_id: str, copies: Copies) -> list[_Run]:
+    def runs(self, conn: SendConnection, request_id: str, copies: Copies) -> list[PartRun]:
         """`copies` as runs of message parts, the in-place ones first (order otherwise
         kept); ValueError for copies that are not this rank's, not the peer's, or out of
         the pools."""
@@ -52,11 +52,11 @@ class PartCutter:
         for (_, direct, pooled), group in itertools.groupby(
                 parts, key=lambda part: (id(part[0]), part[6], part[7])):
             group = list(group)
-            runs.append(_Run(group[0][0], np.array([g[1:5] for g in group], dtype=np.int32),
+            runs.append(PartRun(group[0][0], np.array([g[1:5] for g in group], dtype=np.int32),
                              np.array([g[5] for g in group], dtype=np.int64), direct, pooled))
         return runs
 
-    def _batches(self, copies: Copies, conn: _SenderConn) -> list[m.CopyBatch]:
+    def _batches(self, copies: Copies, conn: SendConnection) -> list[m.CopyBatch]:
         """`copies` as template batches (validated per template and block by the caller)."""
         if isinstance(copies, m.CopyBatch):
             return [copies]
@@ -70,7 +70,7 @@ class PartCutter:
                              f"rank {conn.receiver_rank}")
         return m.templates_of(m.encode_copies(copies))
 
-    def _template(self, conn: _SenderConn, request_id: str, table: np.ndarray) -> _Sent:
+    def _template(self, conn: SendConnection, request_id: str, table: np.ndarray) -> SentTemplate:
         """The connection's entry for this request's template (new ones located once)."""
         key = (request_id, table.tobytes())
         found = conn.templates.get(key)
@@ -82,7 +82,7 @@ class PartCutter:
         if conn.dst_shape and not m.check_copies(table, "dst", self._pools.num_layers,
                                                  *conn.dst_shape[:3]):
             dst = SlabSpans(table, "dst", *conn.dst_shape[1:])
-        found = _Sent(conn.next_template, tmpl, dst)
+        found = SentTemplate(conn.next_template, tmpl, dst)
         conn.next_template += 1
         conn.templates[key] = found
         if len(conn.templates) > SENDER_TEMPLATES:  # the receiver keeps more: never stale
@@ -90,7 +90,7 @@ class PartCutter:
             conn.defined.discard(old.tid)
         return found
 
-    def _pieces(self, conn: _SenderConn, sent: _Sent, r0: int, r1: int
+    def _pieces(self, conn: SendConnection, sent: SentTemplate, r0: int, r1: int
                 ) -> list[tuple[int, int, int, bool, bool]]:
         """Rows [r0, r1) of a block cut into message pieces (cut once per range):
         (a, b, payload bytes, direct, pooled); direct for the runs of rows that are large

@@ -13,16 +13,16 @@ from typing import Any, Optional
 
 import torch
 
-from ..log import get_logger
-from . import messages as m
+from ...log import get_logger
+from ..planning import messages as m
 from .errors import TransferError
-from .packed_table import unpack_table
+from ..planning.packed_table import unpack_table
 from .direct_landing import DirectLanding
-from .receive_connection import _RecvConn
-from .staging import _Pools, _Template
+from .receive_connection import ReceiveConnection
+from .staging import KVPools, PoolTemplate
 from .staging_memory import STAGING_BUFFERS
-from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_all,
-                          _reason, _ucx_buf, ensure_ucx, progress_mode_for)
+from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, abort_endpoint, post_all,
+                          failure_reason, ucx_buffer, ensure_ucx, progress_mode_for)
 
 __all__ = ["KVReceiver"]
 
@@ -60,7 +60,7 @@ class KVReceiver(DirectLanding):
                  max_payload_bytes: int = 32 << 20, progress_mode: Optional[str] = None,
                  on_landed: Optional[Callable[[str, range, int], None]] = None,
                  gated: bool = False, direct: bool = True) -> None:
-        self._pools = _Pools(pools)
+        self._pools = KVPools(pools)
         self._expected: Optional[set[str]] = set() if gated else None
         self.rank, self.epoch, self.host, self._port = rank, epoch, host, port
         self.timeout_s, self.max_payload_bytes = timeout_s, max_payload_bytes
@@ -69,7 +69,7 @@ class KVReceiver(DirectLanding):
         self.on_landed, self.direct = on_landed, direct
         self._inflight: dict[str, set[asyncio.Future]] = defaultdict(set)  # in-place receives
         self._listener: Any = None
-        self._conns: set[_RecvConn] = set()
+        self._conns: set[ReceiveConnection] = set()
         self._rows: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self._failed: dict[str, tuple[str, str]] = {}
         self._wakeup = asyncio.Event()
@@ -155,7 +155,7 @@ class KVReceiver(DirectLanding):
                 pass
 
     async def _on_connect(self, ep: Any) -> None:
-        conn = _RecvConn(ep)
+        conn = ReceiveConnection(ep)
         self._conns.add(conn)
         self.stats["connections"] += 1
         conn.tasks.append(asyncio.current_task())
@@ -164,9 +164,9 @@ class KVReceiver(DirectLanding):
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._break(conn, _reason(e))
+            self._break(conn, failure_reason(e))
 
-    async def _serve(self, conn: _RecvConn) -> None:
+    async def _serve(self, conn: ReceiveConnection) -> None:
         """Handshake, then land messages in order through ring slots whose control and
         payload receives stay posted ahead."""
         await conn.handshake(
@@ -178,14 +178,14 @@ class KVReceiver(DirectLanding):
         ctrl: deque[tuple[bytearray, asyncio.Future]] = deque()
         for _ in range(self._staging_buffers):
             buf = bytearray(m.MAX_CTRL_BYTES)
-            ctrl.append((buf, _post_all(conn.ep, False, TAG_CTRL, [buf])[0]))
+            ctrl.append((buf, post_all(conn.ep, False, TAG_CTRL, [buf])[0]))
         staged: asyncio.Queue = asyncio.Queue()  # posted staging receives, in posting order
         previous: Optional[asyncio.Task] = None
         while True:
             buf, task = ctrl.popleft()
             await task  # idle: no deadline
             msg = m.unframe(buf, m.TO_RECEIVER)  # decoded into copies: repost at once
-            ctrl.append((buf, _post_all(conn.ep, False, TAG_CTRL, [buf])[0]))
+            ctrl.append((buf, post_all(conn.ep, False, TAG_CTRL, [buf])[0]))
             if isinstance(msg, (m.Posted, m.Withdrawn)):
                 self._verdict(conn, msg)
                 continue
@@ -223,7 +223,7 @@ class KVReceiver(DirectLanding):
             if not msg.direct:  # a loop turn: the copy's wait starts (its buffer is then
                 await asyncio.sleep(0)  # reposted when copied out, not after the next ones)
 
-    def _make_staging(self, conn: _RecvConn, staged: asyncio.Queue) -> None:
+    def _make_staging(self, conn: ReceiveConnection, staged: asyncio.Queue) -> None:
         """Make the connection's staging buffers and post a receive into each."""
         conn.staging = [torch.empty(self.max_payload_bytes, dtype=torch.uint8,
                                     device=self._pools.device)
@@ -232,10 +232,10 @@ class KVReceiver(DirectLanding):
             self._post_staging(conn, staged, staging)
         self.stats["staging_bytes"] += self._staging_buffers * self.max_payload_bytes
 
-    def _post_staging(self, conn: _RecvConn, staged: asyncio.Queue, buf: torch.Tensor) -> None:
-        staged.put_nowait((buf, _post_all(conn.ep, False, TAG_PAYLOAD, [_ucx_buf(buf)])[0]))
+    def _post_staging(self, conn: ReceiveConnection, staged: asyncio.Queue, buf: torch.Tensor) -> None:
+        staged.put_nowait((buf, post_all(conn.ep, False, TAG_PAYLOAD, [ucx_buffer(buf)])[0]))
 
-    def _repost(self, conn: _RecvConn, staged: asyncio.Queue, buf: torch.Tensor,
+    def _repost(self, conn: ReceiveConnection, staged: asyncio.Queue, buf: torch.Tensor,
                 copied: asyncio.Future) -> None:
         """Done callback of a payload's copy into the pools: post `buf` again (unless the
         copy failed, which `_finish` reports, or the connection broke)."""
@@ -243,9 +243,9 @@ class KVReceiver(DirectLanding):
             try:
                 self._post_staging(conn, staged, buf)
             except Exception as e:  # the endpoint failed meanwhile
-                self._break(conn, f"staging receive failed: {_reason(e)}")
+                self._break(conn, f"staging receive failed: {failure_reason(e)}")
 
-    async def _finish(self, conn: _RecvConn, msg: m.TransferRequest, error: str,
+    async def _finish(self, conn: ReceiveConnection, msg: m.TransferRequest, error: str,
                       landed: Optional[tuple[dict, dict]], done: Optional[asyncio.Future],
                       previous: Optional[asyncio.Task],
                       verdict: Optional[asyncio.Future] = None) -> None:
@@ -261,7 +261,7 @@ class KVReceiver(DirectLanding):
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._break(conn, f"copy failed: {_reason(e)}")
+            self._break(conn, f"copy failed: {failure_reason(e)}")
             return
         if conn.broken:
             return
@@ -280,20 +280,20 @@ class KVReceiver(DirectLanding):
         # The ack is posted, not awaited: waiting for its completion would add a
         # notifier round trip to every message (the sender's deadline covers it).
         try:
-            ack = _post_all(conn.ep, True, TAG_REPLY, [m.frame(m.TransferAck(
+            ack = post_all(conn.ep, True, TAG_REPLY, [m.frame(m.TransferAck(
                 msg.request_id, msg.epoch, msg.seq, msg.layer_start, msg.layer_stop,
                 not error, error[:1000]))])[0]
         except Exception as e:  # the endpoint failed meanwhile
-            self._break(conn, f"ack send failed: {_reason(e)}")
+            self._break(conn, f"ack send failed: {failure_reason(e)}")
             return
         ack.add_done_callback(lambda done, conn=conn: self._ack_done(conn, done))
 
-    def _ack_done(self, conn: _RecvConn, done: asyncio.Future) -> None:
+    def _ack_done(self, conn: ReceiveConnection, done: asyncio.Future) -> None:
         if not done.cancelled() and done.exception() is not None:
-            self._break(conn, f"ack send failed: {_reason(done.exception())}")
+            self._break(conn, f"ack send failed: {failure_reason(done.exception())}")
 
     def _apply(self, msg: m.TransferRequest, buf: torch.Tensor,
-               templates: "OrderedDict[int, tuple[str, _Template]]"
+               templates: "OrderedDict[int, tuple[str, PoolTemplate]]"
                ) -> tuple[str, Optional[tuple[dict, dict]], Any]:
         """Queue one message's payload (at the start of `buf`) into the pools: ('', (the
         request's landed rows, slots per layer), copy event), or (why it was dropped,
@@ -330,7 +330,7 @@ class KVReceiver(DirectLanding):
             return f"request {msg.request_id!r} is not expected here"
         return ""
 
-    def _template(self, msg: m.TransferRequest, templates) -> _Template:
+    def _template(self, msg: m.TransferRequest, templates) -> PoolTemplate:
         """The message's template: defined by it (validated for the dst side) or known
         (ValueError naming why a template defined ahead was invalid)."""
         if msg.template_table:
@@ -346,7 +346,7 @@ class KVReceiver(DirectLanding):
             raise ValueError(found[1])
         return found[1]
 
-    def _define(self, conn: _RecvConn, msg: m.DefineTemplate) -> None:
+    def _define(self, conn: ReceiveConnection, msg: m.DefineTemplate) -> None:
         """A template sent ahead: located (and its scatter index built) now; an invalid
         one is remembered by why, which the messages naming it are refused with."""
         try:
@@ -359,7 +359,7 @@ class KVReceiver(DirectLanding):
         _remember(conn.templates, msg.template, entry)
         self.stats["defined_ahead"] += 1
 
-    def _break(self, conn: _RecvConn, reason: str, *, fault: bool = True) -> None:
+    def _break(self, conn: ReceiveConnection, reason: str, *, fault: bool = True) -> None:
         if conn.broken:
             return
         conn.broken = reason
@@ -374,7 +374,7 @@ class KVReceiver(DirectLanding):
         for task in conn.tasks:
             if task is not asyncio.current_task():
                 task.cancel()
-        _abort(conn.ep)
+        abort_endpoint(conn.ep)
         self._conns.discard(conn)
         self._notify()
 

@@ -111,7 +111,7 @@ def _check_pages(side: str, pages: Sequence[int], layout: KVLayout, end: int) ->
         raise ValueError(f"{side}_pages must be distinct non-negative ids: {list(used)}")
 
 
-def _check_request(src: KVLayout, dst: KVLayout, token_range: range, src_pages: Sequence[int],
+def check_request(src: KVLayout, dst: KVLayout, token_range: range, src_pages: Sequence[int],
                    dst_pages: Sequence[int], layers: Optional[range]) -> range:
     """Validate a planning request (ValueError naming what is wrong); the layers to plan."""
     _check_compatible(src, dst)
@@ -133,7 +133,7 @@ def _choose_holder(src: KVLayout, head: int, dst_rank: int, replica_hint: int) -
     return holders[(dst_rank + replica_hint) % len(holders)]
 
 
-def _head_runs(src: KVLayout, dst: KVLayout, replica_hint: int) -> list[_HeadRun]:
+def head_runs_of(src: KVLayout, dst: KVLayout, replica_hint: int) -> list[_HeadRun]:
     """Maximal runs of heads that one dst rank reads from one src rank, contiguous on both."""
     runs: list[_HeadRun] = []
     for dst_rank in range(dst.tp):
@@ -153,7 +153,7 @@ def _head_runs(src: KVLayout, dst: KVLayout, replica_hint: int) -> list[_HeadRun
     return runs
 
 
-def _token_runs(src: KVLayout, dst: KVLayout, tokens: range,
+def token_runs_of(src: KVLayout, dst: KVLayout, tokens: range,
                 src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[_TokenRun]:
     """Split `tokens` at both sides' page boundaries; each run lies in one page per side."""
     runs: list[_TokenRun] = []
@@ -176,11 +176,11 @@ def plan_tokens(src: KVLayout, dst: KVLayout, token_range: range,
     replica is read when prefill heads are replicated; any value gives a valid plan.
     Raises ValueError on incompatible layouts, a bad range, or too few/duplicate pages.
     """
-    layers = _check_request(src, dst, token_range, src_pages, dst_pages, layers)
+    layers = check_request(src, dst, token_range, src_pages, dst_pages, layers)
     if len(token_range) == 0:
         return ReshardPlan(src, dst, ())
-    head_runs = _head_runs(src, dst, replica_hint)
-    token_runs = _token_runs(src, dst, token_range, src_pages, dst_pages)
+    head_runs = head_runs_of(src, dst, replica_hint)
+    token_runs = token_runs_of(src, dst, token_range, src_pages, dst_pages)
     # The layer-independent template, repeated per (layer, kind).
     copies = tuple(
         Copy(sr, dr, layer, kind, sh, dh, nh, sp, so, dp, do, nt)

@@ -12,17 +12,17 @@ from typing import Any, Optional
 
 import torch
 
-from . import messages as m
-from .receive_connection import _RecvConn
-from .spans import direct_spans
-from .ucx_runtime import _post_all, _reason, _settle, _ucx_buf, direct_tag
+from ..planning import messages as m
+from .receive_connection import ReceiveConnection
+from ..planning.spans import direct_spans
+from .ucx_runtime import post_all, failure_reason, settle_landing, ucx_buffer, direct_tag
 
 
 class DirectLanding:
     """`KVReceiver`'s methods for direct messages."""
 
     @staticmethod
-    def _verdict(conn: _RecvConn, msg: Any) -> None:
+    def _verdict(conn: ReceiveConnection, msg: Any) -> None:
         """An announced message is posted or withdrawn. ValueError (the connection ends)
         for one that was not announced or already has its verdict."""
         verdict = conn.verdicts.pop(msg.seq, None)
@@ -31,7 +31,7 @@ class DirectLanding:
                              f"an announced message waiting for it")
         verdict.set_result(isinstance(msg, m.Posted))
 
-    def _land_in_place(self, conn: _RecvConn, msg: m.TransferRequest,
+    def _land_in_place(self, conn: ReceiveConnection, msg: m.TransferRequest,
                        verdict: Optional[asyncio.Future]
                        ) -> tuple[str, Optional[tuple[dict, dict]], asyncio.Future]:
         """Post the in-place receives of a direct message: ('', (the request's landed
@@ -63,19 +63,19 @@ class DirectLanding:
         inflight.add(landing)
         landing.add_done_callback(inflight.discard)
         try:
-            _post_all(conn.ep, False, tag, (
-                _ucx_buf(self._pools.region(layer, kind, span)) for layer, kind, span in spans),
+            post_all(conn.ep, False, tag, (
+                ucx_buffer(self._pools.region(layer, kind, span)) for layer, kind, span in spans),
                 into=recvs)
         finally:  # also when cut short: the posted ones are waited for (or fail)
             done = asyncio.ensure_future(self._received(conn, recvs, msg, verdict))
-            done.add_done_callback(functools.partial(_settle, landing))
+            done.add_done_callback(functools.partial(settle_landing, landing))
         self.stats["direct"] += 1
         landed: dict[int, int] = defaultdict(int)
         for layer, _, (a, b) in spans:
             landed[layer] += (b - a) // self._pools.head_dim
         return "", (rows, landed), done
 
-    async def _received(self, conn: _RecvConn, recvs: list[asyncio.Future],
+    async def _received(self, conn: ReceiveConnection, recvs: list[asyncio.Future],
                         msg: m.TransferRequest, verdict: Optional[asyncio.Future]) -> None:
         """Until every receive of direct message `msg` completed, within `timeout_s` (of
         its `Posted` or `Withdrawn` if announced, which must come within its
@@ -86,10 +86,10 @@ class DirectLanding:
                 await asyncio.wait_for(verdict, msg.announce_ms / 1e3 + self.timeout_s)
             await asyncio.wait_for(asyncio.gather(*recvs), self.timeout_s)
         except BaseException as e:
-            self._break(conn, f"in-place receive failed: {_reason(e)}")
+            self._break(conn, f"in-place receive failed: {failure_reason(e)}")
             raise
 
-    def _drain(self, conn: _RecvConn, msg: m.TransferRequest, tag: int, sizes: list[int],
+    def _drain(self, conn: ReceiveConnection, msg: m.TransferRequest, tag: int, sizes: list[int],
                verdict: Optional[asyncio.Future]) -> asyncio.Future:
         """Receive a refused direct message's payload into scratch space (never the pools;
         each block fits `max_payload_bytes`, written over one another): the receives'
@@ -97,5 +97,5 @@ class DirectLanding:
         if conn.scratch is None:
             conn.scratch = torch.empty(self.max_payload_bytes, dtype=torch.uint8,
                                        device=self._pools.device)
-        recvs = _post_all(conn.ep, False, tag, (_ucx_buf(conn.scratch[:n]) for n in sizes))
+        recvs = post_all(conn.ep, False, tag, (ucx_buffer(conn.scratch[:n]) for n in sizes))
         return asyncio.ensure_future(self._received(conn, recvs, msg, verdict))

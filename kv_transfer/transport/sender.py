@@ -14,16 +14,16 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from ..config import KV_IN_PLACE_MIN_BYTES
-from ..log import get_logger
-from . import messages as m
+from ...config import KV_IN_PLACE_MIN_BYTES
+from ...log import get_logger
+from ..planning import messages as m
 from .errors import TransferError
 from .part_cutter import Copies, PartCutter
-from .send_connection import _Announced, _Batch, _Prepared, _SenderConn
-from .staging import _Pools, _Template
+from .send_connection import AnnouncedMessage, SendBatch, PreparedBatch, SendConnection
+from .staging import KVPools, PoolTemplate
 from .staging_memory import STAGING_BUFFERS
-from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, _abort, _post_all,
-                          _reason, _recv_msg, _send_msg, _ucx_buf, direct_tag,
+from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, abort_endpoint, post_all,
+                          failure_reason, recv_msg, send_msg, ucx_buffer, direct_tag,
                           ensure_ucx, progress_mode_for)
 
 __all__ = ["Copies", "KVSender"]
@@ -57,13 +57,13 @@ class KVSender:
                  staging_buffers: int = STAGING_BUFFERS, progress_mode: Optional[str] = None,
                  announce: bool = True, in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
                  ) -> None:
-        self._pools = _Pools(pools)
+        self._pools = KVPools(pools)
         self._cutter = PartCutter(self._pools, rank, in_place_min_bytes)
         self.rank, self.epoch, self.announce = rank, epoch, announce
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._staging_buffers = staging_buffers
         self._progress_mode = progress_mode or progress_mode_for(self._pools.device)
-        self._conns: dict[Address, _SenderConn] = {}
+        self._conns: dict[Address, SendConnection] = {}
 
     def ready_event(self) -> Any:
         """`ready` for a later `send_layer`: what the calling thread's current stream has
@@ -90,25 +90,25 @@ class KVSender:
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(
                 peer[0], peer[1], connect_timeout=self.connect_timeout_s), left())
-            await _send_msg(ep, TAG_CTRL, m.Hello(
+            await send_msg(ep, TAG_CTRL, m.Hello(
                 m.PROTOCOL_VERSION, self.epoch, self.rank,
                 str(self._pools.dtype).removeprefix("torch."), self._pools.head_dim), left())
-            hello = await _recv_msg(ep, TAG_REPLY, m.TO_SENDER, left())
+            hello = await recv_msg(ep, TAG_REPLY, m.TO_SENDER, left())
         except Exception as e:
             if ep is not None:
-                _abort(ep)
-            raise TransferError("", self.epoch, name, f"connect failed: {_reason(e)}") from e
+                abort_endpoint(ep)
+            raise TransferError("", self.epoch, name, f"connect failed: {failure_reason(e)}") from e
         if not isinstance(hello, m.HelloAck) or not hello.ok:
-            _abort(ep)
+            abort_endpoint(ep)
             raise TransferError("", self.epoch, name, f"rejected: {getattr(hello, 'error', hello)}")
-        conn = _SenderConn(name, ep, hello, self._staging_buffers,
+        conn = SendConnection(name, ep, hello, self._staging_buffers,
                            lambda why: self._break(conn, why))
         conn.tasks = [asyncio.create_task(self._read_acks(conn)),
                       asyncio.create_task(self._pump(conn))]
         self._conns[peer] = conn
         return conn.receiver_rank
 
-    def _conn(self, peer: Address, request_id: str) -> _SenderConn:
+    def _conn(self, peer: Address, request_id: str) -> SendConnection:
         conn = self._conns.get(peer)
         if conn is None or conn.broken:
             detail = conn.broken if conn else "not connected"
@@ -131,12 +131,12 @@ class KVSender:
             conn.withdraw(found)
             found = None
         if found is None:
-            found = _Prepared(copies, self._cutter.runs(conn, request_id, copies), [], 0, None)
+            found = PreparedBatch(copies, self._cutter.runs(conn, request_id, copies), [], 0, None)
         elif found.timer is not None:
             found.timer.cancel()
         if ready is None:
             ready = self._pools.ready_event()
-        batch = _Batch(request_id, self.epoch, sum(len(a.blocks) for a in found.announced)
+        batch = SendBatch(request_id, self.epoch, sum(len(a.blocks) for a in found.announced)
                        + sum(len(run.nbytes) for run in found.runs), ready)
         conn.queue.extend((batch, ann) for ann in found.announced)
         conn.queue.extend((batch, run) for run in found.runs)
@@ -180,7 +180,7 @@ class KVSender:
             runs = [run for run in runs if not (run.direct and run.pooled)]
         timer = (asyncio.get_running_loop().call_later(wait, self._expire, conn, key)
                  if announced else None)
-        conn.prepared[key] = _Prepared(copies, runs, announced, self.epoch, timer)
+        conn.prepared[key] = PreparedBatch(copies, runs, announced, self.epoch, timer)
         if len(conn.prepared) > PREPARED:
             conn.withdraw(conn.prepared.popitem(last=False)[1])
 
@@ -194,14 +194,14 @@ class KVSender:
                 count += 1
         return count
 
-    def _expire(self, conn: _SenderConn, key: tuple[str, int]) -> None:
+    def _expire(self, conn: SendConnection, key: tuple[str, int]) -> None:
         found = conn.prepared.pop(key, None)
         if found is not None:
             log.info("kv_prepared_expired", peer=conn.peer, request_id=key[0],
                      messages=len(found.announced))
             conn.withdraw(found)
 
-    def _in_place(self, tmpl: _Template, blocks: np.ndarray, direct: bool
+    def _in_place(self, tmpl: PoolTemplate, blocks: np.ndarray, direct: bool
                   ) -> Optional[list[torch.Tensor]]:
         """The message's payload read straight from the pools, one region per transport
         message (per block when direct, else the whole payload), or None when it must be
@@ -217,7 +217,7 @@ class KVSender:
             regions.append(self._pools.region(layer, kind, span))
         return regions
 
-    async def _pump(self, conn: _SenderConn) -> None:
+    async def _pump(self, conn: SendConnection) -> None:
         """Gather and post queued parts in order. A message's gather is queued here and
         its sends posted by `_post` once it is complete, so the next message is gathered
         while this one waits. Its waits are bounded by the batches' own deadlines: one
@@ -228,7 +228,7 @@ class KVSender:
                 while not conn.queue:
                     conn.wake.clear()
                     await conn.wake.wait()
-                if isinstance(conn.queue[0][1], _Announced):
+                if isinstance(conn.queue[0][1], AnnouncedMessage):
                     post = self._announced(conn)
                 else:
                     post = await self._message(conn)
@@ -242,7 +242,7 @@ class KVSender:
         except Exception as e:
             self._break(conn, f"send failed: {e!r}")
 
-    def _announced(self, conn: _SenderConn) -> Callable:
+    def _announced(self, conn: SendConnection) -> Callable:
         """The queue's head, an announced message: its `_post` (a `Posted`, then its
         payload from the pools)."""
         batch, ann = conn.queue.popleft()
@@ -252,7 +252,7 @@ class KVSender:
             functools.partial(self._in_place, ann.sent.tmpl, ann.blocks, True),
             [batch.ready], direct_tag(ann.seq))
 
-    async def _message(self, conn: _SenderConn) -> Callable:
+    async def _message(self, conn: SendConnection) -> Callable:
         """The next message cut from the queue's head: its `_post`, its payload
         gathered into a staging buffer unless it is read from the pools."""
         taken, sent, blocks, nbytes, direct, pooled = conn.next_message()
@@ -277,7 +277,7 @@ class KVSender:
         return functools.partial(self._post, conn, msg, buf, payload, ready,
                                  direct_tag(seq) if direct else TAG_PAYLOAD)
 
-    async def _post(self, conn: _SenderConn, msg: Union[m.TransferRequest, m.Posted],
+    async def _post(self, conn: SendConnection, msg: Union[m.TransferRequest, m.Posted],
                     buf: Optional[torch.Tensor], payload: Union[list, Callable[[], list]],
                     ready: list[Any], tag: int, *, previous: Optional[asyncio.Future],
                     posted: asyncio.Future) -> None:
@@ -292,12 +292,12 @@ class KVSender:
             if previous is not None:
                 await previous
             ahead = isinstance(msg, m.TransferRequest)  # the receiver posts after reading it
-            sends = _post_all(conn.ep, True, TAG_CTRL, [m.frame(msg)])
+            sends = post_all(conn.ep, True, TAG_CTRL, [m.frame(msg)])
             if callable(payload):
                 payload = payload()
             if ahead and len(payload) >= FLUSH_CTRL_PARTS:
                 await asyncio.wait(sends)  # its outcome is checked with the others'
-            _post_all(conn.ep, True, tag, (_ucx_buf(p) for p in payload), into=sends)
+            post_all(conn.ep, True, tag, (ucx_buffer(p) for p in payload), into=sends)
             posted.set_result(None)
             results = await asyncio.gather(*sends, return_exceptions=True)
         except asyncio.CancelledError:
@@ -317,18 +317,18 @@ class KVSender:
         elif buf is not None:
             conn.free.put_nowait(buf)
 
-    async def _read_acks(self, conn: _SenderConn) -> None:
+    async def _read_acks(self, conn: SendConnection) -> None:
         """Take the connection's acks, with `ACKS_AHEAD` receives kept posted."""
         try:
             posted: deque[tuple[bytearray, asyncio.Future]] = deque()
             for _ in range(ACKS_AHEAD):
                 buf = bytearray(m.MAX_REPLY_BYTES)
-                posted.append((buf, _post_all(conn.ep, False, TAG_REPLY, [buf])[0]))
+                posted.append((buf, post_all(conn.ep, False, TAG_REPLY, [buf])[0]))
             while True:
                 buf, received = posted.popleft()
                 await received  # idle: no deadline
                 ack = m.unframe(buf, m.TO_SENDER)  # decoded: repost at once
-                posted.append((buf, _post_all(conn.ep, False, TAG_REPLY, [buf])[0]))
+                posted.append((buf, post_all(conn.ep, False, TAG_REPLY, [buf])[0]))
                 if not isinstance(ack, m.TransferAck):
                     raise ValueError(f"unexpected {type(ack).__name__}")
                 taken = conn.pending.pop(ack.seq, None)
@@ -346,7 +346,7 @@ class KVSender:
         except Exception as e:
             self._break(conn, f"connection lost: {e!r}")
 
-    def _break(self, conn: _SenderConn, reason: str, *, fault: bool = True) -> None:
+    def _break(self, conn: SendConnection, reason: str, *, fault: bool = True) -> None:
         """Mark `conn` broken, fail its queued and unacked batches, abort the endpoint."""
         if conn.broken:
             return
@@ -368,7 +368,7 @@ class KVSender:
         for task in conn.tasks:
             if task is not asyncio.current_task():
                 task.cancel()
-        _abort(conn.ep)
+        abort_endpoint(conn.ep)
 
     async def close(self) -> None:
         for conn in self._conns.values():

@@ -1,4 +1,4 @@
-"""State of one `KVReceiver` connection (`_RecvConn`): its endpoint, the templates its
+"""State of one `KVReceiver` connection (`ReceiveConnection`): its endpoint, the templates its
 sender defined, the requests it carried, its staging buffers and its scratch space for
 refused payloads; and its handshake."""
 
@@ -11,17 +11,17 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import messages as m
-from .staging import _Template
-from .ucx_runtime import TAG_CTRL, TAG_REPLY, _post_recv, _recv_msg, _send_msg
+from ..planning import messages as m
+from .staging import PoolTemplate
+from .ucx_runtime import TAG_CTRL, TAG_REPLY, post_recv, recv_msg, send_msg
 
 
-class _RecvConn:
+class ReceiveConnection:
     def __init__(self, ep: Any) -> None:
         self.ep, self.peer = ep, "unknown sender"
         # template id -> (request id, template, or why the one defined ahead is invalid);
         # LRU, dropped with their request
-        self.templates: OrderedDict[int, tuple[str, Union[_Template, str]]] = OrderedDict()
+        self.templates: OrderedDict[int, tuple[str, Union[PoolTemplate, str]]] = OrderedDict()
         self.requests: set[str] = set()
         # seq -> announced direct message's verdict: True when posted, False withdrawn
         self.verdicts: dict[int, asyncio.Future] = {}
@@ -37,7 +37,7 @@ class _RecvConn:
         """Read the sender's `Hello` and answer `ack(why it is refused, '' if not)`: its
         (version, epoch, dtype, head_dim) must equal `mine`. A refusal waits for the
         sender to read it and hang up (or `timeout_s`), then raises ValueError."""
-        hello = await _recv_msg(self.ep, TAG_CTRL, m.TO_RECEIVER, timeout_s)
+        hello = await recv_msg(self.ep, TAG_CTRL, m.TO_RECEIVER, timeout_s)
         self.peer = f"sender rank {getattr(hello, 'sender_rank', '?')}"
         if not isinstance(hello, m.Hello):
             error = f"expected Hello, got {type(hello).__name__}"
@@ -45,10 +45,10 @@ class _RecvConn:
             theirs = (hello.version, hello.epoch, hello.dtype, hello.head_dim)
             error = ("" if mine == theirs
                      else f"(version, epoch, dtype, head_dim) {theirs} != {mine}")
-        await _send_msg(self.ep, TAG_REPLY, ack(error), timeout_s)
+        await send_msg(self.ep, TAG_REPLY, ack(error), timeout_s)
         if error:
             try:
-                await asyncio.wait_for(_post_recv(self.ep, TAG_CTRL, bytearray(8)), timeout_s)
+                await asyncio.wait_for(post_recv(self.ep, TAG_CTRL, bytearray(8)), timeout_s)
             except Exception:  # the hang-up (or our deadline)
                 pass
             raise ValueError(f"refused: {error}")

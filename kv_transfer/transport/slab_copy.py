@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.gpu.compiled_launch import CompiledLaunches
+from ...kernels.gpu.compiled_launch import CompiledLaunches
 
 SLABS_PER_PROGRAM = 4
 BLOCK = 1024  # most elements per load (2 KiB of a bf16 slab); the slab loop is unrolled

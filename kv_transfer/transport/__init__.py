@@ -1,4 +1,4 @@
-"""UCX (ucxx) transport of KV pages: `KVSender` (one per prefill rank process) streams
+"""Transport: UCX (ucxx) moving KV pages: `KVSender` (one per prefill rank process) streams
 batches of copies (`planner.Copy` lists, copy tables, or `messages.CopyBatch` templates
 with their blocks) to `KVReceiver`s (one per decode rank process), raw bytes, no
 pickle. Wire format: `messages`.
@@ -47,21 +47,27 @@ thread-safe: touch them only on their loop. Pool tensors are read (sender) or wr
 (receiver) on the loop thread; the engine must not write a page while it is being sent
 nor read a page before its request is reported landed.
 
-This module re-exports the public names of `errors`, `ucx_runtime` (ucxx process state,
-`TransportThread`), `staging` (pools, gather/scatter), `sender`, `receiver` and
-`blocking`.
+Parts: `protocols` (what the roles need: `KVSenderProtocol`, `KVReceiverProtocol`),
+`blocking` (their implementations for synchronous callers), `sender` / `send_connection` /
+`part_cutter`, `receiver` / `receive_connection` / `direct_landing`, `staging` /
+`staging_memory` / `slab_copy` (host or device staging), `ucx_runtime` (ucxx process
+state, posting, `TransportThread`), `errors`. Uses `planning` (what to copy); never the
+other way round. This package re-exports the public names the rest of phalanx uses.
 """
 
 from __future__ import annotations
 
-from .errors import TransferError
 from .blocking import BlockingKVReceiver, BlockingKVSender
-from .receiver import KVReceiver
+from .errors import TransferError
 from .part_cutter import Copies
+from .protocols import KVReceiverProtocol, KVSenderProtocol
+from .receiver import KVReceiver
 from .sender import KVSender
-from .staging import _Pools
+from .staging import KVPools
 from .ucx_runtime import (TAG_CTRL, TAG_PAYLOAD, TAG_REPLY, Address, TransportThread,
                           ensure_ucx, progress_mode_for, shutdown_ucx)
 
-__all__ = ["Address", "BlockingKVReceiver", "BlockingKVSender", "KVReceiver", "KVSender",
-           "TransferError", "TransportThread", "ensure_ucx", "progress_mode_for", "shutdown_ucx"]
+__all__ = ["Address", "BlockingKVReceiver", "BlockingKVSender", "Copies", "KVPools",
+           "KVReceiver", "KVReceiverProtocol", "KVSender", "KVSenderProtocol", "TAG_CTRL",
+           "TAG_PAYLOAD", "TAG_REPLY", "TransferError", "TransportThread", "ensure_ucx",
+           "progress_mode_for", "shutdown_ucx"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import messages as m
 from .layout import KVLayout
-from .planner import _check_request, _head_runs, _token_runs
+from .planner import check_request, head_runs_of, token_runs_of
 
 __all__ = ["plan_batches", "plan_tables", "layer_batches", "layer_slices", "table_nbytes"]
 
@@ -33,12 +33,12 @@ def _templates(src: KVLayout, dst: KVLayout, token_range: range, src_pages: Sequ
                ) -> tuple[dict[tuple[int, int], np.ndarray], range]:
     """({(src_rank, dst_rank): the per-(layer, kind) template, layer and kind 0}, layers);
     arguments and errors as `planner.plan_tokens`."""
-    layers = _check_request(src, dst, token_range, src_pages, dst_pages, layers)
+    layers = check_request(src, dst, token_range, src_pages, dst_pages, layers)
     if len(token_range) == 0 or len(layers) == 0:
         return {}, layers
-    tokens = np.asarray(_token_runs(src, dst, token_range, src_pages, dst_pages), dtype=np.int64)
+    tokens = np.asarray(token_runs_of(src, dst, token_range, src_pages, dst_pages), dtype=np.int64)
     by_pair: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
-    for s_rank, d_rank, s_head, d_head, n_heads in _head_runs(src, dst, replica_hint):
+    for s_rank, d_rank, s_head, d_head, n_heads in head_runs_of(src, dst, replica_hint):
         base = np.zeros((len(tokens), len(m.COPY_FIELDS)), dtype=np.int64)
         base[:, m.F_SRC_HEAD], base[:, m.F_DST_HEAD], base[:, m.F_NUM_HEADS] = s_head, d_head, n_heads
         base[:, [m.F_SRC_PAGE, m.F_SRC_OFFSET, m.F_DST_PAGE, m.F_DST_OFFSET, m.F_NUM_TOKENS]] = tokens
