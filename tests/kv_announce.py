@@ -35,9 +35,9 @@ def _on(pools: list, device: torch.device) -> list:
 
 
 async def _lives(timeout_s: float, device: torch.device) -> dict:
-    from phalanx.kv_transfer.copy_table import layer_batches
-    from phalanx.kv_transfer.receiver import KVReceiver
-    from phalanx.kv_transfer.sender import KVSender
+    from phalanx.kv_transfer.planning.copy_table import layer_batches
+    from phalanx.kv_transfer.transport.receiver import KVReceiver
+    from phalanx.kv_transfer.transport.sender import KVSender
 
     dst = _on(zero_pools(CASE, 0), device)
     rx = KVReceiver(dst, rank=0, epoch=1, gated=True, timeout_s=timeout_s)

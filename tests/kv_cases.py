@@ -9,8 +9,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from phalanx.kv_transfer.layout import KVLayout
-from phalanx.kv_transfer.planner import plan_request
+from phalanx.kv_transfer.planning.layout import KVLayout
+from phalanx.kv_transfer.planning.planner import plan_request
 
 LAYERS = 2
 
@@ -108,7 +108,7 @@ def zero_pools(case: str, rank: int) -> list[tuple[torch.Tensor, ...]]:
 
 def case_batches(case: str) -> dict[tuple[int, int], list]:
     """The request's copies per rank pair as `copy_table.plan_batches` builds them."""
-    from phalanx.kv_transfer.copy_table import plan_batches
+    from phalanx.kv_transfer.planning.copy_table import plan_batches
     (src, dst), c = case_layouts(case), CASES[case]
     return plan_batches(src, dst, range(c.tokens), case_pages(src, c.tokens, 11, c.runs)[1],
                         case_pages(dst, c.tokens, 12, c.runs)[1])
