@@ -1,4 +1,5 @@
-"""Kill drills from outside, repeated with random timings: the stress run of issue 26.
+"""Kill drills from outside, repeated with random timings (the stress run of issue 26):
+every stream must equal the fault-free run; measures detection, recovery and stalls.
 
     python bench/kill_drills.py [--layouts disagg,dp2,tp2] [--drills 20] [--streams 16]
                                 [--max-tokens 96] [--seed 0]

@@ -121,7 +121,7 @@ def _case(world: int, tokens: int, iters: int, rate: float) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--tokens", default="16,64,128")
     ap.add_argument("--iters", type=int, default=50)

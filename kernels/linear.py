@@ -12,7 +12,7 @@ o + router); with the sweep's best tiles (qkv 64/128, o 16/256 split 2, router 1
 split 8) the model gained 1% at batch 1 (1020 vs 1043 µs/step, replay 3.45 vs 3.49 ms)
 and lost 1.4% at batch 16 (bench/NOTES.md, v6), so it stays on ``F.linear``. What
 would make it pay: programmatic dependent launch with the weight tile loaded before the
-wait on the previous kernel (bench/pdl_gpu.py), which cuBLAS cannot do.
+wait on the previous kernel (bench/probes/pdl_gpu.py), which cuBLAS cannot do.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""bench/ucx_hops.py and bench/ucx_posts.py on CPU, tiny sizes: each runs its processes
-to the end (ucxx's notifier thread is stopped, so they exit), prints its table without
-error rows and writes its JSON. A probe that cannot exit cost two device calls before."""
+"""bench/probes/ucx_hops.py and bench/probes/ucx_posts.py on CPU, tiny sizes: each runs
+its processes to the end (ucxx's notifier thread is stopped, so they exit), prints its
+table without error rows and writes its JSON. A probe that cannot exit cost two device
+calls before."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import os
 import subprocess
 import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+PROBES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes")
 ENV = {**os.environ, "UCX_TLS": "tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def _run(script: str, args: list[str], out: str) -> str:
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, "--out", out],
-                          capture_output=True, text=True, timeout=90, env=ENV, cwd=BENCH)
+    proc = subprocess.run([sys.executable, os.path.join(PROBES, script), *args, "--out", out],
+                          capture_output=True, text=True, timeout=90, env=ENV, cwd=PROBES)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 

@@ -1,7 +1,7 @@
-"""Host cost of one staged KV message on CUDA (`_Pools.gather` through the slab kernel),
+"""Host cost of one staged KV message on CUDA (`KVPools.gather` through the slab kernel),
 piece by piece: the parts a transport loop pays per message before the wire can move it.
 
-    python bench/kv_copy_host.py [--tokens 32768] [--payload-mib 128] [--reps 50] [--sweep]
+    python bench/probes/kv_copy_host.py [--tokens 32768] [--payload-mib 128] [--reps 50] [--sweep]
 
 Shape as bench/kv_transfer.py (48 layers, 4 KV heads, head_dim 128, bf16, page 16),
 the request's pages shuffled (every page a slab: the staged path), one message of
@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the request's shape comes from bench/kv_transfer_request.py, one folder up
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kv_transfer_request import HEAD_DIM, KV_HEADS, LAYERS, PAGE, rank_batches  # noqa: E402
 
 
@@ -39,12 +40,12 @@ def _median_us(fn, reps: int) -> float:
 def _message(args):
     """The pools, the request's template located in them, one staged message's blocks
     (pieces of at most `--payload-mib`), its bytes, and how long locating took (us)."""
-    from phalanx.kv_transfer.staging import _Pools
+    from phalanx.kv_transfer.transport.staging import KVPools
     dev = torch.device("cuda", 0)
     num_pages = args.tokens // PAGE + 8
     flat = torch.zeros(LAYERS, 2, num_pages, KV_HEADS, PAGE, HEAD_DIM, dtype=torch.bfloat16,
                        device=dev)
-    pools = _Pools([(flat[i, 0], flat[i, 1]) for i in range(LAYERS)])
+    pools = KVPools([(flat[i, 0], flat[i, 1]) for i in range(LAYERS)])
     template, blocks = rank_batches(0, 1, args.tokens, num_pages, "shuffled")[1][0]
     capacity = args.payload_mib << 20
     t = time.perf_counter()
@@ -64,7 +65,7 @@ def _host_pieces(pools, tmpl, msg: np.ndarray, total: int, reps: int
                  ) -> tuple[dict[str, float], float, float, int]:
     """Median host us per piece of one message's gather; the slab index's first build
     (us), the kernel's device time (us) and the message's slab count."""
-    from phalanx.kv_transfer.slab_copy import (BLOCK, SLABS_PER_PROGRAM, DescRing,
+    from phalanx.kv_transfer.transport.slab_copy import (BLOCK, SLABS_PER_PROGRAM, DescRing,
                                                _slab_copy_kernel)
     import triton
 
@@ -113,7 +114,7 @@ def _host_pieces(pools, tmpl, msg: np.ndarray, total: int, reps: int
         "SlabIndex.copy": lambda: index.copy(pools._flat, payload, msg, numel, True),
         "SlabIndex.copy, rows in a mapped ring (compiled launch)":
             lambda: index.copy(pools._flat, payload, msg, numel, True, ring=desc_ring),
-        "_Pools.gather (+ stream, event)": lambda: pools.gather(tmpl, msg, out),
+        "KVPools.gather (+ stream, event)": lambda: pools.gather(tmpl, msg, out),
         "event record + query": record_query,
     }
     return ({name: _median_us(fn, reps) for name, fn in pieces.items()}, index_us,
@@ -123,7 +124,7 @@ def _host_pieces(pools, tmpl, msg: np.ndarray, total: int, reps: int
 def _kernel_sweep(pools, tmpl, msg: np.ndarray, total: int, reps: int) -> list[dict]:
     """Device time (us, CUDA events over `reps` back-to-back gathers) of each launch
     shape on random pools; every shape's payload must equal the default's bit for bit."""
-    from phalanx.kv_transfer.slab_copy import BLOCK, NUM_WARPS, SLABS_PER_PROGRAM
+    from phalanx.kv_transfer.transport.slab_copy import BLOCK, NUM_WARPS, SLABS_PER_PROGRAM
 
     pools._flat.copy_(torch.randn_like(pools._flat))
     index, numel, dev = tmpl.slabs(pools), pools.pools[0][0].numel(), pools.device
@@ -152,7 +153,7 @@ def _kernel_sweep(pools, tmpl, msg: np.ndarray, total: int, reps: int) -> list[d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--payload-mib", type=int, default=128)
     ap.add_argument("--reps", type=int, default=50)

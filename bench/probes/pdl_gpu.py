@@ -1,7 +1,7 @@
 """Does programmatic dependent launch (PDL) shorten a chain of small kernels in a CUDA
 graph? A probe for the B=1 decode step, which is ~600 small kernels (bench/NOTES.md).
 
-    python bench/pdl_gpu.py [--kernels 48] [--n 2048] [--k 2048]
+    python bench/probes/pdl_gpu.py [--kernels 48] [--n 2048] [--k 2048]
 
 A chain of GEMVs y_{i+1} = W_i y_i (distinct bf16 W_i, so nothing stays in L2), each
 one Triton launch, captured in one CUDA graph, in three variants:
@@ -57,7 +57,7 @@ def chain(ws, xs, pdl: bool, prefetch: bool, block_n: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", type=int, default=48)
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--k", type=int, default=2048)

@@ -18,7 +18,7 @@ worker every turn). The modes without futures, blocking and polling keep the loo
 busy (with the GIL) while anything is posted; blocking and polling also when idle.
 On a 2-core machine thread-polling+spin starves (four spinning threads).
 
-    python bench/ucx_hops.py [--device cuda] [--two-gpu] [--modes ...]
+    python bench/probes/ucx_hops.py [--device cuda] [--two-gpu] [--modes ...]
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def run_mode(mode: str, device: str, server_device: str, sizes: list[int],
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--two-gpu", action="store_true", help="server buffers on cuda:1")
     ap.add_argument("--modes", default=",".join(MODES))

@@ -1,7 +1,7 @@
 """What posting a ucxx operation costs the posting thread: N receives and N sends of
 `--mib` MiB each, posted at once, as tasks of `Endpoint.recv/send` (a coroutine per
 operation, the transport's way until v10) or straight through the endpoint's request API
-(`Endpoint._ep.tag_recv/tag_send`, what `kv_transfer.ucx_runtime._post_all` does), per
+(`Endpoint._ep.tag_recv/tag_send`, what `kv_transfer.transport.ucx_runtime.post_all` does), per
 ucxx progress mode, delayed submission on/off, and buffer kind (host, or device memory
 as the transport hands pool regions to UCX: a bare `__cuda_array_interface__`).
 
@@ -10,7 +10,7 @@ endpoints of a loopback connection; receives on cuda:0, sends from cuda:1 when t
 are visible. Reports the host time per posted receive and send (median of `--reps` after two
 warm-up rounds) and the round's total (posts, transfer, every completion seen).
 
-    python bench/ucx_posts.py [--device cuda|cpu] [--modes thread-polling,thread]
+    python bench/probes/ucx_posts.py [--device cuda|cpu] [--modes thread-polling,thread]
                               [--count 96] [--mib 8] [--reps 8] [--bound-s 30]
 
 Prints a table last and writes $OUT/ucx_posts.json (or ./ucx_posts.json).
@@ -125,7 +125,7 @@ def _result(stdout: str | bytes) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--modes", default="thread-polling,thread")
     ap.add_argument("--count", type=int, default=96)

@@ -150,7 +150,7 @@ class SlabIndex:
         """Gather (`to_payload`) or scatter the blocks' slabs between `flat_pools` (the
         one allocation, 1-D) and `payload` (1-D, same dtype), queued on the current
         stream. slabs (per program), block (most elements per load), num_warps: the
-        launch's shape (bench/kv_copy_host.py --sweep). ring (CUDA): holds the block rows,
+        launch's shape (bench/probes/kv_copy_host.py --sweep). ring (CUDA): holds the block rows,
         which the kernel reads in place (or from the ring's device copy where it cannot);
         default a pinned tensor per call, copied to the device."""
         rows, most = self.block_rows(blocks, pool_numel)
