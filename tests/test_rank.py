@@ -51,7 +51,7 @@ def _collect(eng: Rank, rids: set[str], timeout_s: float = 60.0) -> dict[str, li
     return tokens
 
 
-def test_rank_engine_matches_single_rank_engine(rank, tiny_model):
+def test_rank_matches_single_rank_engine(rank, tiny_model):
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     prompts = {"a": list(range(1, 40)), "b": [5, 6, 7], "c": list(range(100, 190))}
     for rid, p in prompts.items():
