@@ -19,29 +19,16 @@ mapping of its fields (unknown keys rejected), or None for the defaults.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Hashable, Mapping, Sequence
+from typing import Any, ClassVar, Hashable, Sequence
 
 from . import registry
+from .checks import is_int as _is_int, is_real as _is_real, require as _require
+from .checks import resolve_config as _resolve_config
 
 KIND = "routing"
 DEFAULT_POLICY = "prefix_aware"
-
-
-def _require(cond: bool, owner: str, name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{owner}.{name}: {msg}")
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,21 +119,6 @@ class PrefixAwareConfig:
         _require(_is_real(self.load_weight) and self.load_weight >= 0.0, me, "load_weight",
                  f"must be a finite number >= 0, got {self.load_weight!r}")
         _check_common(self)
-
-
-def _resolve_config(cls: type, config: Any) -> Any:
-    """`config` as an instance of `cls`: itself, built from a mapping, or the defaults."""
-    if config is None:
-        return cls()
-    if isinstance(config, cls):
-        return config
-    if isinstance(config, Mapping):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**config)
-    raise TypeError(f"expected a {cls.__name__}, a mapping or None, got {type(config).__name__}")
 
 
 def load_tokens(load: GroupLoad, running_cost_tokens: int) -> int:
