@@ -50,6 +50,21 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
                         "step's agreed token count (no counts exchange), or padded rows "
                         "stored into the peers' symmetric memory and waited for on the "
                         "device (NVSHMEM on GPU); same tokens")
+    e = p.add_argument_group("EP width chosen while serving (colocated --tp/--dp layout)")
+    e.add_argument("--ep-policy", default="fixed",
+                   help="how many ranks each DP×EP group spans, chosen at run time: fixed "
+                        "(--ep-groups, the default), widest (one group), cost_model (the "
+                        "measured cost model, --ep-costs)")
+    e.add_argument("--ep-groups", type=int, default=1,
+                   help="DP×EP groups at start (the --dp ranks split evenly)")
+    e.add_argument("--ep-costs", default="",
+                   help="cost tables for cost_model (`python bench/ep_width.py` writes them)")
+    e.add_argument("--ep-itl-target-ms", type=float, default=50.0,
+                   help="cost_model: the predicted step a layout must stay under")
+    e.add_argument("--ep-min-interval", type=float, default=30.0,
+                   help="cost_model: seconds between two layout changes at least")
+    e.add_argument("--ep-interval", type=float, default=2.0,
+                   help="seconds between two questions to the policy")
     g = p.add_argument_group("disaggregated layout (any of these selects it)")
     g.add_argument("--prefill-tp", type=int, default=None, help="TP ranks of each prefill instance")
     g.add_argument("--prefill-instances", type=int, default=None, help="prefill TP groups")
@@ -100,15 +115,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="routing policy over DP groups (default: prefix_aware)")
 
 
-def disagg_kwargs(args: argparse.Namespace) -> dict:
-    return dict(prefill_tp=args.prefill_tp, prefill_instances=args.prefill_instances,
-                decode_dp=args.decode_dp, decode_tp=args.decode_tp,
-                prefill_page_size=args.prefill_page_size)
-
-
 def _generate(args: argparse.Namespace) -> int:
     from .engine.sampling_params import SamplingParams
     from .llm import LLM
+    from .server.launch import layout_kwargs
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
@@ -116,7 +126,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, tp=args.tp, dp=args.dp, page_size=args.page_size, num_pages=args.num_pages,
               device=args.device, collective_timeout_s=args.collective_timeout,
               max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
-              ep_exchange=args.ep_exchange, **disagg_kwargs(args))
+              ep_exchange=args.ep_exchange, **layout_kwargs(args))
     try:
         return _run_generate(llm, args, params)
     finally:

@@ -193,6 +193,42 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EPWidthConfig:
+    """How the EP width (ranks per DP×EP group) is chosen while serving (policies/ep_width.py).
+
+    `policy`: a registered "ep_width" policy ("fixed": the `groups` given, "widest",
+    "cost_model"); `groups`: DP×EP groups at start (the DP ranks split evenly);
+    `costs`: a cost-table file (bench/ep_width.py writes one; "" with cost_model: measured
+    on the ranks at start); `interval_s`: how often the policy is asked;
+    `itl_target_ms`, `margin`, `min_interval_s`: cost_model's ITL target, hysteresis and
+    minimum time between changes."""
+
+    policy: str = "fixed"
+    groups: int = 1
+    costs: str = ""
+    interval_s: float = 2.0
+    itl_target_ms: float = 50.0
+    margin: float = 0.15
+    min_interval_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.policy, str) and bool(self.policy), "ep_width.policy",
+                 f"must be a policy name, got {self.policy!r}")
+        _require(isinstance(self.groups, int) and self.groups >= 1, "ep_width.groups",
+                 f"must be an integer >= 1, got {self.groups!r}")
+        for name in ("interval_s", "itl_target_ms"):
+            _require(getattr(self, name) > 0, f"ep_width.{name}",
+                     f"must be positive, got {getattr(self, name)}")
+        for name in ("margin", "min_interval_s"):
+            _require(getattr(self, name) >= 0, f"ep_width.{name}",
+                     f"must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EPWidthConfig":
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Parallel layout of one serving group. `tp = dp = 1` is the single-rank engine."""
 
@@ -215,6 +251,7 @@ class ParallelConfig:
     # each step bounded by the collective deadline; steps of more than max_num_seqs
     # tokens per rank take the padded path). Same tokens every way.
     ep_exchange: str = "exact"
+    ep_width: EPWidthConfig = field(default_factory=EPWidthConfig)
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
@@ -229,6 +266,8 @@ class ParallelConfig:
                  f"must be positive, got {self.collective_timeout_s}")
         _require(self.ep_exchange in ("exact", "padded", "peer"), "ep_exchange",
                  f"{self.ep_exchange!r} is not 'exact', 'padded' or 'peer'")
+        _require(self.dp % self.ep_width.groups == 0, "ep_width.groups",
+                 f"{self.ep_width.groups} groups do not split dp={self.dp} evenly")
 
     @property
     def world_size(self) -> int:
@@ -236,6 +275,9 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParallelConfig":
+        data = dict(data)
+        if isinstance(data.get("ep_width"), Mapping):
+            data["ep_width"] = EPWidthConfig.from_dict(data["ep_width"])
         return _from_dict(cls, data)
 
 

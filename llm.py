@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
-from .config import (KV_IN_PLACE_MIN_BYTES, CacheConfig, EngineConfig, ParallelConfig,
-                     SchedulerConfig)
+from .config import (KV_IN_PLACE_MIN_BYTES, CacheConfig, EngineConfig, EPWidthConfig,
+                     ParallelConfig, SchedulerConfig)
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .models.loader import read_model_config
+from .policies.ep_width import ep_width_policy_names
 
 Prompts = Union[str, Sequence[str], None]
 TokenPrompts = Union[Sequence[int], Sequence[Sequence[int]], None]
@@ -42,12 +43,18 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   collective_timeout_s: float = 30.0, max_recoveries: int = 5,
                   recovery_window_s: float = 600.0, replace_timeout_s: float = 30.0,
                   ep_exchange: str = "exact",
-                  kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES
-                  ) -> EngineConfig:
+                  kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES, ep_policy: str = "fixed",
+                  ep_groups: int = 1, ep_costs: str = "",
+                  ep_options: Optional[Mapping] = None) -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
     model). ValueError naming the argument for a folder that is not a model or a bad
     value."""
     path = _resolve_model(model)
+    ep_width = EPWidthConfig.from_dict({"policy": ep_policy, "groups": ep_groups,
+                                        "costs": ep_costs, **(ep_options or {})})
+    if ep_width.policy not in ep_width_policy_names():
+        raise ValueError(f"ep_policy: unknown EP-width policy {ep_width.policy!r}; known: "
+                         f"{ep_width_policy_names()}")
     try:
         model_cfg = read_model_config(path)
     except FileNotFoundError as e:
@@ -64,7 +71,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
         parallel=ParallelConfig(tp=tp, dp=dp, collective_timeout_s=collective_timeout_s,
                                 max_recoveries=max_recoveries,
                                 recovery_window_s=recovery_window_s,
-                                replace_timeout_s=replace_timeout_s, ep_exchange=ep_exchange),
+                                replace_timeout_s=replace_timeout_s, ep_exchange=ep_exchange,
+                                ep_width=ep_width),
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
 
 
@@ -94,7 +102,9 @@ class LLM:
                  prefill_tp: Optional[int] = None, decode_dp: Optional[int] = None,
                  decode_tp: Optional[int] = None, prefill_instances: Optional[int] = None,
                  prefill_page_size: Optional[int] = None, ep_exchange: str = "exact",
-                 kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES) -> None:
+                 kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES, ep_policy: str = "fixed",
+                 ep_groups: int = 1, ep_costs: str = "",
+                 ep_options: Optional[Mapping] = None) -> None:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
@@ -103,7 +113,12 @@ class LLM:
         fails with `GroupFailure`. `replace_timeout_s`: how long a dead rank's placement
         may wait for room before its group re-forms one DP rank narrower.
         `ep_exchange`: the MoE all-to-all of DP×EP groups (`ParallelConfig`).
-        `kv_in_place_min_bytes`: the KV transport's in-place threshold (`CacheConfig`)."""
+        `kv_in_place_min_bytes`: the KV transport's in-place threshold (`CacheConfig`).
+        `ep_policy`: how the EP width is chosen while serving (a registered "ep_width"
+        policy: "fixed", "widest", "cost_model"), starting from `ep_groups` DP×EP groups
+        (the `dp` ranks split evenly); `ep_costs`: cost tables for "cost_model"
+        (`bench/ep_width.py` writes them); `ep_options`: the rest of `EPWidthConfig`
+        (`itl_target_ms`, `margin`, `min_interval_s`, `interval_s`)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
@@ -112,7 +127,8 @@ class LLM:
             enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
             collective_timeout_s=collective_timeout_s, max_recoveries=max_recoveries,
             recovery_window_s=recovery_window_s, replace_timeout_s=replace_timeout_s,
-            ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes)
+            ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes,
+            ep_policy=ep_policy, ep_groups=ep_groups, ep_costs=ep_costs, ep_options=ep_options)
         self.engine: Optional[LLMEngine] = None
         self.cluster = None  # a multi-rank layout's client (actors.cluster.ClusterClient)
         disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)

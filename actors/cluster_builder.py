@@ -21,6 +21,11 @@ def build_cluster(config: EngineConfig, disagg: Optional[DisaggConfig] = None,
     with its own page size) describes, formed on Ray (started locally unless
     `ray_address`); blocks until every rank has loaded its shard."""
     deadline = config.parallel.collective_timeout_s
+    ep = config.parallel.ep_width
+    if disagg is not None and (ep.policy != "fixed" or ep.groups != 1):
+        raise ValueError("ep_policy / ep_groups: the EP width is chosen at run time for the "
+                         "colocated layout (--tp/--dp); the disaggregated decode group is one "
+                         "group")
     if disagg is None:
         return GroupClient(config, config.parallel.tp, config.parallel.dp, deadline, ray_address)
     cache = dataclasses.replace(config.cache,

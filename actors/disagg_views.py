@@ -8,7 +8,7 @@ from __future__ import annotations
 import ray
 
 from .disagg_recovery import CALL_ERRORS, DecodeLost
-from .group_client import VIEW_TIMEOUT_S, actor_nodes
+from .group_views import VIEW_TIMEOUT_S, actor_nodes
 
 
 class DisaggViews:

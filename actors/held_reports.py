@@ -26,20 +26,20 @@ class HeldReports:
 
     def __init__(self, full_every: int = FULL_EVERY) -> None:
         self.full_every = full_every
-        self._seen: dict[Hashable, tuple[int, int]] = {}
+        self._seen: dict[Hashable, tuple[Hashable, int]] = {}
         self._round = 0
 
     def next_round(self) -> None:
         self._round += 1
 
-    def since(self, key: Hashable, epoch: int) -> int:
+    def since(self, key: Hashable, epoch: Hashable) -> int:
         """The `since` to ask `key`'s leader with this round (-1: a full list)."""
         seen = self._seen.get(key)
         if seen is None or seen[0] != epoch or self._round % self.full_every == 1:
             return -1
         return seen[1]
 
-    def take(self, key: Hashable, epoch: int, reply: dict) -> Report:
+    def take(self, key: Hashable, epoch: Hashable, reply: dict) -> Report:
         """Record `reply` (a `held_prefix_changes` answer) and return the router's form."""
         self._seen[key] = (epoch, int(reply.get("seq", -1)))
         if "full" in reply:

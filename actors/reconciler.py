@@ -30,6 +30,13 @@ back (`CapacityBack`), checked at most every `widen_every_s`. A group of a pool 
 prefill instances) that finds no room even at its narrowest is parked (dropped, not
 serving, no formation) while another group of its pool serves, and formed again once
 there is room for it.
+
+Layout (ARCHITECTURE §3, the EP-width policy): `reshape(widths)` sets every group's desired
+width at once; 0 retires a group (fenced, not formed again). A group whose width changes
+is fenced and formed at its new width like any recovery, but as a *planned* formation: it
+does not count against the restart intensity (nor does widening back), while a failure
+during it does (the next formation is a recovery). Fences go before formations in one
+round of actions, so a retired group's ranks are free before a wider one forms.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class Phase(str, Enum):
     FENCED = "fenced"  # its epoch is torn down; waiting to form again
     FORMING = "forming"
     PARKED = "parked"  # dropped for want of room while a peer of its pool serves
+    RETIRED = "retired"  # not part of the desired layout (width 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +143,7 @@ class Form:
     attempt: int  # formations of this group in a row since it last served (1, 2, ...)
     width: int = 1  # DP ranks to form with
     why: str = ""  # what made the group re-form (for the log)
+    planned: bool = False  # a layout change or widening: not a recovery
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +177,9 @@ class GroupState:
     widen_at: float = 0.0  # earliest time to check for capacity to widen
     reasons: list[str] = field(default_factory=list)  # since it last served
     pool: Optional[Hashable] = None  # groups of one pool stand in for each other
+    planned: bool = False  # its next fence and formation are a layout change, not a recovery
+    narrowable: bool = False  # may form narrower than desired for want of room
+    pending: Optional[int] = None  # a reshape that arrived while forming: width after it
 
 
 class Reconciler:
@@ -178,20 +190,25 @@ class Reconciler:
                  widen_every_s: float = 2.0, pools: dict[Hashable, Hashable] | None = None
                  ) -> None:
         """`epochs`: each group's key and the epoch it serves under now; `widths`: each
-        group's (desired width, min width) (default (1, 1)); `pools`: key -> pool of the
-        groups that may be parked while a peer of their pool serves."""
+        group's (desired width, min width) (default (1, 1); (0, 0): retired, not part of
+        the layout yet); `pools`: key -> pool of the groups that may be parked while a
+        peer of their pool serves."""
         self.intensity, self.widen_every_s = intensity, widen_every_s
         widths = widths or {}
         self.groups = {}
         for key, epoch in epochs.items():
             desired, least = widths.get(key, (1, 1))
-            if not 1 <= least <= desired:
+            if (desired, least) != (0, 0) and not 1 <= least <= desired:
                 raise ValueError(f"group {key!r}: 1 <= min width <= width required, "
                                  f"got {least}, {desired}")
             self.groups[key] = GroupState(epoch, desired, desired, least,
-                                          pool=(pools or {}).get(key))
+                                          pool=(pools or {}).get(key),
+                                          narrowable=least < desired)
+            if desired == 0:
+                self.groups[key].phase = Phase.RETIRED
         self.restarts: deque[float] = deque()  # when each formation started, in the window
         self.total_restarts = 0
+        self.reshapes = 0  # planned formations (layout changes, widening back)
         self.failed: GiveUp | None = None
         self._resume: list[Resume] = []
         self.history: list[tuple[float, str, Hashable, int, str]] = []  # (t, what, key, epoch, why)
@@ -204,7 +221,7 @@ class Reconciler:
     def settled(self) -> bool:
         """Every group serves (nothing to reconcile)."""
         return self.failed is None and not self._resume and all(
-            g.phase in (Phase.SERVING, Phase.PARKED) for g in self.groups.values())
+            g.phase in (Phase.SERVING, Phase.PARKED, Phase.RETIRED) for g in self.groups.values())
 
     def budget_left(self, now: float) -> int:
         """Formations the intensity still allows within the window ending at `now`."""
@@ -246,21 +263,24 @@ class Reconciler:
         if isinstance(event, Formed):
             if g.phase is not Phase.FORMING:
                 return False
-            g.phase, g.attempts, g.reasons = Phase.SERVING, 0, []
+            g.phase, g.attempts, g.reasons, g.planned = Phase.SERVING, 0, [], False
             g.widen_at = now + self.widen_every_s
-            self._resume.append(Resume(event.key, event.epoch))
             self._note(now, "formed", event.key, event.epoch, f"width {g.width}")
+            if g.pending is not None:  # reshaped while it formed: change it now
+                self._change(event.key, g, g.pending, now)
+            else:
+                self._resume.append(Resume(event.key, event.epoch))
             return True
         if isinstance(event, CapacityBack):
             if g.phase not in (Phase.SERVING, Phase.PARKED) or g.width >= g.desired:
                 return False
-            g.phase, g.width = Phase.DOWN, g.desired
+            g.phase, g.width, g.planned = Phase.DOWN, g.desired, True
             g.reasons.append(f"capacity back: widening to {g.desired}")
             self._note(now, "widen", event.key, event.epoch, f"to width {g.desired}")
             return True
         if g.phase not in (Phase.SERVING, Phase.FORMING):
             return False  # already down: one fence covers every report of this epoch
-        g.phase = Phase.DOWN
+        g.phase, g.planned = Phase.DOWN, False  # what forms next is a recovery
         g.reasons.append(event.reason)
         what = "form_failed" if isinstance(event, FormFailed) else "rank_lost"
         self._note(now, what, event.key, event.epoch, event.reason)
@@ -273,6 +293,39 @@ class Reconciler:
             g.widen_at = now + self.widen_every_s
             self._note(now, "parked", event.key, event.epoch, event.reason)
         return True
+
+    def reshape(self, widths: dict[Hashable, int], now: float = 0.0) -> list[Hashable]:
+        """Set each listed group's desired width (0: retire it); the keys whose layout
+        changes. A serving group of another width is fenced and formed at the new one; a
+        retired group is formed; a group that is recovering forms at the new width; one
+        forming now changes once it has formed."""
+        changed = []
+        for key, width in widths.items():
+            g = self.groups[key]
+            if width < 0 or not isinstance(width, int):
+                raise ValueError(f"group {key!r}: width must be an integer >= 0, got {width!r}")
+            if g.desired == width and g.pending is None:
+                continue
+            changed.append(key)
+            if g.phase is Phase.FORMING:
+                g.pending = width
+            else:
+                self._change(key, g, width, now)
+        return changed
+
+    def _change(self, key: Hashable, g: GroupState, width: int, now: float) -> None:
+        g.pending, g.desired, g.width = None, width, width
+        g.min_width = 1 if g.narrowable and width else width
+        why = f"layout: width {width}" if width else "layout: retired"
+        self._note(now, "reshape", key, g.epoch, why)
+        if g.phase in (Phase.SERVING, Phase.PARKED):  # a parked epoch is fenced (a no-op) first
+            g.phase, g.planned, g.attempts = Phase.DOWN, True, 0
+            g.reasons.append(why)
+        elif g.phase is Phase.RETIRED and width:
+            g.phase, g.planned, g.attempts, g.retry_at = Phase.FENCED, True, 0, now
+            g.reasons.append(why)
+        elif g.phase is Phase.FENCED and not width:
+            g.phase = Phase.RETIRED
 
     def _peer_serves(self, key: Hashable) -> bool:
         pool = self.groups[key].pool
@@ -288,12 +341,17 @@ class Reconciler:
         out: list[Action] = []
         for key, g in self.groups.items():
             if g.phase is Phase.DOWN:
-                g.phase = Phase.FENCED
-                g.retry_at = now + self.intensity.delay(g.attempts)
-                planned = bool(g.reasons) and g.reasons[-1].startswith("capacity back")
-                out.append(Fence(key, g.epoch, planned))
+                g.phase = Phase.FENCED if g.desired else Phase.RETIRED
+                g.retry_at = now if g.planned else now + self.intensity.delay(g.attempts)
+                out.append(Fence(key, g.epoch, g.planned))
         for key, g in self.groups.items():
             if g.phase is not Phase.FENCED or g.retry_at > now:
+                continue
+            if g.planned:  # a layout change: not a recovery, outside the intensity
+                self.reshapes += 1
+                g.phase, g.attempts, g.epoch = Phase.FORMING, g.attempts + 1, g.epoch + 1
+                out.append(Form(key, g.epoch, g.attempts, g.width, g.reasons[-1] if g.reasons else "",
+                                planned=True))
                 continue
             while self.restarts and self.restarts[0] <= now - self.intensity.window_s:
                 self.restarts.popleft()

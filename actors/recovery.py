@@ -40,16 +40,18 @@ class Recovery:
     the width it should have); `narrowable`: keys of the groups that may serve with fewer
     DP ranks when a dead rank cannot be replaced (`replace_timeout_s`); `pools`: key ->
     pool of the groups that stand in for each other (one may be dropped while another
-    serves: prefill instances)."""
+    serves: prefill instances); `retired`: keys not in the layout at start (not formed;
+    `reshape` brings them in)."""
 
     def __init__(self, groups: dict[Hashable, GroupSupervisor], intensity: RestartIntensity,
                  on_fence: Callable[[Hashable], None], on_resume: Callable[[Hashable], None],
                  narrowable: tuple = (), replace_timeout_s: float = 30.0,
-                 pools: Optional[dict] = None,
+                 pools: Optional[dict] = None, retired: tuple = (),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.groups, self.on_fence, self.on_resume, self.clock = groups, on_fence, on_resume, clock
         self.replace_timeout_s = replace_timeout_s
-        widths = {k: (g.dp, 1 if k in narrowable else g.dp) for k, g in groups.items()}
+        widths = {k: (0, 0) if k in retired else (g.dp, 1 if k in narrowable else g.dp)
+                  for k, g in groups.items()}
         self.reconciler = Reconciler({k: g.epoch for k, g in groups.items()}, intensity, widths,
                                      pools=pools)
         self.deaths: dict[Hashable, list[RankDeath]] = {}  # named at fences since it served
@@ -62,8 +64,22 @@ class Recovery:
         """Re-formations started so far (every group)."""
         return self.reconciler.total_restarts
 
+    @property
+    def reshapes(self) -> int:
+        """Planned formations so far (layout changes, widening back)."""
+        return self.reconciler.reshapes
+
     def serving(self, key: Hashable) -> bool:
         return self.reconciler.serving(key)
+
+    def reshape(self, widths: dict[Hashable, int]) -> list[Hashable]:
+        """A new desired layout: each key's DP ranks (0: retire it); carried out by the
+        next `reconcile`. The keys that change."""
+        changed = self.reconciler.reshape(widths, self.clock())
+        if changed:
+            log.warning("layout_reshape", widths={str(k): w for k, w in widths.items()},
+                        changed=[str(k) for k in changed])
+        return changed
 
     def lost(self, key: Hashable, epoch: int, error: BaseException | str) -> None:
         """A call into `key`'s `epoch` failed: the group goes down (once per epoch)."""
@@ -133,7 +149,7 @@ class Recovery:
         group = self.groups[action.key]
         started = self.clock()
         log.warning("group_reforming", group=str(action.key), width=action.width,
-                    attempt=action.attempt, why=action.why[:200])
+                    attempt=action.attempt, planned=action.planned, why=action.why[:200])
         try:
             group.form(action.epoch, dp=action.width, placement_timeout_s=self.replace_timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure to form is the next event

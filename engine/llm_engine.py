@@ -254,6 +254,7 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "num_waiting_tokens": self.scheduler.num_waiting_tokens,
             "num_running": len(self.scheduler.running),
+            "running_tokens": sum(seq.num_tokens for seq in self.scheduler.running),
             "num_pages": self.num_pages,
             "kv_usage": self.pool.usage,
             "prefix_hit_rate": self.pool.hit_rate,

@@ -11,10 +11,13 @@ Keys (all numbers; see `ServingBackend.stats`):
   router_decisions, router_prefix_hit_estimate: the router's own count and hit estimate
     for the side that runs prompts;
   recoveries: groups re-formed after a rank failure (prefill instances, decode or
-    colocated groups), or widened back;
+    colocated groups);
   width, desired_width: DP ranks the decode (or colocated) group serves with now, and
     those it should have (fewer while a dead rank's capacity is missing);
   prefill_width: prefill instances serving;
+  ep_width, ep_groups, reshardings, ep_predicted_step_ms, ep_measured_step_ms (colocated
+    layouts): the EP-width policy's layout, its changes, its last predicted step and the
+    step measured;
   healthy: 1.0.
 """
 
@@ -67,5 +70,8 @@ def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
         "width": float(view.get("width", len(decode))),
         "desired_width": float(view.get("desired_width", len(router.groups))),
         "prefill_width": float(view.get("prefill_width", len(prefill))),
+        **{k: float(view[k]) for k in ("ep_width", "ep_groups", "reshardings",
+                                       "ep_predicted_step_ms", "ep_measured_step_ms")
+           if k in view},
         "healthy": 1.0,
     }

@@ -17,14 +17,15 @@ from typing import Any, Callable, Mapping, Optional
 from .backend import ServingBackend
 
 __all__ = ["DEFAULT_LAYOUT", "LAYOUT_KEYS", "resolve_layout", "is_single_rank",
-           "build_backend", "placement_lines"]
+           "build_backend", "layout_kwargs", "placement_lines"]
 
 DEFAULT_LAYOUT: Mapping[str, int] = {"prefill_tp": 1, "decode_dp": 2}
 LAYOUT_KEYS = ("tp", "dp", "prefill_tp", "decode_dp", "decode_tp", "prefill_instances",
                "prefill_page_size")
 _DISAGG_KEYS = LAYOUT_KEYS[2:]
 _CLUSTER_ONLY = ("collective_timeout_s", "max_recoveries", "recovery_window_s",
-                 "replace_timeout_s", "ep_exchange", "ray_address")
+                 "replace_timeout_s", "ep_exchange", "ray_address", "ep_policy", "ep_groups",
+                 "ep_costs", "ep_options")
 Progress = Callable[[str], None]
 
 
@@ -123,3 +124,17 @@ def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str
     except BaseException:
         client.close()
         raise
+
+
+def layout_kwargs(args) -> dict:
+    """The layout keywords of `LLM` / `build_backend` beyond tp/dp from the command
+    line's `args` (cli.py): the disaggregated layout's and the EP-width policy's."""
+    ep = {}
+    if args.ep_policy != "fixed" or args.ep_groups != 1:
+        ep = dict(ep_policy=args.ep_policy, ep_groups=args.ep_groups, ep_costs=args.ep_costs,
+                  ep_options={"itl_target_ms": args.ep_itl_target_ms,
+                              "min_interval_s": args.ep_min_interval,
+                              "interval_s": args.ep_interval})
+    return dict(prefill_tp=args.prefill_tp, prefill_instances=args.prefill_instances,
+                decode_dp=args.decode_dp, decode_tp=args.decode_tp,
+                prefill_page_size=args.prefill_page_size, **ep)

@@ -35,6 +35,14 @@ _GAUGES = {
                       "DP ranks the decode (or colocated) group should have (more than "
                       "phalanx_dp_width while a lost rank's capacity is missing)"),
     "prefill_width": ("phalanx_prefill_instances_serving", "Prefill instances serving"),
+    "ep_width": ("phalanx_ep_width", "Ranks per DP×EP group of the layout serving now"),
+    "ep_groups": ("phalanx_ep_groups", "DP×EP groups of the layout serving now"),
+    "reshardings": ("phalanx_ep_reshardings", "Layout changes the EP-width policy made (every "
+                    "group re-formed at its new width) since start"),
+    "ep_predicted_step_ms": ("phalanx_ep_predicted_step_ms",
+                             "The EP-width policy's last predicted decode step of its layout"),
+    "ep_measured_step_ms": ("phalanx_ep_measured_step_ms",
+                            "Decode step the layout runs at (wall time per step while busy)"),
     "router_prefix_hit_estimate": ("phalanx_router_prefix_hit_estimate",
                                    "Fraction of routed prompt tokens the chosen target held, "
                                    "by the router's prefix tree"),

@@ -21,7 +21,7 @@ from typing import Callable
 
 from .app import create_app
 from .backend import ServingBackend
-from .launch import build_backend
+from .launch import build_backend, layout_kwargs
 from .runner import start_server
 
 __all__ = ["run_serve", "EXIT_INTERRUPTED"]
@@ -58,9 +58,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         backend = build_backend(
             args.model, model_name=args.served_model_name, routing_policy=args.routing_policy,
-            progress=_say, tp=args.tp, dp=args.dp, prefill_tp=args.prefill_tp,
-            prefill_instances=args.prefill_instances, decode_dp=args.decode_dp,
-            decode_tp=args.decode_tp, prefill_page_size=args.prefill_page_size,
+            progress=_say, tp=args.tp, dp=args.dp, **layout_kwargs(args),
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, num_pages=args.num_pages, max_model_len=args.max_model_len,
             device=args.device, seed=args.seed, collective_timeout_s=args.collective_timeout,

@@ -55,7 +55,7 @@ def _left_behind(client) -> dict:
     still in use, once every request has ended."""
     driver = client.backend._driver
     group = driver._client
-    sups = [group.decode, *group.prefill] if hasattr(group, "prefill") else [group.supervisor]
+    sups = [group.decode, *group.prefill] if hasattr(group, "prefill") else group.supervisors
     live_pids = {p for s in sups for p in s.pids}
     alive = [r.pid for r in rank_processes()]
     pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]

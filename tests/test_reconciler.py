@@ -44,7 +44,8 @@ class Sim:
                 assert g.min_width <= a.width <= g.desired
                 self.epoch[a.key] = a.epoch
                 self.forming[a.key] = a.epoch
-                self.forms.append(self.now)
+                if not a.planned:  # layout changes are outside the restart intensity
+                    self.forms.append(self.now)
             elif isinstance(a, Resume):
                 assert self.rec.groups[a.key].phase is Phase.SERVING
                 self.live[a.key] = a.epoch
@@ -66,6 +67,7 @@ def _ops():
         st.tuples(st.just("form_short"), key),  # ... or finds no room for a rank
         st.tuples(st.just("capacity_back"), key),  # the executor found room to widen
         st.tuples(st.just("replay"), st.integers(0, 1000)),  # an old event arrives again
+        st.tuples(st.just("reshape"), st.tuples(st.integers(0, 4), st.integers(0, 4))),
         st.tuples(st.just("wait"), st.floats(0.0, 30.0)),
     ), max_size=60)
 
@@ -100,6 +102,8 @@ def test_random_event_orders_keep_the_invariants(ops, restarts, window):
                 g = sim.rec.groups[old.key]
                 assert isinstance(old, RankLost) and before[old.key][1] == old.epoch
                 assert before[old.key][0] is Phase.SERVING and g.phase is Phase.DOWN
+        elif op == "reshape":  # the EP-width policy: decode and one prefill key's widths
+            sim.rec.reshape({"decode": arg[0], ("prefill", 1): arg[1]}, sim.now)
         elif op == "wait":
             sim.now += arg
         sim.step()
@@ -109,6 +113,8 @@ def test_random_event_orders_keep_the_invariants(ops, restarts, window):
         for key, g in sim.rec.groups.items():
             if g.phase is Phase.PARKED:  # dropped only while a peer of its pool served
                 assert g.width == 0 and g.pool is not None and sim.live[key] is None
+            elif g.phase is Phase.RETIRED:  # not in the layout: nothing of it serves
+                assert g.width == g.desired == 0 and sim.live[key] is None
             else:
                 assert g.min_width <= g.width <= g.desired
     # Liveness: once deaths stop, every formation succeeds and time passes, the layout
@@ -122,7 +128,8 @@ def test_random_event_orders_keep_the_invariants(ops, restarts, window):
         sim.step()
     groups = sim.rec.groups
     assert sim.gave_up or (sim.rec.settled and all(
-        v is not None or groups[k].phase is Phase.PARKED for k, v in sim.live.items()))
+        v is not None or groups[k].phase in (Phase.PARKED, Phase.RETIRED)
+        for k, v in sim.live.items()))
     if sim.gave_up:
         assert sim.rec.failed is not None and sim.rec.actions(sim.now) == []
 
@@ -247,3 +254,37 @@ def test_a_prefill_instance_without_room_is_parked_while_another_serves():
     rec.observe(FormFailed(("prefill", 1), forms[1].epoch, "no room", short=True), 5.0)
     phases = {k: g.phase for k, g in rec.groups.items()}
     assert Phase.PARKED not in phases.values(), phases
+
+
+def test_a_layout_change_fences_every_changed_group_before_forming_and_is_not_a_recovery():
+    rec = Reconciler({"g0": 1, "g1": 1}, RestartIntensity(1, 60.0, backoff_s=0.0, max_backoff_s=0.0),
+                     widths={"g0": (2, 1), "g1": (2, 1)})
+    assert rec.reshape({"g0": 4, "g1": 0}, 0.0) == ["g0", "g1"]
+    acts = rec.actions(0.0)
+    assert [type(a) for a in acts] == [Fence, Fence, Form]
+    assert all(a.planned for a in acts) and acts[2].key == "g0" and acts[2].width == 4
+    assert rec.groups["g1"].phase is Phase.RETIRED and not rec.serving("g1")
+    rec.observe(Formed("g0", acts[2].epoch), 1.0)
+    assert [type(a) for a in rec.actions(1.0)] == [Resume]
+    assert rec.settled and rec.total_restarts == 0 and rec.reshapes == 1
+    # And back: the retired group forms again; both are planned.
+    rec.reshape({"g0": 2, "g1": 2}, 2.0)
+    forms = [a for a in rec.actions(2.0) if isinstance(a, Form)]
+    assert sorted((a.key, a.width, a.planned) for a in forms) == [("g0", 2, True), ("g1", 2, True)]
+    # A death during a planned formation: the next formation is a recovery (counted).
+    rec.observe(FormFailed("g1", forms[1].epoch, "ActorDiedError"), 3.0)
+    again = [a for a in rec.actions(3.0) if isinstance(a, Form)]
+    assert again[0].key == "g1" and not again[0].planned and rec.total_restarts == 1
+
+
+def test_a_reshape_while_forming_applies_once_formed():
+    rec = Reconciler({"g": 1}, RestartIntensity(5, 60.0, backoff_s=0.0, max_backoff_s=0.0),
+                     widths={"g": (2, 1)})
+    rec.observe(RankLost("g", 1, "process died"), 0.0)
+    form = [a for a in rec.actions(0.0) if isinstance(a, Form)][0]
+    assert rec.reshape({"g": 4}, 0.5) == ["g"]
+    rec.observe(Formed("g", form.epoch), 1.0)
+    acts = rec.actions(1.0)
+    assert [type(a) for a in acts] == [Fence, Form] and acts[1].width == 4 and acts[1].planned
+    with pytest.raises(ValueError, match="width"):
+        rec.reshape({"g": -1})
