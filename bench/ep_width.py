@@ -2,11 +2,13 @@
 measured decode steps, and the policy's pick against the measured best.
 
     python bench/ep_width.py                    # (a) CPU, a 64-expert model, DP=4
+    python bench/ep_width.py --model DIR --dp N [--tp T] [--device cuda]  # your own
     python bench/ep_width.py --simulate         # (b) widths 1..128, H200 + seed figures
 
 (a) One colocated DP=4 layout of real rank actors (Ray, gloo) serving a tiny-sized model
-with 64 experts (top-8), re-shaped by the client itself through 4x1, 2x2 and 1x4 (groups
-x ranks per group, the EP-width policy's path). At each layout and batch (sequences per
+with 64 experts (top-8) — or `--model`'s, at `--dp`/`--tp`, the tables `phalanx serve
+--ep-costs` should read for that model and layout — re-shaped by the client itself through
+every even split (4x1, 2x2 and 1x4: groups x ranks per group, the EP-width policy's path). At each layout and batch (sequences per
 DP rank, `--batches`), a decode step is measured: the DP leaders' step counters over
 wall time while every rank runs that many long requests. The expert compute is measured
 apart, in this process, with the model's own expert weights' shapes (`fused_experts`
@@ -41,16 +43,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from phalanx.actors.cluster import Placement  # noqa: E402
 from phalanx.actors.ep_control import model_numbers  # noqa: E402
 from phalanx.engine.sampling_params import SamplingParams  # noqa: E402
-from phalanx.kernels.moe import fused_experts_ref  # noqa: E402
+from phalanx.kernels.moe import fused_experts  # noqa: E402
 from phalanx.models.loader import read_model_config  # noqa: E402
 from phalanx.models.tiny import tiny_variant_config, write_random_checkpoint, write_tokenizer  # noqa: E402
 from phalanx.policies.ep_cost import CostTables, Grid, active_experts  # noqa: E402
-from phalanx.policies.ep_width import (EPInputs, EPLayout, OfferedLoad, RankPool,  # noqa: E402
-                                       make_ep_width_policy)
+from phalanx.policies.ep_width import (EPInputs, OfferedLoad, RankPool,  # noqa: E402
+                                       candidate_layouts, make_ep_width_policy)
 
-DP = 4
-LAYOUTS = (EPLayout(1, 4), EPLayout(2, 2), EPLayout(4, 1))
-ACTIVE = (1, 2, 4, 8, 16, 32, 64)
+ACTIVE = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ROWS = (8, 32, 128, 512)
 
 
@@ -63,38 +63,45 @@ def build_model(folder: Path) -> Path:
     return write_random_checkpoint(folder, cfg, seed=0)
 
 
-def expert_grid(model_dir: Path, reps: int) -> Grid:
-    """µs of one step's expert compute (all MoE layers) by distinct experts and rows."""
+def expert_grid(model_dir: Path, reps: int, device: str, dtype: torch.dtype) -> Grid:
+    """µs of one step's expert compute (all MoE layers) by distinct experts and rows,
+    with the kernel the ranks run (`fused_experts`: Triton on GPU, the reference on CPU)."""
     m = read_model_config(model_dir)
     h, inter, k = m.hidden_size, m.moe_intermediate_size, m.num_experts_per_tok
-    gen = torch.Generator().manual_seed(0)
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    actives = [a for a in ACTIVE if a <= m.num_experts]
     values = []
-    for active in ACTIVE:
-        w13 = torch.randn(active, 2 * inter, h, generator=gen)
-        w2 = torch.randn(active, h, inter, generator=gen)
+    for active in actives:
+        w13 = torch.randn(active, 2 * inter, h, generator=gen, device=dev).to(dtype)
+        w2 = torch.randn(active, h, inter, generator=gen, device=dev).to(dtype)
         row = []
         for rows in ROWS:
             tokens = max(1, rows // k)
-            x = torch.randn(tokens, h, generator=gen)
-            ids = torch.randint(0, active, (tokens, k), generator=gen)
-            weights = torch.full((tokens, k), 1.0 / k)
-            fused_experts_ref(x, weights, ids, w13, w2)  # warm
+            x = torch.randn(tokens, h, generator=gen, device=dev).to(dtype)
+            ids = torch.randint(0, active, (tokens, k), generator=gen, device=dev)
+            weights = torch.full((tokens, k), 1.0 / k, device=dev)
+            fused_experts(x, weights, ids, w13, w2)  # warm (and compile)
+            sync()
             t = time.perf_counter()
             for _ in range(reps):
-                fused_experts_ref(x, weights, ids, w13, w2)
+                fused_experts(x, weights, ids, w13, w2)
+            sync()
             row.append((time.perf_counter() - t) / reps * 1e6 * m.num_moe_layers)
         values.append(tuple(row))
-    return Grid(tuple(float(a) for a in ACTIVE), tuple(float(r) for r in ROWS), tuple(values))
+    return Grid(tuple(float(a) for a in actives), tuple(float(r) for r in ROWS), tuple(values))
 
 
 def step_ms(client, batch: int, prompt_len: int, seconds: float, vocab: int) -> tuple[float, float]:
     """Mean decode step (ms) of the layout's groups with `batch` long requests per DP rank,
     and the mean context they ran at."""
     params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
-    ids = [f"b{batch}-{i}-{time.monotonic_ns()}" for i in range(DP * batch)]
+    dp = client.dp
+    ids = [f"b{batch}-{i}-{time.monotonic_ns()}" for i in range(dp * batch)]
     for i, rid in enumerate(ids):
         prompt = [(7 * i + j) % (vocab - 8) for j in range(prompt_len)]
-        client.submit(rid, prompt, params, Placement(dp_group=i % DP))
+        client.submit(rid, prompt, params, Placement(dp_group=i % dp))
     seen: dict[str, int] = {}
     while min((seen.get(r, 0) for r in ids), default=0) < 4:  # every request decoding
         for o in client.poll():
@@ -125,15 +132,17 @@ def settle(client, timeout_s: float = 120.0) -> None:
     raise TimeoutError("the layout did not settle")
 
 
-def measure(model_dir: Path, batches: list[int], seconds: float) -> tuple[dict, float]:
-    """{(width, batch): step ms} over the three layouts, and the mean context."""
+def measure(model_dir: Path, batches: list[int], seconds: float, layouts: list, dp: int,
+            tp: int, device: str) -> tuple[dict, float]:
+    """{(width, batch): step ms} over `layouts`, and the mean context."""
     from phalanx import LLM
-    llm = LLM(model_dir, dp=DP, ep_groups=DP, max_num_seqs=max(batches), page_size=16,
-              num_pages=2048, max_num_batched_tokens=1024)
+    llm = LLM(model_dir, dp=dp, tp=tp, ep_groups=dp, max_num_seqs=max(batches), page_size=16,
+              num_pages=0 if device.startswith("cuda") else 2048, device=device,
+              max_num_batched_tokens=1024)
     client, vocab = llm.cluster, llm.config.model.vocab_size
     steps, contexts = {}, []
     try:
-        for layout in LAYOUTS:
+        for layout in layouts:
             if client.layout != layout:
                 client.reshape(layout)
             settle(client)
@@ -148,32 +157,37 @@ def measure(model_dir: Path, batches: list[int], seconds: float) -> tuple[dict, 
     return steps, sum(contexts) / len(contexts)
 
 
-def fit_tables(steps: dict, experts: Grid, model, fit: list[int], ctx: float) -> CostTables:
-    """The tables from the `fit` batches (see the module docstring)."""
-    k = model.experts_per_token
+def fit_tables(steps: dict, experts: Grid, model, fit: list[int], ctx: float,
+               widths: tuple[int, ...] = (1, 2, 4)) -> CostTables:
+    """The tables from the `fit` batches (see the module docstring); `widths`: the
+    layouts' ranks per group, narrowest (no exchange) first."""
+    k, narrow = model.experts_per_token, widths[0]
+
     def expert_us(w, b):
         return experts.at(active_experts(model, w, b), b * k)
-    attention = Grid(tuple(float(b) for b in fit), (ctx,),
-                     tuple((max(0.0, steps[(1, b)] * 1e3 - expert_us(1, b)),) for b in fit))
-    widths = tuple(float(lay.width) for lay in LAYOUTS)
-    exchange = Grid(widths, tuple(float(b) for b in fit), tuple(
-        tuple(0.0 if w == 1 else max(0.0, steps[(int(w), b)] * 1e3 - attention.at(b, ctx)
-                                     - expert_us(int(w), b)) for b in fit) for w in widths))
+
+    attention = Grid(tuple(float(b) for b in fit), (ctx,), tuple(
+        (max(0.0, steps[(narrow, b)] * 1e3 - expert_us(narrow, b)),) for b in fit))
+    exchange = Grid(tuple(float(w) for w in widths), tuple(float(b) for b in fit), tuple(
+        tuple(0.0 if w == narrow else max(0.0, steps[(w, b)] * 1e3 - attention.at(b, ctx)
+                                          - expert_us(w, b)) for b in fit) for w in widths))
     zero = Grid((1.0,), (0.0,), ((0.0,),))
     return CostTables(exchange, experts, attention, zero,
                       source=f"bench/ep_width.py on {os.uname().nodename}, "
                              f"{time.strftime('%Y-%m-%d')}, CPU, batches {fit}")
 
 
-def picks(tables: CostTables, model, steps: dict, ctx: float, loads: list[int]) -> list[dict]:
-    pool = RankPool(DP, memory_bytes=1 << 40, max_seqs=max(loads))
+def picks(tables: CostTables, model, steps: dict, ctx: float, loads: list[int], dp: int,
+          tp: int) -> list[dict]:
+    pool = RankPool(dp * tp, tp, memory_bytes=1 << 40, max_seqs=max(loads))
+    layouts = candidate_layouts(pool)
     out = []
     for b in loads:
         policy = make_ep_width_policy("cost_model", {"margin": 0.0, "min_interval_s": 0.0,
                                                      "itl_target_ms": 1e6})
-        load = OfferedLoad((b,) * DP, (0,) * DP, (0,) * DP, ctx)
-        d = policy.decide(EPInputs(pool, model, load, tables, LAYOUTS[0]))
-        best = min(LAYOUTS, key=lambda lay: steps[(lay.width, b)])
+        load = OfferedLoad((b,) * dp, (0,) * dp, (0,) * dp, ctx)
+        d = policy.decide(EPInputs(pool, model, load, tables, layouts[0]))
+        best = min(layouts, key=lambda lay: steps[(lay.width, b)])
         out.append({"batch": b, "pick": str(d.layout), "measured_best": str(best),
                     "pick_ms": steps[(d.layout.width, b)], "best_ms": steps[(best.width, b)],
                     "reason": d.reason})
@@ -183,6 +197,11 @@ def picks(tables: CostTables, model, steps: dict, ctx: float, loads: list[int]) 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--simulate", action="store_true", help="(b): bench/ep_width_sim.py")
+    ap.add_argument("--model", default=None,
+                    help="a Hugging Face MoE model folder (default: a tiny-sized 64-expert one)")
+    ap.add_argument("--dp", type=int, default=4, help="DP ranks of the layout to calibrate")
+    ap.add_argument("--tp", type=int, default=1, help="TP ranks inside each DP rank")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--batches", default="1,4,8,16", help="sequences per DP rank")
     ap.add_argument("--fit", default="1,16", help="batches the tables are fitted from")
     ap.add_argument("--seconds", type=float, default=3.0, help="measured time per point")
@@ -195,18 +214,23 @@ def main(argv=None) -> int:
     out_dir = Path(os.environ.get("OUT", "."))
     batches = [int(b) for b in args.batches.split(",")]
     fit = [int(b) for b in args.fit.split(",")]
+    layouts = candidate_layouts(RankPool(args.dp * args.tp, args.tp))
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp) / "moe64")
-        model = model_numbers(read_model_config(model_dir), 4)
-        experts = expert_grid(model_dir, args.reps)
-        steps, ctx = measure(model_dir, sorted(set(batches) | set(fit)), args.seconds)
-    tables = fit_tables(steps, experts, model, fit, ctx)
+        model_dir = Path(args.model) if args.model else build_model(Path(tmp) / "moe64")
+        cfg = read_model_config(model_dir)
+        dtype = torch.float32 if args.device == "cpu" else getattr(torch, cfg.dtype, torch.bfloat16)
+        model = model_numbers(cfg, torch.tensor([], dtype=dtype).element_size())
+        experts = expert_grid(model_dir, args.reps, args.device, dtype)
+        steps, ctx = measure(model_dir, sorted(set(batches) | set(fit)), args.seconds, layouts,
+                             args.dp, args.tp, args.device)
+    tables = fit_tables(steps, experts, model, fit, ctx, tuple(lay.width for lay in layouts))
     costs = Path(args.costs_out) if args.costs_out else out_dir / "ep_costs.json"
     costs.write_text(tables.to_json())
     rows = [{"layout": str(lay), "batch": b, "measured_ms": steps[(lay.width, b)],
              "predicted_ms": tables.step_us(model, lay.width, b, ctx) / 1e3, "fitted": b in fit}
-            for lay in LAYOUTS for b in batches]
-    chosen = picks(tables, model, steps, ctx, [batches[0], batches[len(batches) // 2], batches[-1]])
+            for lay in layouts for b in batches]
+    chosen = picks(tables, model, steps, ctx, [batches[0], batches[len(batches) // 2], batches[-1]],
+                   args.dp, args.tp)
     (out_dir / "ep_width.json").write_text(json.dumps(
         {"context": ctx, "steps": rows, "picks": chosen, "costs": str(costs)}, indent=1))
     print(f"\ncost tables: {costs}; mean context {ctx:.0f} tokens; JSON: {out_dir / 'ep_width.json'}")

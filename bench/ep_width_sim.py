@@ -59,7 +59,7 @@ def _fit_rounds() -> tuple[float, float]:
     """Latency (µs) and bandwidth (bytes/µs) of one exchange round, least squares."""
     xs = [b for b, _ in PEER_ROUNDS.values()]
     ys = [us for _, us in PEER_ROUNDS.values()]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return my - slope * mx, 1.0 / slope
 
