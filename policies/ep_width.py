@@ -188,9 +188,13 @@ def estimate(inputs: EPInputs, layout: EPLayout) -> Estimate:
 
 
 class EPWidthPolicy(ABC):
-    """See the module docstring for the contract."""
+    """See the module docstring for the contract. `Config`: the policy's frozen settings
+    class; the constructor takes one, a mapping of its fields, or None (the defaults)."""
 
     Config: ClassVar[type]
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = resolve_config(self.Config, config)
 
     @abstractmethod
     def decide(self, inputs: EPInputs) -> Decision:
@@ -212,9 +216,6 @@ class FixedPolicy(EPWidthPolicy):
 
     Config = NoSettings
 
-    def __init__(self, config: Any = None) -> None:
-        self.config = resolve_config(NoSettings, config)
-
     def decide(self, inputs: EPInputs) -> Decision:
         return _keep(inputs, f"fixed at {inputs.current}")
 
@@ -224,9 +225,6 @@ class WidestPolicy(EPWidthPolicy):
     """Every rank in one group (the least weight bytes per rank, the most KV room)."""
 
     Config = NoSettings
-
-    def __init__(self, config: Any = None) -> None:
-        self.config = resolve_config(NoSettings, config)
 
     def decide(self, inputs: EPInputs) -> Decision:
         widest = EPLayout(inputs.pool.ranks, 1)
@@ -266,7 +264,7 @@ class CostModelPolicy(EPWidthPolicy):
     Config = CostModelConfig
 
     def __init__(self, config: Any = None) -> None:
-        self.config = resolve_config(CostModelConfig, config)
+        super().__init__(config)
         self.last_change: Optional[float] = None
 
     def decide(self, inputs: EPInputs) -> Decision:
