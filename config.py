@@ -197,7 +197,8 @@ class EPWidthConfig:
     """How the EP width (ranks per DP×EP group) is chosen while serving (policies/ep_width.py).
 
     `policy`: a registered "ep_width" policy ("fixed": the `groups` given, "widest",
-    "cost_model"); `groups`: DP×EP groups at start (the DP ranks split evenly);
+    "cost_model"); `groups`: DP×EP groups at start (the colocated or decode DP ranks split
+    evenly; checked where the layout is built, `actors/dp_groups.py`);
     `costs`: a cost-table file (bench/ep_width.py writes one; "" with cost_model: measured
     on the ranks at start); `interval_s`: how often the policy is asked;
     `itl_target_ms`, `margin`, `min_interval_s`: cost_model's ITL target, hysteresis and
@@ -266,8 +267,6 @@ class ParallelConfig:
                  f"must be positive, got {self.collective_timeout_s}")
         _require(self.ep_exchange in ("exact", "padded", "peer"), "ep_exchange",
                  f"{self.ep_exchange!r} is not 'exact', 'padded' or 'peer'")
-        _require(self.dp % self.ep_width.groups == 0, "ep_width.groups",
-                 f"{self.ep_width.groups} groups do not split dp={self.dp} evenly")
 
     @property
     def world_size(self) -> int:

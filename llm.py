@@ -52,6 +52,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
     path = _resolve_model(model)
     ep_width = EPWidthConfig.from_dict({"policy": ep_policy, "groups": ep_groups,
                                         "costs": ep_costs, **(ep_options or {})})
+    if dp > 1 and dp % ep_width.groups:
+        raise ValueError(f"ep_groups: {ep_width.groups} groups do not split dp={dp} evenly")
     if ep_width.policy not in ep_width_policy_names():
         raise ValueError(f"ep_policy: unknown EP-width policy {ep_width.policy!r}; known: "
                          f"{ep_width_policy_names()}")

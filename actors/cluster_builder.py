@@ -21,11 +21,10 @@ def build_cluster(config: EngineConfig, disagg: Optional[DisaggConfig] = None,
     with its own page size) describes, formed on Ray (started locally unless
     `ray_address`); blocks until every rank has loaded its shard."""
     deadline = config.parallel.collective_timeout_s
-    ep = config.parallel.ep_width
-    if disagg is not None and (ep.policy != "fixed" or ep.groups != 1):
-        raise ValueError("ep_policy / ep_groups: the EP width is chosen at run time for the "
-                         "colocated layout (--tp/--dp); the disaggregated decode group is one "
-                         "group")
+    groups, dp = config.parallel.ep_width.groups, (config.parallel.dp if disagg is None
+                                                    else disagg.decode_dp)
+    if dp % groups:
+        raise ValueError(f"ep_groups: {groups} groups do not split {dp} DP ranks evenly")
     if disagg is None:
         return GroupClient(config, config.parallel.tp, config.parallel.dp, deadline, ray_address)
     cache = dataclasses.replace(config.cache,

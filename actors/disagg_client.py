@@ -36,12 +36,14 @@ from ..engine.sampling_params import SamplingParams
 from ..kv_transfer.transport.staging_memory import staging_bytes
 from ..log import get_logger
 from .abort_cleanup import AbortCleanup
-from .disagg_recovery import (CALL_ERRORS, DECODE, DecodeLost, DisaggRecovery,
+from .disagg_recovery import (CALL_ERRORS, DECODE, DecodeLost, DisaggRecovery, is_decode_key,
                               prefill_key)
+from .disagg_placement import DisaggPlacement
 from .disagg_views import DisaggViews
 from .cluster import ANYWHERE, Placement
+from .dp_groups import DPGroups
+from .ep_control import EPControl
 from .held_reports import HeldReports
-from .rank.prefill_role import KVDestination
 from .rank_actor import RemoteDecodeRank, RemotePrefillRank
 from .recovery import Recovery, intensity_of
 from .supervisor import GroupSupervisor, ensure_ray
@@ -59,7 +61,9 @@ class _Request:
     params: SamplingParams
     state: str = "queued"  # queued | prefill | decode
     attempt: int = 0
-    dp_rank: int = -1
+    dp_rank: int = -1  # the global decode DP rank it is placed on
+    dkey: Optional[str] = None  # the decode group that DP rank lives in (None: not placed)
+    local: int = -1  # its DP rank in that group
     instance: int = -1
     key: int = 0
     transfer_id: str = ""
@@ -84,7 +88,7 @@ def with_staging(config: EngineConfig, connections: int) -> EngineConfig:
     return dataclasses.replace(config, cache=cache)
 
 
-class DisaggClient(DisaggRecovery, DisaggViews):
+class DisaggClient(DisaggPlacement, DisaggRecovery, DisaggViews):
     """Submit / poll / abort over a disaggregated deployment; `close()` stops it."""
 
     def __init__(self, prefill_config: EngineConfig, decode_config: EngineConfig,
@@ -94,18 +98,19 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         decode_config = with_staging(decode_config, layout.prefill_tp * layout.prefill_instances)
         ensure_ray(num_cpus=max(8, 2 * world), address=ray_address)
         self.layout, self.config = layout, decode_config
-        self.decode = GroupSupervisor(decode_config, layout.decode_tp, layout.decode_dp,
-                                      deadline_s, actor_cls=RemoteDecodeRank)
+        self.decodes = DPGroups(lambda n: GroupSupervisor(decode_config, layout.decode_tp, n,
+                                                          deadline_s, actor_cls=RemoteDecodeRank),
+                                layout.decode_dp, layout.decode_tp,
+                                decode_config.parallel.ep_width.groups, DECODE)
         self.prefill = [GroupSupervisor(prefill_config, layout.prefill_tp, 1, deadline_s,
                                         actor_cls=RemotePrefillRank)
                         for _ in range(layout.prefill_instances)]
         try:
-            for group in [self.decode, *self.prefill]:
+            for group in [*self.decodes.supervisors, *self.prefill]:
                 group.form()
         except Exception:
             self.close()
             raise
-        self._learn_decode_layout()
         self._rr, self._rr_prefill = itertools.count(), itertools.count()
         self._reqs: dict[str, _Request] = {}
         self._queue: deque[str] = deque()
@@ -116,29 +121,53 @@ class DisaggClient(DisaggRecovery, DisaggViews):
         self._arrivals = itertools.count()
         self._held = HeldReports()
         self._aborting: dict[str, AbortCleanup] = {}  # aborted while prefilling, by id
-        groups = {DECODE: self.decode, **{prefill_key(i): g for i, g in enumerate(self.prefill)}}
+        groups = {**self.decodes.by_key, **{prefill_key(i): g for i, g in enumerate(self.prefill)}}
         self.recovery = Recovery(groups, intensity_of(decode_config), on_fence=self._on_fence,
                                  on_resume=self._on_resume,
-                                 narrowable=(DECODE,) if layout.decode_dp > 1 else (),
+                                 narrowable=tuple(self.decodes.keys) if layout.decode_dp > 1 else (),
                                  replace_timeout_s=decode_config.parallel.replace_timeout_s,
-                                 pools={prefill_key(i): "prefill" for i in range(len(self.prefill))})
+                                 pools={prefill_key(i): "prefill" for i in range(len(self.prefill))},
+                                 retired=self.decodes.retired())
+        self._kv: dict[str, list] = {}  # decode key -> its ranks' KV receivers, by rank
+        self._dst_layout: dict = {}  # decode key -> its KV layout
+        self._decode_pages = 0
+        for key in self.decodes.active():
+            self._learn_decode_layout(key)
+        self.ep = EPControl(decode_config, layout.decode_tp, layout.decode_dp, self._decode_pages)
+
+    @property
+    def decode(self) -> GroupSupervisor:
+        """The first decode group's supervisor (the only one in a one-group layout)."""
+        return self.decodes.supervisors[0]
+
+    @property
+    def decode_groups(self) -> list[GroupSupervisor]:
+        return self.decodes.supervisors
 
     @property
     def recoveries(self) -> int:
         """Prefill instances re-formed so far."""
-        return sum(n for key, n in self.recovery.formed.items() if key != DECODE)
+        return sum(n for key, n in self.recovery.formed.items() if not is_decode_key(key))
 
     @property
     def decode_recoveries(self) -> int:
-        """Decode groups re-formed so far."""
-        return self.recovery.formed[DECODE]
+        """Decode groups re-formed so far (faults and layout changes)."""
+        return sum(n for key, n in self.recovery.formed.items() if is_decode_key(key))
 
-    def _learn_decode_layout(self) -> None:
-        """The decode ranks' KV receivers and layout (after each formation)."""
-        info = sorted(self.decode.start_info, key=lambda i: i["rank"])
-        self._kv_addresses = [tuple(i["kv_address"]) for i in info]
-        self._dst_layout = info[0]["kv_layout"]
-        self._decode_pages = min(i["num_pages"] for i in info[::self.layout.decode_tp])
+    @property
+    def reshapes(self) -> int:
+        return self.recovery.reshapes
+
+    def _learn_decode_layout(self, key: str) -> None:
+        """Decode group `key`'s KV receivers and layout (after each formation)."""
+        info = sorted(self.decodes.by_key[key].start_info, key=lambda i: i["rank"])
+        self._kv[key] = [tuple(i["kv_address"]) for i in info]
+        self._dst_layout[key] = info[0]["kv_layout"]
+        self._decode_pages = self.decodes.fewest_pages(
+            lambda k: k in self._kv and self.recovery.serving(k), self._decode_pages)
+
+    def _decode_serving(self) -> list[str]:
+        return [k for k in self.decodes.active() if self.recovery.serving(k)]
 
     @property
     def epoch(self) -> int:
@@ -177,106 +206,34 @@ class DisaggClient(DisaggRecovery, DisaggViews):
             return
         if req.state == "queued":
             self._queue.remove(request_id)
-        elif not self.recovery.serving(DECODE):
+        elif req.dkey is None or not self.recovery.serving(req.dkey):
             return  # its pages and gates go with the decode group's epoch
         elif req.state == "prefill":  # taken apart by the polls: never waits on a rank
             self._aborting[request_id] = self._abort_cleanup(req)
         else:
-            self.decode.leaders[req.dp_rank].abort.remote(request_id)
+            self._decode_leader(req).abort.remote(request_id)
 
     def _pump(self) -> None:
         """Start queued prefills, a batch of up to `PUMP_BATCH` at a time with one round
         of calls per batch (not per request): each DP leader reserves its requests' pages
         in arrival order and takes none after one that does not fit; a batch that starts
         nothing ends the pump until the next poll."""
-        while self._queue and self.recovery.serving(DECODE) and self._serving_instances():
+        while self._queue and self._decode_serving() and self._serving_instances():
             batch = [self._reqs[rid] for rid in itertools.islice(self._queue, PUMP_BATCH)]
-            try:
-                started = self._start_prefills(batch)
-            except DecodeLost:  # the group was replaced; try again on the next poll
-                return
+            started = self._start_prefills(batch)
             if not started:
                 return
             self._queue = deque(rid for rid in self._queue
                                 if self._reqs[rid].state == "queued")
 
-    def _serving_instances(self) -> list[int]:
-        return [i for i in range(len(self.prefill)) if self.recovery.serving(prefill_key(i))]
-
-    def _instance_for(self, req: _Request) -> int:
-        """The placement's prefill instance, or the next serving one while it is down."""
-        chosen, serving = req.placement.prefill_instance, self._serving_instances()
-        return chosen if chosen in serving else min(serving, key=lambda i: (i - chosen) % len(self.prefill))
-
-    def _decode_ranks(self, dp_rank: int) -> list:
-        tp = self.layout.decode_tp
-        return self.decode.actors[dp_rank * tp:(dp_rank + 1) * tp]
-
-    def _start_prefills(self, batch: list[_Request]) -> list[_Request]:
-        """Reserve decode pages, open the gates, tell every prefill rank where each
-        request's KV goes, then submit them to their instances' leaders; the requests
-        that started (state "prefill": a failed instance puts its own back in the queue)."""
-        by_dp: dict[int, list[_Request]] = {}
-        for req in batch:
-            if req.dp_rank < 0:  # % the decode group's width: fewer DP ranks while narrow
-                req.dp_rank = req.placement.dp_group % self.decode.dp
-            by_dp.setdefault(req.dp_rank, []).append(req)
-        refs = [self.decode.leaders[dp].reserve_many.remote([(r.request_id, r.tokens) for r in reqs])
-                for dp, reqs in by_dp.items()]
-        reserved = []
-        for reqs, results in zip(by_dp.values(), self._decode_call(lambda: ray.get(refs))):
-            reserved += [(req, got) for req, got in zip(reqs, results) if got is not None]
-        if not reserved:
-            return []
-        reserved.sort(key=lambda item: item[0].arrival)
-        for req, _ in reserved:
-            req.attempt += 1
-            req.transfer_id = f"{req.request_id}#{req.attempt}"
-        self._decode_call(lambda: ray.get([rank.open_gate.remote(req.transfer_id)
-                                           for req, _ in reserved
-                                           for rank in self._decode_ranks(req.dp_rank)]))
-        by_instance: dict[int, list[tuple[_Request, KVDestination]]] = {}
-        tp = self.layout.decode_tp
-        for req, (pages, cached) in reserved:
-            req.instance, req.key = self._instance_for(req), next(self._keys)
-            req.state, req.sent, req.first = "prefill", set(), None
-            dp = req.dp_rank
-            dest = KVDestination(req.request_id, req.transfer_id,
-                                 tuple(self._kv_addresses[dp * tp:(dp + 1) * tp]),
-                                 self._dst_layout, tuple(pages), len(req.tokens), dp,
-                                 start=cached)
-            by_instance.setdefault(req.instance, []).append((req, dest))
-        for index, items in by_instance.items():
-            self._send_to_instance(index, items)
-        return [req for req, _ in reserved if req.state == "prefill"]
-
-    def _send_to_instance(self, index: int, items: list[tuple[_Request, KVDestination]]) -> None:
-        """Every rank of instance `index` learns where each request's KV goes, then its
-        leader starts them. A failed prefill rank reports the instance lost; a rank that
-        cannot reach a decode rank (its connection fails) reports the decode group lost:
-        either group's fence takes the requests back."""
-        group = self.prefill[index]
-        epoch = group.epoch
-        try:
-            ray.get([a.expect.remote(req.key, dest) for req, dest in items for a in group.actors],
-                    timeout=group.deadline_s + 5.0)
-            ray.get([group.leaders[0].submit_prefill.remote(req.request_id, req.tokens,
-                                                            req.params, req.key)
-                     for req, _ in items], timeout=group.deadline_s + 5.0)
-        except CALL_ERRORS as e:
-            self.recovery.lost(prefill_key(index), epoch, e)
-        except Exception as e:  # noqa: BLE001 - e.g. TransferError: a decode rank unreachable
-            log.warning("kv_destination_unreachable", instance=index, error=str(e)[:300])
-            self.recovery.lost(DECODE, self.decode.epoch, e)
-
     # -- outputs ---------------------------------------------------------------------
     def poll(self) -> list[StepOutput]:
         """Tokens of any request since the last poll, waiting at most ~`POLL_S`."""
-        self.recovery.reconcile()
+        self.maintain()
         try:
             self._advance_aborts()
         except DecodeLost as e:  # its fence (next poll) puts the requests back in the queue
-            log.warning("decode_group_lost", epoch=self.decode.epoch, error=str(e))
+            log.warning("decode_group_lost", error=str(e))
         self._pump()
         self._issue_polls()
         if not self._pending:  # every group is down, re-forming after a backoff
@@ -293,14 +250,33 @@ class DisaggClient(DisaggRecovery, DisaggViews):
             self._hand_over([r for r in self._reqs.values() if r.state == "prefill"
                              and r.first is not None and len(r.sent) == self.layout.prefill_tp])
         except DecodeLost as e:  # its fence (next poll) puts the requests back in the queue
-            log.warning("decode_group_lost", epoch=self.decode.epoch, error=str(e))
+            log.warning("decode_group_lost", error=str(e))
         out, self._out = self._out, []
         return out
 
     def maintain(self) -> None:
-        """Recovery work due while no request is polled (a death to fence, a narrow
-        group to widen); `GroupFailure` once the layout gave up."""
+        """Recovery and layout work due now (a death to fence, a narrow group to widen,
+        the EP-width policy's turn for the decode side); `GroupFailure` once the layout
+        gave up."""
         self.recovery.reconcile()
+        if self.ep.due() and len(self._decode_serving()) == len(self.decodes.active()):
+            try:
+                stats = self.leader_stats()["decode"]
+            except TimeoutError:
+                return
+            decision = self.ep.decide(stats, self.decodes.layout)
+            if decision.changed:
+                self.reshape(decision.layout)
+            self.recovery.reconcile()
+
+    def reshape(self, layout) -> None:
+        """Serve the decode side with `layout` (an `EPLayout`): every decode group whose
+        width changes is fenced and formed at its new width (planned); its requests
+        start again on the group their DP rank lives in. Prefill instances stay."""
+        before = self.decodes.layout
+        widths = self.decodes.reshape(layout)
+        log.warning("ep_layout_change", side="decode", before=str(before), after=str(layout))
+        self.recovery.reshape(widths)
 
     def _issue_polls(self) -> None:
         waiting = set(self._pending.values())
@@ -311,19 +287,22 @@ class DisaggClient(DisaggRecovery, DisaggViews):
                 tag = ("prefill", i, r, group.epoch)
                 if tag not in waiting:
                     self._pending[actor.poll_events.remote(POLL_S)] = tag
-        for d, leader in enumerate(self.decode.leaders if self.recovery.serving(DECODE) else ()):
-            tag = ("decode", d, 0, self.decode.epoch)
-            if tag not in waiting:
-                self._pending[leader.poll.remote(POLL_S)] = tag
+        for key in self._decode_serving():
+            sup = self.decodes.by_key[key]
+            for d, leader in enumerate(sup.leaders):
+                tag = ("decode", key, d, sup.epoch)
+                if tag not in waiting:
+                    self._pending[leader.poll.remote(POLL_S)] = tag
 
     def _take(self, ref, tag) -> None:
         side, index, _, epoch = tag
         if side == "decode":
-            if epoch != self.decode.epoch:
+            if epoch != self.decodes.by_key[index].epoch:
                 return  # fencing: a result of a replaced group never counts
-            for o in self._decode_call(lambda: ray.get(ref)):
+            for o in self._decode_call(index, lambda: ray.get(ref)):
                 req = self._reqs.get(o.request_id)
-                if o.epoch != self.decode.epoch or req is None or req.state != "decode":
+                if (o.epoch != epoch or req is None or req.state != "decode"
+                        or req.dkey != index):
                     continue
                 if o.index >= 0:
                     o.index += req.base
@@ -358,49 +337,25 @@ class DisaggClient(DisaggRecovery, DisaggViews):
                  or len(req.tokens) + 1 >= self.config.max_model_len)
         reason = ("stop" if o.finish_reason == "stop" else "length") if final else None
         req.first = StepOutput(req.request_id, list(o.new_token_ids), final, reason,
-                               o.num_cached_tokens, self.decode.epoch, index=req.base)
+                               o.num_cached_tokens, self.decodes.by_key[req.dkey].epoch,
+                               index=req.base)
         if len(req.emitted) == req.base:  # a re-prefill samples the same token: emit it once
             req.emitted.extend(req.first.new_token_ids)
             self._out.append(req.first)
 
-    def _hand_over(self, reqs: list[_Request]) -> None:
-        """Every prefill rank's batches of `reqs` are acked: free their prefill pages,
-        close their gates, and continue them on their decode ranks (or finish those that
-        ended at the first token), one round of calls for all of them."""
-        if not reqs:
-            return
-        for req in reqs:
-            if self.recovery.serving(prefill_key(req.instance)):
-                self.prefill[req.instance].leaders[0].release.remote(req.request_id)
-        self._decode_call(lambda: ray.get([rank.close_gate.remote(req.transfer_id)
-                                           for req in reqs
-                                           for rank in self._decode_ranks(req.dp_rank)]))
-        ended = [req for req in reqs if req.first.finished]
-        refs = [self.decode.leaders[req.dp_rank].unreserve.remote(req.request_id) for req in ended]
-        by_dp: dict[int, list[tuple]] = {}
-        for req in reqs:
-            if not req.first.finished:
-                by_dp.setdefault(req.dp_rank, []).append(
-                    (req.request_id, req.tokens, req.first.new_token_ids[0], req.params))
-        refs += [self.decode.leaders[dp].admit_many.remote(items) for dp, items in by_dp.items()]
-        self._decode_call(lambda: ray.get(refs))
-        for req in reqs:
-            if req.first.finished:
-                self._reqs.pop(req.request_id, None)
-            else:
-                req.state = "decode"
-
     # -- operations ------------------------------------------------------------------
     def stats(self) -> dict:
         self.recovery.raise_if_failed()
-        return {"decode": ray.get([a.stats.remote() for a in self.decode.actors]),
+        return {"decode": ray.get([a.stats.remote() for g in self.decode_groups for a in g.actors]),
                 "prefill": [ray.get([a.stats.remote() for a in g.actors]) for g in self.prefill],
                 "prefill_epochs": [g.epoch for g in self.prefill],
-                "decode_epoch": self.decode.epoch, "recoveries": self.recoveries,
-                "decode_recoveries": self.decode_recoveries}
+                "decode_epoch": self.decode.epoch,
+                "decode_epochs": [g.epoch for g in self.decode_groups],
+                "recoveries": self.recoveries, "decode_recoveries": self.decode_recoveries}
 
     def close(self) -> None:
         getattr(self, "_aborting", {}).clear()  # their groups go now (also after a failed start)
-        for group in [self.decode, *self.prefill]:
+        self.decodes.close()
+        for group in self.prefill:
             if group.actors:
                 group.shutdown()

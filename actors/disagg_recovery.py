@@ -7,11 +7,13 @@ here.
 - Prefill instance fenced: its requests' decode gates close and their decode pages are
   returned, then they are prefilled again from the same prompt (their first token, if
   the caller already has it, is not emitted twice: the same seed gives the same token).
-- Decode group fenced: requests being prefilled for it are withdrawn from the prefill
-  side (their held pages freed); requests it was decoding resume from prompt + the
-  tokens the caller already has, on the re-formed group: sampling is seeded per
-  (request, position), so the continuation is the one the lost group would have
-  produced, and the output index of each new token continues where the caller stopped.
+- Decode group fenced (one of the decode side's DP×EP groups, `DPGroups`): requests
+  being prefilled for it are withdrawn from the prefill side (their held pages freed);
+  requests it was decoding resume from prompt + the tokens the caller already has, on the
+  group their DP rank lives in once it serves: sampling is seeded per (request,
+  position), so the continuation is the one the lost group would have produced, and the
+  output index of each new token continues where the caller stopped. A layout change of
+  the EP-width policy fences the same way (planned).
 - A request aborted while prefilling goes through a prefill failure's stages without the
   requeue, moved on by the polls (`_abort_cleanup`, `_advance_aborts`).
 """
@@ -30,7 +32,11 @@ from .supervisor import settle
 log = get_logger(__name__)
 
 CALL_ERRORS = (RankFailure, RayActorError, GetTimeoutError)
-DECODE = "decode"
+DECODE = "decode"  # the prefix of the decode groups' keys: decode0, decode1, ...
+
+
+def is_decode_key(key) -> bool:
+    return isinstance(key, str) and key.startswith(DECODE)
 
 
 def prefill_key(index: int) -> tuple[str, int]:
@@ -50,17 +56,17 @@ class DecodeLost(RuntimeError):
 class DisaggRecovery:
     """Recovery methods of `DisaggClient` (state and helpers live there)."""
 
-    def _decode_call(self, fn):
-        """Run a call on the decode group; on a failure, report the group lost and raise
-        `DecodeLost` (also when it is down already)."""
-        epoch = self.decode.epoch
-        if not self.recovery.serving(DECODE):
-            raise DecodeLost(f"decode group epoch {epoch} is down")
+    def _decode_call(self, key: str, fn):
+        """Run a call on decode group `key`; on a failure, report the group lost and
+        raise `DecodeLost` (also when it is down already)."""
+        epoch = self.decodes.by_key[key].epoch
+        if not self.recovery.serving(key):
+            raise DecodeLost(f"{key} epoch {epoch} is down")
         try:
             return fn()
         except CALL_ERRORS as e:
-            self.recovery.lost(DECODE, epoch, e)
-            raise DecodeLost(f"decode group epoch {epoch} failed") from e
+            self.recovery.lost(key, epoch, e)
+            raise DecodeLost(f"{key} epoch {epoch} failed") from e
 
     def _abandon(self, req, instance_alive: bool) -> None:
         """Give up this prefill attempt: its prefill ranks stop streaming it (what they
@@ -70,10 +76,10 @@ class DisaggRecovery:
         the front of the queue (unless it was aborted)."""
         if instance_alive:
             self._stop_streaming(req)
-        ranks = self._decode_ranks(req.dp_rank)
-        self._decode_call(lambda: ray.get([r.close_gate.remote(req.transfer_id) for r in ranks]))
-        leader = self.decode.leaders[req.dp_rank]
-        self._decode_call(lambda: ray.get(leader.unreserve.remote(req.request_id)))
+        ranks, leader = self._decode_ranks(req), self._decode_leader(req)
+        self._decode_call(req.dkey, lambda: ray.get([r.close_gate.remote(req.transfer_id)
+                                                     for r in ranks]))
+        self._decode_call(req.dkey, lambda: ray.get(leader.unreserve.remote(req.request_id)))
         if instance_alive:
             self.prefill[req.instance].leaders[0].abort.remote(req.request_id)
         self._requeue(req)
@@ -81,8 +87,8 @@ class DisaggRecovery:
     def _abort_cleanup(self, req) -> AbortCleanup:
         """`_abandon`'s stages for an aborted attempt, the first one issued now (the
         decode group serves; an instance that is down has nothing left to forget)."""
-        group, ranks = self.prefill[req.instance], self._decode_ranks(req.dp_rank)
-        leader = self.decode.leaders[req.dp_rank]
+        group, ranks = self.prefill[req.instance], self._decode_ranks(req)
+        leader = self._decode_leader(req)
         alive = self.recovery.serving(prefill_key(req.instance))
         prefill = list(group.actors) if alive else []
 
@@ -91,7 +97,7 @@ class DisaggRecovery:
                 prefill[0].abort.remote(req.request_id)
             return [leader.unreserve.remote(req.request_id)]
 
-        return AbortCleanup(req.request_id, self.decode.epoch, [
+        return AbortCleanup(req.request_id, (req.dkey, self.decodes.by_key[req.dkey].epoch), [
             Stage("forget", lambda: [a.forget.remote(req.key) for a in prefill],
                   group.deadline_s),
             Stage("gates", lambda: [r.close_gate.remote(req.transfer_id) for r in ranks], None),
@@ -102,7 +108,8 @@ class DisaggRecovery:
         decode group (`DecodeLost`), which ends the cleanups of its epoch: its pages and
         gates went with it."""
         for rid, cleanup in list(self._aborting.items()):
-            if cleanup.epoch != self.decode.epoch:
+            key, epoch = cleanup.epoch
+            if epoch != self.decodes.by_key[key].epoch:
                 del self._aborting[rid]
                 continue
             for name, handles, late in cleanup.advance(_running):
@@ -117,7 +124,7 @@ class DisaggRecovery:
                     if error:
                         log.warning("prefill_forget_failed", request_id=rid, error=error)
                 else:
-                    self._decode_call(lambda: ray.get(done))
+                    self._decode_call(key, lambda: ray.get(done))
             if cleanup.done:
                 del self._aborting[rid]
 
@@ -163,12 +170,14 @@ class DisaggRecovery:
             except DecodeLost:
                 return  # the decode group's fence takes back the rest
 
-    def _fence_decode(self) -> None:
-        """The decode group is gone: requeue what it held, in arrival order (those being
+    def _fence_decode(self, key: str) -> None:
+        """Decode group `key` is gone: requeue what it held, in arrival order (those being
         prefilled for it are withdrawn from their prefill instance first)."""
-        settle(ref for ref, tag in self._pending.items() if tag[0] == "decode")
-        self._pending = {ref: tag for ref, tag in self._pending.items() if tag[0] != "decode"}
-        held = sorted((r for r in self._reqs.values() if r.state in ("prefill", "decode")),
+        mine = lambda tag: tag[0] == "decode" and tag[1] == key  # noqa: E731
+        settle(ref for ref, tag in self._pending.items() if mine(tag))
+        self._pending = {ref: tag for ref, tag in self._pending.items() if not mine(tag)}
+        held = sorted((r for r in self._reqs.values()
+                       if r.dkey == key and r.state in ("prefill", "decode")),
                       key=lambda r: r.arrival, reverse=True)
         for req in held:
             if req.state == "prefill":
@@ -176,19 +185,22 @@ class DisaggRecovery:
             else:
                 self._resume(req)
             self._requeue(req)
-        for req in self._reqs.values():  # every one is queued now: placed on the new group
-            req.dp_rank = -1
-        self._aborting.clear()  # their pages and gates went with the group
+        for req in self._reqs.values():  # placed again once their group serves
+            if req.dkey == key:
+                req.dkey, req.local, req.dp_rank = None, -1, -1
+        for rid, cleanup in list(self._aborting.items()):
+            if cleanup.epoch[0] == key:  # their pages and gates went with the group
+                del self._aborting[rid]
 
     def _on_fence(self, key) -> None:
-        if key == DECODE:
-            self._fence_decode()
+        if is_decode_key(key):
+            self._fence_decode(key)
         else:
             self._fence_prefill(key[1])
 
     def _on_resume(self, key) -> None:
-        if key == DECODE:
-            self._learn_decode_layout()
+        if is_decode_key(key):
+            self._learn_decode_layout(key)
 
     def _resume(self, req) -> None:
         """Continue `req` from its prompt + the tokens the caller already has."""

@@ -17,13 +17,11 @@ class DisaggViews:
     def topology(self) -> dict:
         """What a router places over: `dp` decode DP groups, `prefill_instances`, the
         page size of each side and the fewest KV pages of a leader on each side."""
-        dec = self.decode
         pre = [g.start_info[0].get("num_pages", 0) for g in self.prefill if g.start_info]
         return {"dp": self.layout.decode_dp, "prefill_instances": len(self.prefill),
                 "page_size": self.config.cache.page_size,
                 "prefill_page_size": self.prefill[0].config.cache.page_size,
-                "num_pages": min((i.get("num_pages", 0) for i in dec.start_info[::dec.tp]),
-                                 default=0),
+                "num_pages": self.decodes.fewest_pages(lambda key: True, 0),
                 "prefill_num_pages": min(pre, default=0)}
 
     def leader_stats(self) -> dict:
@@ -35,9 +33,11 @@ class DisaggViews:
         decode = self._decode_view("stats")
         return {"decode": decode, "prefill": self._prefill_view("stats", {}),
                 "queued": len(self._queue), "aborting": len(self._aborting),
-                "recoveries": self.recoveries + self.decode_recoveries,
-                "width": self.decode.dp, "desired_width": self.layout.decode_dp,
-                "prefill_width": len(self._serving_instances())}
+                "recoveries": self.recoveries + self.decode_recoveries - self.reshapes,
+                "width": sum(g.dp for g in self.decode_groups),
+                "desired_width": self.layout.decode_dp,
+                "prefill_width": len(self._serving_instances()),
+                "reshardings": self.reshapes, **self.ep.snapshot(self.decodes.layout)}
 
     def held_prefixes(self) -> dict:
         """`{"decode": [per decode DP leader: the page hashes it holds, or {"evicted":
@@ -46,29 +46,33 @@ class DisaggViews:
         reports = self._held
         reports.next_round()
         since = lambda key, epoch: (reports.since(key, epoch),)  # noqa: E731
+        epochs = [(k, self.decodes.by_key[k].epoch) for k in self.decodes.active()
+                  for _ in range(self.decodes.by_key[k].dp)]  # per DP leader, global order
         decode = self._decode_view("held_prefix_changes",
-                                   lambda g: since(("decode", g), self.decode.epoch))
+                                   lambda g: since(("decode", g), epochs[g]))
         prefill = self._prefill_view("held_prefix_changes", None,
                                      lambda i: since(("prefill", i), self.prefill[i].epoch))
-        return {"decode": [reports.take(("decode", g), self.decode.epoch, r)
+        return {"decode": [reports.take(("decode", g), epochs[g], r)
                            for g, r in enumerate(decode)],
                 "prefill": [[] if r is None else reports.take(("prefill", i), self.prefill[i].epoch, r)
                             for i, r in enumerate(prefill)]}
 
     def _decode_view(self, method: str, args_of=lambda g: ()) -> list:
-        """`method(*args_of(g))` of each decode DP leader g; TimeoutError while the group
-        is down (ask again later), `GroupFailure` once the layout gave up."""
-        def ask():
-            leaders = self.decode.leaders
-            return self._decode_call(lambda: ray.get(
-                [getattr(a, method).remote(*args_of(g)) for g, a in enumerate(leaders)],
-                timeout=VIEW_TIMEOUT_S))
+        """`method(*args_of(g))` of each decode DP leader g (global order, group by
+        group); TimeoutError while a group is down (ask again later), `GroupFailure`
+        once the layout gave up."""
         self.recovery.raise_if_failed()
-        try:
-            return ask()
-        except DecodeLost as e:
-            raise TimeoutError(f"the decode group is down or being re-formed ({e}); "
-                               "ask again") from e
+        out: list = []
+        for key in self.decodes.active():
+            leaders, base = self.decodes.by_key[key].leaders, len(out)
+            try:
+                out += self._decode_call(key, lambda: ray.get(
+                    [getattr(a, method).remote(*args_of(base + g)) for g, a in enumerate(leaders)],
+                    timeout=VIEW_TIMEOUT_S))
+            except DecodeLost as e:
+                raise TimeoutError(f"a decode group is down or being re-formed ({e}); "
+                                   "ask again") from e
+        return out
 
     def _prefill_view(self, method: str, missing, args_of=lambda i: ()):
         """`method(*args_of(i))` of each prefill instance i's leader; `missing` for a
@@ -87,6 +91,6 @@ class DisaggViews:
     def rank_nodes(self) -> dict:
         """`{"decode": [Ray node id of each decode rank], "prefill": [[... of each rank
         of each prefill instance]]}`."""
-        return {"decode": actor_nodes(self.decode.actors),
+        return {"decode": actor_nodes([a for g in self.decode_groups for a in g.actors]),
                 "prefill": [actor_nodes(g.actors) for g in self.prefill]}
 

@@ -32,6 +32,7 @@ from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from ..policies.ep_width import EPLayout
 from .cluster import ANYWHERE, Placement
+from .dp_groups import DPGroups
 from .ep_control import EPControl
 from .group_views import VIEW_TIMEOUT_S, GroupViews
 from .rank.spec import RankFailure
@@ -43,10 +44,6 @@ log = get_logger(__name__)
 
 POLL_S = 0.05
 CALL_ERRORS = (RankFailure, RayActorError, GetTimeoutError)  # a call into a rank that failed
-
-
-def group_key(i: int) -> str:
-    return f"group{i}"
 
 
 @dataclass(slots=True)
@@ -74,21 +71,17 @@ class GroupClient(GroupViews):
                  ) -> None:
         ensure_ray(num_cpus=max(8, 2 * tp * dp), address=ray_address)
         self.config, self.tp, self.dp = config, tp, dp
-        groups = config.parallel.ep_width.groups
-        self.keys = [group_key(i) for i in range(dp)]  # every group a layout may have
-        self.groups = {k: GroupSupervisor(config, tp, dp // groups if i < groups else 1,
-                                          deadline_s, actor_cls=actor_cls)
-                       for i, k in enumerate(self.keys)}
-        self.layout_groups = groups
-        for k in self.keys[:groups]:
-            self.groups[k].form()
+        self.side = DPGroups(lambda n: GroupSupervisor(config, tp, n, deadline_s,
+                                                       actor_cls=actor_cls),
+                             dp, tp, config.parallel.ep_width.groups, "group")
+        self.groups = self.side.by_key  # every group a layout may have, by key
+        self.side.form()
         self.recovery = Recovery(self.groups, intensity_of(config, max_recoveries),
                                  on_fence=self._on_fence, on_resume=self._on_resume,
-                                 narrowable=tuple(self.keys) if dp > 1 else (),
+                                 narrowable=tuple(self.side.keys) if dp > 1 else (),
                                  replace_timeout_s=config.parallel.replace_timeout_s,
-                                 retired=tuple(self.keys[groups:]))
-        self._pages = min(i["num_pages"] for k in self.keys[:groups]
-                          for i in self.groups[k].start_info[::tp])
+                                 retired=self.side.retired())
+        self._pages = self.side.fewest_pages(lambda key: True, 0)
         self._rr = itertools.count()
         self._live: dict[str, _Live] = {}
         self._arrivals = itertools.count()
@@ -101,12 +94,12 @@ class GroupClient(GroupViews):
     @property
     def supervisor(self) -> GroupSupervisor:
         """The first group's supervisor (the only one in a one-group layout)."""
-        return self.groups[self.keys[0]]
+        return self.side.supervisors[0]
 
     @property
     def supervisors(self) -> list[GroupSupervisor]:
         """The supervisors of the groups in the layout, in global DP order."""
-        return [self.groups[k] for k in self.active()]
+        return self.side.supervisors
 
     @property
     def epoch(self) -> int:
@@ -122,25 +115,19 @@ class GroupClient(GroupViews):
 
     @property
     def layout(self) -> EPLayout:
-        return EPLayout(self.tp * self.dp // self.layout_groups, self.layout_groups)
+        return self.side.layout
+
+    @property
+    def layout_groups(self) -> int:
+        return self.side.groups
 
     def active(self) -> list[str]:
         """The keys of the groups in the desired layout, in global DP order."""
-        return self.keys[:self.layout_groups]
-
-    def _target(self, dp_group: int) -> tuple[str, int]:
-        """The group a global DP rank lives in, and its leader there (wrapping around a
-        group serving narrower than desired)."""
-        per = self.dp // self.layout_groups
-        g = dp_group % self.dp
-        key = self.keys[g // per]
-        return key, (g % per) % max(1, self.groups[key].dp)
+        return self.side.active()
 
     def _fewest_pages(self) -> int:
         """The fewest KV pages of a serving DP leader (what a prompt must fit)."""
-        pages = [i["num_pages"] for k in self.active() if self.recovery.serving(k)
-                 for i in self.groups[k].start_info[::self.tp]]
-        return min(pages, default=self._pages)
+        return self.side.fewest_pages(self.recovery.serving, self._pages)
 
     # -- requests --------------------------------------------------------------------
     def submit(self, request_id: str, tokens: Sequence[int], params: SamplingParams,
@@ -168,7 +155,7 @@ class GroupClient(GroupViews):
         held = sorted((kv for kv in self._live.items() if kv[1].group is None),
                       key=lambda kv: kv[1].arrival)
         for request_id, live in held:
-            key, leader = self._target(live.dp_group)
+            key, leader = self.side.target(live.dp_group)
             if self.recovery.serving(key):
                 by_group.setdefault(key, []).append((request_id, live, leader))
         for key, items in by_group.items():
@@ -257,14 +244,10 @@ class GroupClient(GroupViews):
         """Serve with `layout` from now on: every group whose width changes is fenced
         and formed at its new width by the reconciler (planned, outside the restart
         intensity); requests resume on the group their DP rank lives in then."""
-        if layout.width % self.tp or self.tp * self.dp != layout.width * layout.groups:
-            raise ValueError(f"layout {layout} does not split {self.tp * self.dp} ranks of "
-                             f"tp {self.tp} evenly")
-        per = layout.width // self.tp
-        log.warning("ep_layout_change", before=str(self.layout), after=str(layout))
-        self.layout_groups = layout.groups
-        self.recovery.reshape({k: per if i < layout.groups else 0
-                               for i, k in enumerate(self.keys)})
+        before = self.layout
+        widths = self.side.reshape(layout)
+        log.warning("ep_layout_change", before=str(before), after=str(layout))
+        self.recovery.reshape(widths)
 
     def _on_fence(self, key: str) -> None:
         """`key`'s epoch is gone: its answers are void, its requests held."""
@@ -282,5 +265,4 @@ class GroupClient(GroupViews):
         self._place_held()
 
     def close(self) -> None:
-        for sup in self.groups.values():
-            sup.shutdown()
+        self.side.close()

@@ -289,7 +289,7 @@ class CostModelPolicy(EPWidthPolicy):
             return _keep(inputs, f"within {cfg.min_interval_s} s of the last change ({why})",
                          estimates)
         cur_ok = cur is not None and cur.fits and cur.step_us <= target_us
-        if cur_ok and best.tokens_per_s_per_rank < cur.tokens_per_s_per_rank * (1 + cfg.margin):
+        if cur_ok and best.tokens_per_s_per_rank <= cur.tokens_per_s_per_rank * (1 + cfg.margin):
             return _keep(inputs, f"gain below {cfg.margin:.0%}: {why} against "
                                  f"{cur.tokens_per_s_per_rank:.0f} tok/s per rank", estimates)
         self.last_change = inputs.now

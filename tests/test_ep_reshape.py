@@ -1,6 +1,7 @@
 """The EP width changed while serving (issue 28): through the SDK's in-process client (the
 server's request path: driver thread, router, request records) on a colocated DP=4
-layout that starts as two DP×EP groups of two. The `cost_model` policy reads cost tables
+layout, and on the disaggregated layout's DP=4 decode side (one prefill instance,
+untouched), each starting as two DP×EP groups of two. The `cost_model` policy reads cost tables
 from a file; under a burst of requests it moves to one group of four, and back to two
 groups once the burst is over, while two long streams run through both changes. Every
 stream, greedy or seeded sampled, equals the single-rank engine's, each token once."""
@@ -50,7 +51,8 @@ async def _text(client, prompt, body) -> str:
 
 def _layouts(client) -> tuple[str, int]:
     group = client.backend._driver._client
-    return str(group.layout), group.reshapes
+    side = getattr(group, "decodes", None)  # the disaggregated layout's decode side
+    return str(group.layout if side is None else side.layout), group.reshapes
 
 
 async def _until(cond, timeout_s: float) -> bool:
@@ -62,7 +64,10 @@ async def _until(cond, timeout_s: float) -> bool:
     return False
 
 
-async def test_cost_model_moves_two_groups_to_one_and_back_mid_stream(tiny_model, tmp_path):
+@pytest.mark.parametrize("layout", [dict(tp=1, dp=4), dict(prefill_tp=1, decode_dp=4)],
+                         ids=["colocated", "disaggregated"])
+async def test_cost_model_moves_two_groups_to_one_and_back_mid_stream(tiny_model, tmp_path,
+                                                                     layout):
     vocab = read_model_config(tiny_model).vocab_size
     rng = random.Random(3)
     long = streamed_requests(2, vocab, 600, rng)
@@ -70,7 +75,7 @@ async def test_cost_model_moves_two_groups_to_one_and_back_mid_stream(tiny_model
     references = _reference(tiny_model, long + burst)
     costs = tmp_path / "costs.json"
     costs.write_text(crossover_tables().to_json())
-    client = start_local(tiny_model, model_name="tiny", tp=1, dp=4, ep_policy="cost_model",
+    client = start_local(tiny_model, model_name="tiny", **layout, ep_policy="cost_model",
                          ep_groups=2, ep_costs=str(costs), collective_timeout_s=10.0,
                          ep_options={"interval_s": 0.3, "min_interval_s": 0.0, "margin": 0.1,
                                      "itl_target_ms": 1e6}, **ENGINE)

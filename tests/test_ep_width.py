@@ -109,6 +109,14 @@ def test_cost_model_widens_under_load_and_narrows_when_it_falls():
     assert calm.layout == EPLayout(1, 4) and calm.changed, calm.reason
 
 
+@pytest.mark.parametrize("current", [EPLayout(1, 4), EPLayout(2, 2), EPLayout(4, 1)])
+def test_cost_model_keeps_any_layout_while_idle(current):
+    """No load predicts no tokens/s anywhere: nothing to gain, so no re-sharding."""
+    policy = make_ep_width_policy("cost_model", {"min_interval_s": 0, "margin": 0.0})
+    idle = policy.decide(inputs(RankPool(4, memory_bytes=4096 * MIB), load_of(0, 4), current))
+    assert idle.layout == current and not idle.changed, idle.reason
+
+
 memories = st.integers(min_value=300, max_value=8192).map(lambda m: m * MIB)
 
 

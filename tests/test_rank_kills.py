@@ -55,7 +55,8 @@ def _left_behind(client) -> dict:
     still in use, once every request has ended."""
     driver = client.backend._driver
     group = driver._client
-    sups = [group.decode, *group.prefill] if hasattr(group, "prefill") else group.supervisors
+    sups = ([*group.decode_groups, *group.prefill] if hasattr(group, "prefill")
+            else group.supervisors)
     live_pids = {p for s in sups for p in s.pids}
     alive = [r.pid for r in rank_processes()]
     pgs = [p for p in ray.util.placement_group_table().values() if p["state"] != "REMOVED"]
@@ -193,7 +194,7 @@ async def test_node_lost_narrows_then_widens_back(tiny_model, workload):
         cluster.wait_for_nodes()
         for _ in range(300):  # widened back at a poll, within a few seconds
             await client.complete(requests[0][0], max_tokens=2)
-            if group.decode.dp == 2 and group.recovery.serving("decode"):
+            if group.decode.dp == 2 and group.recovery.serving("decode0"):
                 break
             await asyncio.sleep(0.1)
         assert group.decode.dp == 2, group.recovery.events
