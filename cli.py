@@ -50,15 +50,17 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
                         "step's agreed token count (no counts exchange), or padded rows "
                         "stored into the peers' symmetric memory and waited for on the "
                         "device (NVSHMEM on GPU); same tokens")
-    e = p.add_argument_group("EP width chosen while serving (colocated --tp/--dp layout)")
+    e = p.add_argument_group("EP width chosen while serving (the colocated --dp ranks, or "
+                             "the disaggregated --decode-dp ranks)")
     e.add_argument("--ep-policy", default="fixed",
                    help="how many ranks each DP×EP group spans, chosen at run time: fixed "
                         "(--ep-groups, the default), widest (one group), cost_model (the "
                         "measured cost model, --ep-costs)")
     e.add_argument("--ep-groups", type=int, default=1,
-                   help="DP×EP groups at start (the --dp ranks split evenly)")
+                   help="DP×EP groups at start (the --dp or --decode-dp ranks split evenly)")
     e.add_argument("--ep-costs", default="",
-                   help="cost tables for cost_model (`python bench/ep_width.py` writes them)")
+                   help="cost tables for cost_model (`python bench/ep_width.py` writes them; "
+                        "without: measured on the ranks at start, seconds a layout)")
     e.add_argument("--ep-itl-target-ms", type=float, default=50.0,
                    help="cost_model: the predicted step a layout must stay under")
     e.add_argument("--ep-min-interval", type=float, default=30.0,

@@ -118,8 +118,9 @@ class LLM:
         `kv_in_place_min_bytes`: the KV transport's in-place threshold (`CacheConfig`).
         `ep_policy`: how the EP width is chosen while serving (a registered "ep_width"
         policy: "fixed", "widest", "cost_model"), starting from `ep_groups` DP×EP groups
-        (the `dp` ranks split evenly); `ep_costs`: cost tables for "cost_model"
-        (`bench/ep_width.py` writes them); `ep_options`: the rest of `EPWidthConfig`
+        (the `dp` or `decode_dp` ranks split evenly); `ep_costs`: cost tables for
+        "cost_model" (`bench/ep_width.py` writes them; "": measured on the ranks at
+        start, `actors/ep_calibration.py`); `ep_options`: the rest of `EPWidthConfig`
         (`itl_target_ms`, `margin`, `min_interval_s`, `interval_s`)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,

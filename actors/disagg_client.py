@@ -141,6 +141,11 @@ class DisaggClient(DisaggPlacement, DisaggRecovery, DisaggViews):
         return self.decodes.supervisors[0]
 
     @property
+    def side(self) -> DPGroups:
+        """The DP×EP groups the EP width applies to: the decode side's."""
+        return self.decodes
+
+    @property
     def decode_groups(self) -> list[GroupSupervisor]:
         return self.decodes.supervisors
 

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 from ..config import EngineConfig, ModelConfig
 from ..log import get_logger
 from ..policies.ep_cost import CostTables, ModelNumbers, weight_bytes_per_rank
-from ..policies.ep_width import (Decision, EPInputs, EPLayout, EPWidthPolicy, OfferedLoad,
-                                 RankPool, make_ep_width_policy)
+from ..policies.ep_width import (CostModelPolicy, Decision, EPInputs, EPLayout, EPWidthPolicy,
+                                 OfferedLoad, RankPool, make_ep_width_policy)
 
 log = get_logger(__name__)
 
@@ -59,10 +59,7 @@ class EPControl:
         self.model = model_numbers(config.model, DTYPE_BYTES.get(config.torch_dtype_name, 2))
         if tables is None and ep.costs:
             tables = CostTables.from_json(Path(ep.costs).read_text())
-        if tables is None and ep.policy == "cost_model":
-            raise ValueError("the cost_model EP-width policy needs measured cost tables: "
-                             "pass a file (--ep-costs; `python bench/ep_width.py` writes one)")
-        self.tables = tables
+        self.tables = tables  # None with cost_model: measured at start (`use_tables`)
         width = tp * dp // ep.groups
         kv_per_rank = num_pages * config.cache.page_size * math.ceil(
             self.model.kv_bytes_per_token / tp)
@@ -76,8 +73,19 @@ class EPControl:
         self.measured_step_ms = 0.0
         self._steps: Optional[tuple[float, int]] = None  # (time, leader 0's steps)
 
+    @property
+    def needs_tables(self) -> bool:
+        """cost_model without its tables yet (`actors/ep_calibration.py` measures them)."""
+        return self.tables is None and isinstance(self.policy, CostModelPolicy)
+
+    def use_tables(self, tables: CostTables) -> None:
+        """The tables measured at start; the policy's first turn is an interval later."""
+        self.tables = tables
+        self.next_at = self.clock() + self.interval_s
+
     def due(self) -> bool:
-        return self.clock() >= self.next_at
+        """The policy's turn (never while its tables are still to be measured)."""
+        return not self.needs_tables and self.clock() >= self.next_at
 
     def decide(self, stats: Sequence[dict], current: EPLayout) -> Decision:
         """The policy's decision from the DP leaders' engine stats (global DP order)."""
@@ -90,6 +98,8 @@ class EPControl:
                            queued=tuple(int(s.get("num_waiting", 0)) for s in stats),
                            queued_tokens=tuple(int(s.get("num_waiting_tokens", 0)) for s in stats),
                            context=tokens / sum(running) if sum(running) else 1.0)
+        if self.needs_tables:
+            raise RuntimeError("the cost_model EP-width policy has no cost tables yet")
         if self.tables is None:  # fixed / widest never read them
             self.tables = _flat_tables()
         decision = self.policy.decide(EPInputs(self.pool, self.model, load, self.tables,

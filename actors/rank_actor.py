@@ -97,6 +97,9 @@ class RankActor:
     def held_prefix_changes(self, since: int) -> dict:
         return self.rank.held_prefix_changes(since)
 
+    def expert_costs(self, reps: int) -> tuple:
+        return self.rank.expert_costs(reps)
+
     def gpu_index(self) -> Optional[int]:
         """The GPU Ray assigned this rank, as an index among the visible ones (the
         supervisor keeps every GPU of the node visible: peers map each other's memory)."""

@@ -40,18 +40,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from phalanx.actors.cluster import Placement  # noqa: E402
+from phalanx.actors.ep_calibration import settle, step_ms  # noqa: E402
 from phalanx.actors.ep_control import model_numbers  # noqa: E402
-from phalanx.engine.sampling_params import SamplingParams  # noqa: E402
-from phalanx.kernels.moe import fused_experts  # noqa: E402
+from phalanx.engine.expert_timing import time_experts  # noqa: E402
 from phalanx.models.loader import read_model_config  # noqa: E402
 from phalanx.models.tiny import tiny_variant_config, write_random_checkpoint, write_tokenizer  # noqa: E402
-from phalanx.policies.ep_cost import CostTables, Grid, active_experts  # noqa: E402
+from phalanx.policies.ep_cost import CostTables, Grid  # noqa: E402
+from phalanx.policies.ep_fit import fit_cost_tables  # noqa: E402
 from phalanx.policies.ep_width import (EPInputs, OfferedLoad, RankPool,  # noqa: E402
                                        candidate_layouts, make_ep_width_policy)
-
-ACTIVE = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-ROWS = (8, 32, 128, 512)
 
 
 def build_model(folder: Path) -> Path:
@@ -63,75 +60,6 @@ def build_model(folder: Path) -> Path:
     return write_random_checkpoint(folder, cfg, seed=0)
 
 
-def expert_grid(model_dir: Path, reps: int, device: str, dtype: torch.dtype) -> Grid:
-    """µs of one step's expert compute (all MoE layers) by distinct experts and rows,
-    with the kernel the ranks run (`fused_experts`: Triton on GPU, the reference on CPU)."""
-    m = read_model_config(model_dir)
-    h, inter, k = m.hidden_size, m.moe_intermediate_size, m.num_experts_per_tok
-    dev = torch.device(device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    actives = [a for a in ACTIVE if a <= m.num_experts]
-    values = []
-    for active in actives:
-        w13 = torch.randn(active, 2 * inter, h, generator=gen, device=dev).to(dtype)
-        w2 = torch.randn(active, h, inter, generator=gen, device=dev).to(dtype)
-        row = []
-        for rows in ROWS:
-            tokens = max(1, rows // k)
-            x = torch.randn(tokens, h, generator=gen, device=dev).to(dtype)
-            ids = torch.randint(0, active, (tokens, k), generator=gen, device=dev)
-            weights = torch.full((tokens, k), 1.0 / k, device=dev)
-            fused_experts(x, weights, ids, w13, w2)  # warm (and compile)
-            sync()
-            t = time.perf_counter()
-            for _ in range(reps):
-                fused_experts(x, weights, ids, w13, w2)
-            sync()
-            row.append((time.perf_counter() - t) / reps * 1e6 * m.num_moe_layers)
-        values.append(tuple(row))
-    return Grid(tuple(float(a) for a in actives), tuple(float(r) for r in ROWS), tuple(values))
-
-
-def step_ms(client, batch: int, prompt_len: int, seconds: float, vocab: int) -> tuple[float, float]:
-    """Mean decode step (ms) of the layout's groups with `batch` long requests per DP rank,
-    and the mean context they ran at."""
-    params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
-    dp = client.dp
-    ids = [f"b{batch}-{i}-{time.monotonic_ns()}" for i in range(dp * batch)]
-    for i, rid in enumerate(ids):
-        prompt = [(7 * i + j) % (vocab - 8) for j in range(prompt_len)]
-        client.submit(rid, prompt, params, Placement(dp_group=i % dp))
-    seen: dict[str, int] = {}
-    while min((seen.get(r, 0) for r in ids), default=0) < 4:  # every request decoding
-        for o in client.poll():
-            seen[o.request_id] = seen.get(o.request_id, 0) + len(o.new_token_ids)
-    first, t0 = client.leader_stats()["decode"], time.monotonic()
-    end = t0 + seconds
-    while time.monotonic() < end:
-        client.poll()
-    last, t1 = client.leader_stats()["decode"], time.monotonic()
-    for rid in ids:
-        client.abort(rid)
-    per_group = client.dp // client.layout_groups
-    leaders = range(0, client.dp, per_group)  # one DP leader per group: they step together
-    steps = [last[g]["steps"] - first[g]["steps"] for g in leaders]
-    ctx = sum(s["running_tokens"] for s in last) / max(1, sum(s["num_running"] for s in last))
-    return (t1 - t0) * 1e3 / (sum(steps) / len(steps)), ctx
-
-
-def settle(client, timeout_s: float = 120.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        client.maintain()
-        try:
-            client.leader_stats()
-            return
-        except TimeoutError:
-            time.sleep(0.1)
-    raise TimeoutError("the layout did not settle")
-
-
 def measure(model_dir: Path, batches: list[int], seconds: float, layouts: list, dp: int,
             tp: int, device: str) -> tuple[dict, float]:
     """{(width, batch): step ms} over `layouts`, and the mean context."""
@@ -139,7 +67,7 @@ def measure(model_dir: Path, batches: list[int], seconds: float, layouts: list, 
     llm = LLM(model_dir, dp=dp, tp=tp, ep_groups=dp, max_num_seqs=max(batches), page_size=16,
               num_pages=0 if device.startswith("cuda") else 2048, device=device,
               max_num_batched_tokens=1024)
-    client, vocab = llm.cluster, llm.config.model.vocab_size
+    client = llm.cluster
     steps, contexts = {}, []
     try:
         for layout in layouts:
@@ -147,7 +75,7 @@ def measure(model_dir: Path, batches: list[int], seconds: float, layouts: list, 
                 client.reshape(layout)
             settle(client)
             for b in batches:
-                ms, ctx = step_ms(client, b, 32, seconds, vocab)
+                ms, ctx = step_ms(client, b, seconds, prompt_len=32, max_new=1500)
                 steps[(layout.width, b)] = ms
                 contexts.append(ctx)
                 print(f"  {layout}: batch {b}: {ms:.2f} ms/step at context {ctx:.0f}", flush=True)
@@ -155,26 +83,6 @@ def measure(model_dir: Path, batches: list[int], seconds: float, layouts: list, 
     finally:
         llm.close()
     return steps, sum(contexts) / len(contexts)
-
-
-def fit_tables(steps: dict, experts: Grid, model, fit: list[int], ctx: float,
-               widths: tuple[int, ...] = (1, 2, 4)) -> CostTables:
-    """The tables from the `fit` batches (see the module docstring); `widths`: the
-    layouts' ranks per group, narrowest (no exchange) first."""
-    k, narrow = model.experts_per_token, widths[0]
-
-    def expert_us(w, b):
-        return experts.at(active_experts(model, w, b), b * k)
-
-    attention = Grid(tuple(float(b) for b in fit), (ctx,), tuple(
-        (max(0.0, steps[(narrow, b)] * 1e3 - expert_us(narrow, b)),) for b in fit))
-    exchange = Grid(tuple(float(w) for w in widths), tuple(float(b) for b in fit), tuple(
-        tuple(0.0 if w == narrow else max(0.0, steps[(w, b)] * 1e3 - attention.at(b, ctx)
-                                          - expert_us(w, b)) for b in fit) for w in widths))
-    zero = Grid((1.0,), (0.0,), ((0.0,),))
-    return CostTables(exchange, experts, attention, zero,
-                      source=f"bench/ep_width.py on {os.uname().nodename}, "
-                             f"{time.strftime('%Y-%m-%d')}, CPU, batches {fit}")
 
 
 def picks(tables: CostTables, model, steps: dict, ctx: float, loads: list[int], dp: int,
@@ -220,10 +128,12 @@ def main(argv=None) -> int:
         cfg = read_model_config(model_dir)
         dtype = torch.float32 if args.device == "cpu" else getattr(torch, cfg.dtype, torch.bfloat16)
         model = model_numbers(cfg, torch.tensor([], dtype=dtype).element_size())
-        experts = expert_grid(model_dir, args.reps, args.device, dtype)
+        experts = Grid(*time_experts(cfg, torch.device(args.device), dtype, args.reps))
         steps, ctx = measure(model_dir, sorted(set(batches) | set(fit)), args.seconds, layouts,
                              args.dp, args.tp, args.device)
-    tables = fit_tables(steps, experts, model, fit, ctx, tuple(lay.width for lay in layouts))
+    tables = fit_cost_tables(steps, experts, model, fit, ctx, [lay.width for lay in layouts],
+                             f"bench/ep_width.py on {os.uname().nodename}, "
+                             f"{time.strftime('%Y-%m-%d')}, {args.device}, batches {fit}")
     costs = Path(args.costs_out) if args.costs_out else out_dir / "ep_costs.json"
     costs.write_text(tables.to_json())
     rows = [{"layout": str(lay), "batch": b, "measured_ms": steps[(lay.width, b)],

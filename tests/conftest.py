@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+
+# The checkout is the `phalanx` package itself (installed editable). As a path entry
+# (`python -m pytest` puts the working directory first) its rooms would shadow top-level
+# packages of the same name: `kernels` is also Hugging Face's kernel hub, which
+# transformers (the oracle) imports.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 # Keep the default-model cache of the test run out of the user's home folder.
 os.environ.setdefault("PHALANX_CACHE_DIR", tempfile.mkdtemp(prefix="phalanx-test-cache-"))

@@ -70,9 +70,18 @@ def test_decisions_follow_the_load_and_the_step_is_measured(tiny_model):
     assert snap["ep_width"] == 4.0 and snap["ep_groups"] == 1.0
 
 
-def test_cost_model_without_tables_and_unknown_policies_are_refused(tiny_model):
-    with pytest.raises(ValueError, match="cost tables"):
-        EPControl(_config(tiny_model, policy="cost_model"), 1, 4, num_pages=256)
+def test_cost_model_waits_for_its_tables_and_unknown_policies_are_refused(tiny_model):
+    now = [0.0]
+    waiting = EPControl(_config(tiny_model, policy="cost_model"), 1, 4, num_pages=256,
+                        clock=lambda: now[0])
+    now[0] = 100.0
+    assert waiting.needs_tables and not waiting.due(), "no turn before calibration"
+    with pytest.raises(RuntimeError, match="cost tables"):
+        waiting.decide(_stats(4, 1), EPLayout(4, 1))
+    waiting.use_tables(_tables())
+    assert not waiting.needs_tables and not waiting.due(), "the first turn an interval later"
+    now[0] += waiting.interval_s
+    assert waiting.due()
     with pytest.raises(ValueError, match="known"):
         engine_config(tiny_model, dp=4, ep_policy="nope")
     with pytest.raises(ValueError, match="evenly"):

@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any, Optional, Sequence
 
 import torch
 
+from ...engine.expert_timing import time_experts
 from ...engine.llm_engine import LLMEngine
+from ...engine.model_runner import torch_dtype
 from ...engine.sampling_params import SamplingParams
 from ...log import get_logger
 from . import plan as planmod
@@ -215,6 +218,19 @@ class Rank:
             return {"pages": pool.num_pages, "free": pool.num_free_pages,
                     "cached": len(pool.cached)}
         return self.run_on_loop(check)
+
+    def expert_costs(self, reps: int) -> tuple:
+        """This rank's expert grid (`engine.expert_timing.time_experts`: its model's
+        expert shapes, its device and dtype), measured on the calling thread, not the
+        loop: the group's idle agreement keeps its deadline meanwhile."""
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.spec.rank} has not started")
+        engine = self.engine
+        device = next(engine.model.parameters()).device
+        on_device = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+        with torch.inference_mode(), on_device:
+            return time_experts(engine.config.model, device,
+                                torch_dtype(engine.config.torch_dtype_name), reps)
 
     def held_prefix_changes(self, since: int) -> dict:
         """DP leaders (and prefill instance leaders): what the router needs to reconcile
