@@ -67,6 +67,14 @@ def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
                    help="cost_model: seconds between two layout changes at least")
     e.add_argument("--ep-interval", type=float, default=2.0,
                    help="seconds between two questions to the policy")
+    m = p.add_argument_group("micro-batching of DP×EP steps (two-batch overlap)")
+    m.add_argument("--microbatch", default="adaptive",
+                   help="whether a DP×EP step runs as two micro-batches whose MoE exchanges "
+                        "overlap the other's compute: off, on, threshold (from "
+                        "--microbatch-min-tokens tokens per rank), adaptive (measures both "
+                        "per token-count bucket while serving and keeps the faster)")
+    m.add_argument("--microbatch-min-tokens", type=int, default=32,
+                   help="threshold: tokens per rank from which a step splits")
     g = p.add_argument_group("disaggregated layout (any of these selects it)")
     g.add_argument("--prefill-tp", type=int, default=None, help="TP ranks of each prefill instance")
     g.add_argument("--prefill-instances", type=int, default=None, help="prefill TP groups")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3", "llama")
 
@@ -230,6 +230,42 @@ class EPWidthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MicrobatchConfig:
+    """Whether a DP×EP step runs as two overlapped micro-batches (policies/microbatch.py).
+
+    `policy`: a registered "microbatch" policy ("off", "on", "threshold", "adaptive");
+    `min_tokens`: threshold's tokens per rank from which it splits; `samples`, `probe`:
+    adaptive's steps measured per choice and bucket, and the share of steps it re-probes."""
+
+    policy: str = "adaptive"
+    min_tokens: int = 32
+    samples: int = 4
+    probe: float = 0.05
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.policy, str) and bool(self.policy), "microbatch.policy",
+                 f"must be a policy name, got {self.policy!r}")
+        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 2,
+                 "microbatch.min_tokens", f"must be an integer >= 2, got {self.min_tokens!r}")
+        _require(isinstance(self.samples, int) and self.samples >= 1, "microbatch.samples",
+                 f"must be an integer >= 1, got {self.samples!r}")
+        _require(isinstance(self.probe, (int, float)) and 0 <= self.probe < 1,
+                 "microbatch.probe", f"must be in [0, 1), got {self.probe!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MicrobatchConfig":
+        return _from_dict(cls, data)
+
+    def policy_config(self) -> Optional[dict]:
+        """The chosen policy's own settings (None: it has none)."""
+        if self.policy == "threshold":
+            return {"min_tokens": self.min_tokens}
+        if self.policy == "adaptive":
+            return {"samples": self.samples, "probe": self.probe}
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Parallel layout of one serving group. `tp = dp = 1` is the single-rank engine."""
 
@@ -253,6 +289,7 @@ class ParallelConfig:
     # tokens per rank take the padded path). Same tokens every way.
     ep_exchange: str = "exact"
     ep_width: EPWidthConfig = field(default_factory=EPWidthConfig)
+    microbatch: MicrobatchConfig = field(default_factory=MicrobatchConfig)
 
     def __post_init__(self) -> None:
         _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
@@ -277,6 +314,8 @@ class ParallelConfig:
         data = dict(data)
         if isinstance(data.get("ep_width"), Mapping):
             data["ep_width"] = EPWidthConfig.from_dict(data["ep_width"])
+        if isinstance(data.get("microbatch"), Mapping):
+            data["microbatch"] = MicrobatchConfig.from_dict(data["microbatch"])
         return _from_dict(cls, data)
 
 

@@ -13,12 +13,13 @@ import os
 from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from .config import (KV_IN_PLACE_MIN_BYTES, CacheConfig, EngineConfig, EPWidthConfig,
-                     ParallelConfig, SchedulerConfig)
+                     MicrobatchConfig, ParallelConfig, SchedulerConfig)
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .models.loader import read_model_config
 from .policies.ep_width import ep_width_policy_names
+from .policies.microbatch import microbatch_policy_names
 
 Prompts = Union[str, Sequence[str], None]
 TokenPrompts = Union[Sequence[int], Sequence[Sequence[int]], None]
@@ -45,7 +46,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   ep_exchange: str = "exact",
                   kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES, ep_policy: str = "fixed",
                   ep_groups: int = 1, ep_costs: str = "",
-                  ep_options: Optional[Mapping] = None) -> EngineConfig:
+                  ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
+                  microbatch_options: Optional[Mapping] = None) -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
     model). ValueError naming the argument for a folder that is not a model or a bad
     value."""
@@ -57,6 +59,10 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
     if ep_width.policy not in ep_width_policy_names():
         raise ValueError(f"ep_policy: unknown EP-width policy {ep_width.policy!r}; known: "
                          f"{ep_width_policy_names()}")
+    micro = MicrobatchConfig.from_dict({"policy": microbatch, **(microbatch_options or {})})
+    if micro.policy not in microbatch_policy_names():
+        raise ValueError(f"microbatch: unknown micro-batch policy {micro.policy!r}; known: "
+                         f"{microbatch_policy_names()}")
     try:
         model_cfg = read_model_config(path)
     except FileNotFoundError as e:
@@ -74,7 +80,7 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                                 max_recoveries=max_recoveries,
                                 recovery_window_s=recovery_window_s,
                                 replace_timeout_s=replace_timeout_s, ep_exchange=ep_exchange,
-                                ep_width=ep_width),
+                                ep_width=ep_width, microbatch=micro),
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
 
 
@@ -106,7 +112,8 @@ class LLM:
                  prefill_page_size: Optional[int] = None, ep_exchange: str = "exact",
                  kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES, ep_policy: str = "fixed",
                  ep_groups: int = 1, ep_costs: str = "",
-                 ep_options: Optional[Mapping] = None) -> None:
+                 ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
+                 microbatch_options: Optional[Mapping] = None) -> None:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
@@ -121,7 +128,11 @@ class LLM:
         (the `dp` or `decode_dp` ranks split evenly); `ep_costs`: cost tables for
         "cost_model" (`bench/ep_width.py` writes them; "": measured on the ranks at
         start, `actors/ep_calibration.py`); `ep_options`: the rest of `EPWidthConfig`
-        (`itl_target_ms`, `margin`, `min_interval_s`, `interval_s`)."""
+        (`itl_target_ms`, `margin`, `min_interval_s`, `interval_s`).
+        `microbatch`: whether a DP×EP step runs as two overlapped micro-batches (a
+        registered "microbatch" policy: "off", "on", "threshold", "adaptive");
+        `microbatch_options`: the rest of `MicrobatchConfig` (`min_tokens`, `samples`,
+        `probe`)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
@@ -131,7 +142,8 @@ class LLM:
             collective_timeout_s=collective_timeout_s, max_recoveries=max_recoveries,
             recovery_window_s=recovery_window_s, replace_timeout_s=replace_timeout_s,
             ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes,
-            ep_policy=ep_policy, ep_groups=ep_groups, ep_costs=ep_costs, ep_options=ep_options)
+            ep_policy=ep_policy, ep_groups=ep_groups, ep_costs=ep_costs, ep_options=ep_options,
+            microbatch=microbatch, microbatch_options=microbatch_options)
         self.engine: Optional[LLMEngine] = None
         self.cluster = None  # a multi-rank layout's client (actors.cluster.ClusterClient)
         disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from ..kernels.moe import fused_experts_ref
+from .exchange_worker import INLINE, ExchangeWorker
 from .group_comm import GroupComm
 from .peer_exchange import PeerExchange
 from .peer_memory import LocalWorld
@@ -104,6 +105,9 @@ class EPDispatcher:
         # padded exchange: the most tokens any rank passes to `moe` this step (None: exact)
         self.step_tokens: int | None = None
         self._peer: tuple[PeerExchange, PeerExchange] | None = None
+        # two-batch overlap: the exchanges of `moe_stages` run on `_worker` (set per step)
+        self.overlap = False
+        self._worker: ExchangeWorker | None = None
 
     def use_peer_exchanges(self, dispatch: PeerExchange, combine: PeerExchange) -> None:
         """Send the padded exchange's rows through `dispatch` (width H + the pair
@@ -161,6 +165,60 @@ class EPDispatcher:
         Raises:
             CollectiveError: a peer failed or missed the deadline; discard the step.
         """
+        self._check(x, topk_weights, topk_ids)
+        capacity = None if self.step_tokens is None else self.step_tokens * topk_ids.shape[1]
+        peer = self._peer
+        if capacity is not None and peer is not None and not self.overlap \
+                and capacity <= min(ex.max_rows for ex in peer):
+            return self._moe_peer(x, topk_weights, topk_ids, compute, capacity)
+        stages = self.moe_stages(x, topk_weights, topk_ids, compute)
+        try:
+            while True:
+                next(stages)
+        except StopIteration as stop:
+            return stop.value
+
+    def moe_stages(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   compute: ExpertCompute):
+        """`moe` over `GroupComm` as a stage generator (`models/stages.py`): it yields
+        once while its dispatch and once while its combine is in flight, and returns
+        `moe`'s result. With `overlap` set the exchanges run on this rank's
+        `ExchangeWorker` (two micro-batches interleaved), else at submission."""
+        T, H = self._check(x, topk_weights, topk_ids)
+        k, worker = topk_ids.shape[1], self._worker_now()
+        if self.step_tokens is not None:
+            order, rows, send, _ = self._padded_rows(x, topk_weights, topk_ids,
+                                                     self.step_tokens * k)
+            padded = torch.zeros((self.comm.world_size * self.step_tokens * k, send.shape[1]),
+                                 dtype=x.dtype, device=x.device)
+            padded[:, H:] = self._constants(x.device)[2].view(x.dtype)  # padding: no expert
+            padded[rows] = send
+            recv = torch.empty_like(padded)
+            pending = worker.submit("moe_dispatch",
+                                    lambda: self.comm.all_to_all_single(recv, padded))
+            yield
+            self._wait(pending)
+            y = self._experts(compute, self._unpack(recv, H, topk_weights.dtype), x.dtype)
+            back = torch.empty_like(y)
+            pending = worker.submit("moe_combine", lambda: self.comm.all_to_all_single(back, y))
+            yield
+            self._wait(pending)
+            return self._combine(back[rows], order, T, k, x.dtype)
+        order, send_counts = self._plan(topk_ids)
+        send = self._pair_rows(x, topk_weights, topk_ids, order, k)
+        pending = worker.submit("moe_dispatch", lambda: self._send_rows(send, send_counts))
+        yield
+        recv, send_split, recv_split = self._wait(pending)
+        y = self._experts(compute, self._unpack(recv, H, topk_weights.dtype), x.dtype)
+        back = torch.empty((len(order), H), dtype=x.dtype, device=x.device)
+        pending = worker.submit("moe_combine", lambda: self.comm.all_to_all_single(
+            back, y, send_split, recv_split))
+        yield
+        self._wait(pending)
+        return self._combine(back, order, T, k, x.dtype)
+
+    def _check(self, x: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> tuple[int, int]:
         T, H = x.shape
         if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
             raise ValueError(f"x {tuple(x.shape)}, topk_weights {tuple(topk_weights.shape)} and "
@@ -168,55 +226,71 @@ class EPDispatcher:
         if topk_ids.dtype != torch.int64:
             raise ValueError(f"topk_ids must be int64, got {topk_ids.dtype}")
         k = topk_ids.shape[1]
-        if self.step_tokens is not None:
-            return self._moe_padded(x, topk_weights, topk_ids, compute, self.step_tokens * k)
-        order, send_counts = self._plan(topk_ids)
+        if self.step_tokens is not None and T > self.step_tokens:
+            raise ValueError(f"{T} tokens x {k} slots exceed the step's "
+                             f"{self.step_tokens * k} rows per rank")
+        return T, H
+
+    def _worker_now(self):
+        """Where this layer's exchanges run: the worker thread while overlapping."""
+        if not self.overlap:
+            return INLINE
+        if self._worker is None:
+            self._worker = ExchangeWorker(f"phalanx-exchange-r{self.comm.rank}")
+        return self._worker
+
+    def _wait(self, pending):
+        return pending.wait(2 * self.comm.deadline_s + 5.0, self.comm.epoch, self.comm.rank)
+
+    def close(self) -> None:
+        """End the exchange thread (the group's epoch is over)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def _send_rows(self, send: torch.Tensor, send_counts: torch.Tensor
+                   ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The exact dispatch: swap the row counts, then the rows (and their metadata)
+        in one all-to-all; (received rows, send split, receive split)."""
         recv_counts = self._exchange_counts(send_counts)
         send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
-        received = self._dispatch(x, topk_weights, topk_ids, order, k, send_split, recv_split)
-        y = self._experts(compute, received, x.dtype)
-        back = torch.empty((len(order), H), dtype=x.dtype, device=x.device)
-        self.comm.all_to_all_single(back, y, send_split, recv_split)
-        return self._combine(back, order, T, k, x.dtype)
+        recv = torch.empty((sum(recv_split), send.shape[1]), dtype=send.dtype, device=send.device)
+        self.comm.all_to_all_single(recv, send, recv_split, send_split)
+        return recv, send_split, recv_split
 
-    def _moe_padded(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    compute: ExpertCompute, capacity: int) -> torch.Tensor:
-        """`moe` with `capacity` rows to and from every rank: pair p (sorted by
-        destination) goes to row `dest * capacity + its rank among dest's pairs`."""
-        T, H = x.shape
+    def _padded_rows(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     capacity: int):
+        """The padded exchange's rows: pair p (sorted by destination) goes to row
+        `dest * capacity + its rank among dest's pairs`; (order, rows, the pairs' rows,
+        the destination bounds [world + 1])."""
         k, world = topk_ids.shape[1], self.comm.world_size
-        if T * k > capacity:
-            raise ValueError(f"{T} tokens x {k} slots exceed the step's {capacity} rows per rank")
-        owner, _, no_expert = self._constants(x.device)
+        owner = self._constants(x.device)[0]
         dest = owner[topk_ids.reshape(-1)]
         order = torch.argsort(dest, stable=True)
         sorted_dest = dest[order]
         bounds = torch.searchsorted(sorted_dest, torch.arange(world + 1, device=x.device))
-        first = bounds[:-1]
-        rows = sorted_dest * capacity + torch.arange(len(order), device=x.device) - first[sorted_dest]
-        send = self._pair_rows(x, topk_weights, topk_ids, order, k)
-        no_expert = no_expert.view(x.dtype)
-        peer = self._peer
-        if peer is not None and capacity <= min(ex.max_rows for ex in peer):
-            counts = bounds[1:] - first  # pairs per destination (bincount would sync)
-            padded = torch.empty((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
-            padded[rows] = send
-            recv = peer[0].exchange(padded, counts)  # rows past a block's count: undefined
-            got = peer[0].recv_counts
-            live = torch.arange(capacity, device=x.device)[None, :] < got[:, None]
-            recv = torch.cat([recv[:, :H], torch.where(live.reshape(-1, 1), recv[:, H:],
-                                                       no_expert)], dim=1)
-            y = self._experts(compute, self._unpack(recv, H, topk_weights.dtype), x.dtype)
-            back = peer[1].exchange(y, got)
-            return self._combine(back[rows], order, T, k, x.dtype)
-        padded = torch.zeros((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
-        padded[:, H:] = no_expert  # padding rows: local expert -1, weight 0
+        rows = sorted_dest * capacity + torch.arange(len(order), device=x.device) - bounds[:-1][sorted_dest]
+        return order, rows, self._pair_rows(x, topk_weights, topk_ids, order, k), bounds
+
+    def _moe_peer(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  compute: ExpertCompute, capacity: int) -> torch.Tensor:
+        """The padded exchange through the peer channels: each block carries only its
+        pairs; the receiver marks rows past a block's count as padding."""
+        T, H = x.shape
+        k, world = topk_ids.shape[1], self.comm.world_size
+        order, rows, send, bounds = self._padded_rows(x, topk_weights, topk_ids, capacity)
+        no_expert = self._constants(x.device)[2].view(x.dtype)
+        dispatch, combine = self._peer
+        counts = bounds[1:] - bounds[:-1]  # pairs per destination (bincount would sync)
+        padded = torch.empty((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
         padded[rows] = send
-        recv = torch.empty_like(padded)
-        self.comm.all_to_all_single(recv, padded)
+        recv = dispatch.exchange(padded, counts)  # rows past a block's count: undefined
+        got = dispatch.recv_counts
+        live = torch.arange(capacity, device=x.device)[None, :] < got[:, None]
+        recv = torch.cat([recv[:, :H], torch.where(live.reshape(-1, 1), recv[:, H:],
+                                                   no_expert)], dim=1)
         y = self._experts(compute, self._unpack(recv, H, topk_weights.dtype), x.dtype)
-        back = torch.empty_like(y)
-        self.comm.all_to_all_single(back, y)
+        back = combine.exchange(y, got)
         return self._combine(back[rows], order, T, k, x.dtype)
 
     def _constants(self, device: torch.device
@@ -259,15 +333,6 @@ class EPDispatcher:
         """The agreement step: how many rows each rank sends where (int64 [world])."""
         recv_counts = torch.empty_like(send_counts)
         return self.comm.all_to_all_single(recv_counts, send_counts.contiguous())
-
-    def _dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  order: torch.Tensor, k: int, send_split: list[int], recv_split: list[int]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Send one row per pair (`_pair_rows`), rows and metadata in one all-to-all."""
-        send = self._pair_rows(x, topk_weights, topk_ids, order, k)
-        recv = torch.empty((sum(recv_split), send.shape[1]), dtype=x.dtype, device=x.device)
-        self.comm.all_to_all_single(recv, send, recv_split, send_split)
-        return self._unpack(recv, x.shape[1], topk_weights.dtype)
 
     def _pair_rows(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    order: torch.Tensor, k: int) -> torch.Tensor:

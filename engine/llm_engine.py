@@ -204,10 +204,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         return (batch, self.runner.prepare(batch)) if batch else None
 
-    def execute(self, inputs: BatchInputs, layer_done=None):
+    def execute(self, inputs: BatchInputs, layer_done=None, microbatches: int = 1):
         """The batch's forward (the model's logits for its sampled rows); `layer_done(i)`
-        is called after layer i (a prefill rank streams that layer's KV)."""
-        return self.runner.forward(inputs, layer_done)
+        is called after layer i (a prefill rank streams that layer's KV); `microbatches`:
+        1, or 2 for a DP×EP step as two overlapped micro-batches."""
+        return self.runner.forward(inputs, layer_done, microbatches=microbatches)
 
     def update(self, batch: ScheduledBatch, inputs: BatchInputs, logits) -> list[StepOutput]:
         """Sample the step's tokens, advance the scheduler, one output per token."""

@@ -15,7 +15,9 @@ import torch
 from ..config import CacheConfig
 from ..kernels.attention import AttentionMetadata
 from ..models.qwen3_moe import CausalLM, KVCache
+from ..models.stages import interleave
 from .cuda_graphs import DecodeGraphs
+from .microbatches import micro_batches
 from .sampler import sample
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -248,25 +250,40 @@ class ModelRunner:
             event.record()
         return PendingTokens(ids, host, event, [s.request_id for s in inputs.sampled])
 
-    def _run_eager(self, inputs: BatchInputs, layer_done=None) -> torch.Tensor:
+    def _run_eager(self, inputs: BatchInputs, layer_done=None, microbatches: int = 1) -> torch.Tensor:
         dev = {k: v.to(self.device, non_blocking=True) for k, v in inputs.host.items()
                if k != "row_keys"}
-        meta = AttentionMetadata(
-            query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
-            block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
-            max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len)
-        hidden = self.model(dev["input_ids"], dev["positions"], self.caches, meta, layer_done)
+        if microbatches == 2:  # two-batch overlap: the micro-batches' stages interleaved
+            parts = micro_batches(dev, inputs.host)
+            hidden = interleave([self.model.dummy_stages() if p is None
+                                 else self.model.stages(p[0], p[1], self.caches, p[2])
+                                 for p in parts])
+            hidden = torch.cat([h for h, p in zip(hidden, parts) if p is not None])
+        else:
+            meta = AttentionMetadata(
+                query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
+                block_tables=dev["block_tables"], slot_mapping=dev["slot_mapping"],
+                max_query_len=inputs.max_query_len, max_seq_len=inputs.max_seq_len)
+            hidden = self.model(dev["input_ids"], dev["positions"], self.caches, meta, layer_done)
         return self.model.compute_logits(hidden[dev["logits_indices"]])
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs, layer_done=None,
-                graph_size: Optional[int] = None) -> torch.Tensor:
+                graph_size: Optional[int] = None, microbatches: int = 1) -> torch.Tensor:
         """Logits of the rows to sample (every row of a decode batch), `[L, vocab]`.
 
         `layer_done(i)`: called after layer i (eager only; streams KV while computing).
         `graph_size`: replay that captured size (a decode batch that fits it); without
         it a decode batch replays the smallest size that fits, unless `auto_graphs` is
-        off (a DP×EP group, whose ranks must replay alike: the group decides)."""
+        off (a DP×EP group, whose ranks must replay alike: the group decides).
+        `microbatches=2`: an eager step as two micro-batches whose MoE exchanges overlap
+        the other's compute (`engine/microbatches.py`; the group decides, every rank alike)."""
+        if microbatches not in (1, 2):
+            raise ValueError(f"microbatches must be 1 or 2, got {microbatches}")
+        if microbatches == 2:
+            if graph_size is not None or layer_done is not None:
+                raise ValueError("two micro-batches run eager, without a layer hook")
+            return self._run_eager(inputs, microbatches=2)
         if (graph_size is None and self.auto_graphs and layer_done is None
                 and self.graphs is not None and inputs.decode_only
                 and self.graphs.fits(inputs.num_logits)):

@@ -28,6 +28,7 @@ from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.rope import RotaryEmbedding
 from .parallel import ExpertParallel, LocalComm, ModelComm
 from .shard import ModelShard
+from .stages import Stages, interleave, run_to_end
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pools, [pages, kv_heads, page_size, head_dim]
 
 
@@ -110,21 +111,26 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output, already summed over the TP group."""
+        return run_to_end(self.stages(x))
+
+    def stages(self, x: torch.Tensor) -> Stages[torch.Tensor]:
+        """`forward` as a stage generator (yields while its EP exchanges are in flight)."""
         weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
         if self.ep is None:
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map)
         else:
-            out = self._dispatch(x, weights, ids)
+            out = yield from self._dispatch(x, weights, ids)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return self.comm.all_reduce_tp(out)
 
-    def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, x: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> Stages[torch.Tensor]:
         """EP: the TP ranks of a DP group hold the same tokens, so each sends a disjoint
         chunk; the chunks come back in place and the TP all-reduce joins them."""
         t, tp, r = x.shape[0], self.comm.tp_size, self.comm.tp_rank
         lo, hi = t * r // tp, t * (r + 1) // tp
-        part = self.ep.moe(x[lo:hi], weights[lo:hi], ids[lo:hi], self._experts)
+        part = yield from self.ep.stages(x[lo:hi], weights[lo:hi], ids[lo:hi], self._experts)
         if tp == 1:
             return part
         out = x.new_zeros(x.shape)
@@ -135,12 +141,13 @@ class SparseMoE(nn.Module):
         """Weighted output of each received (token, local expert) row."""
         return fused_experts(x, weights[:, None], local_ids[:, None], self.w13, self.w2)
 
-    def dummy(self) -> None:
-        """An idle rank's part in the layer's all-to-alls (no tokens)."""
+    def dummy_stages(self) -> Stages[None]:
+        """An idle rank's (or empty micro-batch's) part in the layer's all-to-alls."""
         if self.ep is not None:
             empty = self.w13.new_empty((0, self.w13.shape[2]))
-            self.ep.moe(empty, empty.new_empty((0, self.top_k)),
-                        torch.empty((0, self.top_k), dtype=torch.int64, device=empty.device), self._experts)
+            yield from self.ep.stages(empty, empty.new_empty((0, self.top_k)),
+                                      torch.empty((0, self.top_k), dtype=torch.int64,
+                                                  device=empty.device), self._experts)
 
 
 class DecoderLayer(nn.Module):
@@ -161,6 +168,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
                 rope: RotaryEmbedding, cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_to_end(self.stages(x, residual, positions, rope, cache, meta))
+
+    def stages(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+               rope: RotaryEmbedding, cache: KVCache,
+               meta: AttentionMetadata) -> Stages[tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` as a stage generator (a MoE layer yields while exchanging)."""
         if residual is None:
             x, residual = rms_norm(x, self.input_norm, self.eps), x
         else:
@@ -168,7 +181,7 @@ class DecoderLayer(nn.Module):
         x = self.comm.all_reduce_tp(self.attn(x, positions, rope, cache, meta))
         x, residual = add_rms_norm(x, residual, self.post_attention_norm, self.eps)
         if isinstance(self.mlp, SparseMoE):
-            return self.mlp(x), residual
+            return (yield from self.mlp.stages(x)), residual
         return self.comm.all_reduce_tp(self.mlp(x)), residual
 
 
@@ -210,20 +223,32 @@ class CausalLM(nn.Module):
         """Final hidden states `[T, hidden]` (normed) of every token in the batch.
 
         `layer_done(i)` runs once layer i has written its KV (streaming prefill)."""
+        return run_to_end(self.stages(input_ids, positions, caches, meta, layer_done))
+
+    def stages(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+               meta: AttentionMetadata,
+               layer_done: Optional[Callable[[int], None]] = None) -> Stages[torch.Tensor]:
+        """`forward` as a stage generator: one micro-batch of a two-batch-overlap step
+        (`models/stages.py`), which yields twice per MoE layer while exchanging."""
         x = self.embed(input_ids)
         residual = None
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x, residual = layer(x, residual, positions, self.rope, cache, meta)
+            x, residual = yield from layer.stages(x, residual, positions, self.rope, cache, meta)
             if layer_done is not None:
                 layer_done(i)
         x, _ = add_rms_norm(x, residual, self.norm, self.cfg.rms_norm_eps)
         return x
 
-    def dummy_forward(self) -> None:
-        """An idle rank's step in a DP×EP group: only the all-to-alls every rank must join."""
+    def dummy_stages(self) -> Stages[None]:
+        """An idle rank's step (or an empty micro-batch) in a DP×EP group: only the
+        all-to-alls every rank must join."""
         for layer in self.layers:
             if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.dummy()
+                yield from layer.mlp.dummy_stages()
+
+    def dummy_forward(self, microbatches: int = 1) -> None:
+        """`dummy_stages` of `microbatches` micro-batches, interleaved as a step's."""
+        interleave([self.dummy_stages() for _ in range(microbatches)])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (vocab-parallel shards joined by an all-gather)."""

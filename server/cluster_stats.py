@@ -73,5 +73,19 @@ def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
         **{k: float(view[k]) for k in ("ep_width", "ep_groups", "reshardings",
                                        "ep_predicted_step_ms", "ep_measured_step_ms")
            if k in view},
+        **_microbatching(decode),
         "healthy": 1.0,
     }
+
+
+def _microbatching(decode: list[dict]) -> dict[str, float]:
+    steps = _total(decode, "microbatch_steps")
+    out = {"microbatch_share": _total(decode, "microbatch_split_steps") / steps if steps else 0.0}
+    times: dict[str, list[float]] = {}
+    for s in decode:
+        for key, ms in s.get("microbatch_step_ms", {}).items():
+            times.setdefault(key, []).append(float(ms))
+    for key, values in times.items():
+        bucket, n = key.split(":")
+        out[f"microbatch_step_ms:{2 ** int(bucket)}:{n}"] = sum(values) / len(values)
+    return out

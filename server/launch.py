@@ -25,7 +25,7 @@ LAYOUT_KEYS = ("tp", "dp", "prefill_tp", "decode_dp", "decode_tp", "prefill_inst
 _DISAGG_KEYS = LAYOUT_KEYS[2:]
 _CLUSTER_ONLY = ("collective_timeout_s", "max_recoveries", "recovery_window_s",
                  "replace_timeout_s", "ep_exchange", "ray_address", "ep_policy", "ep_groups",
-                 "ep_costs", "ep_options")
+                 "ep_costs", "ep_options", "microbatch", "microbatch_options")
 Progress = Callable[[str], None]
 
 
@@ -128,13 +128,16 @@ def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str
 
 def layout_kwargs(args) -> dict:
     """The layout keywords of `LLM` / `build_backend` beyond tp/dp from the command
-    line's `args` (cli.py): the disaggregated layout's and the EP-width policy's."""
+    line's `args` (cli.py): the disaggregated layout's, the EP-width policy's and the
+    micro-batch policy's."""
     ep = {}
     if args.ep_policy != "fixed" or args.ep_groups != 1:
         ep = dict(ep_policy=args.ep_policy, ep_groups=args.ep_groups, ep_costs=args.ep_costs,
                   ep_options={"itl_target_ms": args.ep_itl_target_ms,
                               "min_interval_s": args.ep_min_interval,
                               "interval_s": args.ep_interval})
+    micro = dict(microbatch=args.microbatch,
+                 microbatch_options={"min_tokens": args.microbatch_min_tokens})
     return dict(prefill_tp=args.prefill_tp, prefill_instances=args.prefill_instances,
                 decode_dp=args.decode_dp, decode_tp=args.decode_tp,
-                prefill_page_size=args.prefill_page_size, **ep)
+                prefill_page_size=args.prefill_page_size, **ep, **micro)

@@ -43,6 +43,8 @@ _GAUGES = {
                              "The EP-width policy's last predicted decode step of its layout"),
     "ep_measured_step_ms": ("phalanx_ep_measured_step_ms",
                             "Decode step the layout runs at (wall time per step while busy)"),
+    "microbatch_share": ("phalanx_microbatch_share",
+                         "Share of DP×EP steps run as two overlapped micro-batches"),
     "router_prefix_hit_estimate": ("phalanx_router_prefix_hit_estimate",
                                    "Fraction of routed prompt tokens the chosen target held, "
                                    "by the router's prefix tree"),
@@ -73,6 +75,10 @@ class ServerMetrics:
         self.in_flight = Gauge("phalanx_http_requests_in_flight",
                                "Generation requests the server is handling", registry=r)
         self._gauges = {key: Gauge(name, doc, registry=r) for key, (name, doc) in _GAUGES.items()}
+        self.step_ms = Gauge("phalanx_microbatch_step_ms",
+                             "Mean DP×EP step (ms) by tokens per rank (up to `tokens`, a "
+                             "power of two) and micro-batches (1 or 2)",
+                             ["tokens", "microbatches"], registry=r)
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
@@ -95,4 +101,8 @@ class ServerMetrics:
         for key, gauge in self._gauges.items():
             if key in stats:
                 gauge.set(float(stats[key]))
+        for key, value in stats.items():
+            if key.startswith("microbatch_step_ms:"):
+                _, tokens, n = key.split(":")
+                self.step_ms.labels(tokens=tokens, microbatches=n).set(float(value))
         return generate_latest(self.registry)

@@ -72,6 +72,16 @@ def tiny_model(model_dirs) -> str:
     return model_dirs("qwen3_moe")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_after_the_module():
+    """A module whose tests start Ray in this process (a multi-rank `LLM` or client)
+    leaves none running for the next module (which may start its own, or need none)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     """A fresh local Ray for one test module (never another cluster on this machine)."""

@@ -5,8 +5,10 @@ A step:
 1. the leader of each DP group (TP rank 0) has scheduled a batch (or none);
 2. it shares the plan with its TP followers (`plan`);
 3. with several DP groups, all ranks agree in one small all-reduce whether anyone has
-   work (or is stopping), on the largest batch and on whether any must run eager; a DP
-   group without work runs a dummy step so the MoE all-to-alls still match;
+   work (or is stopping), on the largest batch, on whether any must run eager and on the
+   last step's time (the slowest rank's); a DP group without work runs a dummy step so
+   the MoE all-to-alls still match; every rank's micro-batch policy decides from those
+   whether the step runs as two overlapped micro-batches (`MicrobatchControl`);
 4. every rank runs the forward (a captured group graph where `GroupGraphs` fits), ends
    the step's peer exchanges within the deadline, and the leader samples and updates.
 Any collective error or deadline raises out of `step`; the rank's loop then ends.
@@ -31,6 +33,7 @@ from ...log import get_logger
 from ...models.parallel import ExpertParallel
 from . import plan as planmod
 from .group_graphs import GroupGraphs
+from .microbatch_control import MicrobatchControl
 from .role import RankRole
 from .spec import RankSpec, shard_for, tensor_channel_bytes
 
@@ -52,6 +55,10 @@ class Lockstep:
         self.engine: Optional[LLMEngine] = None
         self.steps = 0
         self._padded: Optional[EPDispatcher] = None  # its padded exchange is sized per step
+        self._dispatcher: Optional[EPDispatcher] = None  # told per step whether to overlap
+        self.microbatch = MicrobatchControl(
+            spec.config.parallel.microbatch, spec.world_size,
+            enabled=spec.dp > 1 and not spec.config.device.startswith("cuda"))
         self._exchanges: tuple[PeerExchange, ...] = ()  # ep_exchange "peer": its channels
         self._peers = None
         self.graphs: Optional[GroupGraphs] = None  # the group's decode steps, captured
@@ -94,6 +101,7 @@ class Lockstep:
         sized per step from the token count the ranks agree on; peer: through the
         world's symmetric memory, collective)."""
         mode = self.spec.config.parallel.ep_exchange
+        self._dispatcher = None if ep is None else ep.dispatcher
         self._padded = ep.dispatcher if ep is not None and mode in ("padded", "peer") else None
         if ep is not None and mode == "peer":
             self._exchanges = self._open_peer_exchanges(ep.dispatcher)
@@ -133,22 +141,31 @@ class Lockstep:
         tokens = 0 if inputs is None else int(inputs.host["input_ids"].shape[0])
         eager = int(inputs is not None and not inputs.decode_only)
         if s.dp > 1:
-            status, tokens, eager = self.comm.all_reduce_world_max(status, tokens, eager)
+            status, tokens, eager, last_us = self.comm.all_reduce_world_max(
+                status, tokens, eager, self.microbatch.outgoing())
+            self.microbatch.observe(last_us)
         if status != planmod.WORK:
             return status, []
         size = None if self.graphs is None else self.graphs.size(tokens, eager)
+        hook = None if inputs is None else role.layer_hook(inputs)
+        n = 1 if hook is not None else self.microbatch.decide(tokens, bool(eager), size is not None)
+        self.microbatch.start()
         if size is not None:
             logits = self.graphs.replay(inputs, size)
         elif self._padded is not None:  # the most rows any rank's MoE layers dispatch
             self._padded.step_tokens = -(-tokens // s.tp)
+        if self._dispatcher is not None:
+            self._dispatcher.overlap = n == 2
         if inputs is None:
             if size is None:
-                engine.model.dummy_forward()
+                engine.model.dummy_forward(n)
             self._settle_exchanges()
+            self.microbatch.finish(tokens, bool(eager), n)
             return status, []
         if size is None:
-            logits = engine.execute(inputs, role.layer_hook(inputs))
+            logits = engine.execute(inputs, hook, microbatches=n)
         self._settle_exchanges()
+        self.microbatch.finish(tokens, bool(eager), n)
         role.after_forward(inputs)
         self.steps += 1
         return status, self.finish(batch, inputs, logits) if self.is_leader else []
@@ -182,8 +199,13 @@ class Lockstep:
             if time.monotonic() >= end or self.comm.wake_count() != seen:
                 return
 
+    def close(self) -> None:
+        """The loop ended: the exchange thread goes with it."""
+        if self._dispatcher is not None:
+            self._dispatcher.close()
+
     def stats(self) -> dict:
-        out = {"steps": self.steps}
+        out = {"steps": self.steps, **self.microbatch.stats()}
         if self._exchanges:
             out["peer_exchanges"] = sum(ex.exchanges for ex in self._exchanges)
         if self.graphs is not None:

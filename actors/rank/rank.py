@@ -157,6 +157,7 @@ class Rank:
                                           f"{type(e).__name__}: {e}"))
             log.error("rank_failed", rank=self.spec.rank, epoch=self.spec.epoch, error=str(e))
         finally:
+            self.lockstep.close()
             self.mailbox.done.set()
 
     def _step(self) -> int:
