@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
-__all__ = ["is_int", "is_real", "require", "resolve_config"]
+__all__ = ["Configured", "NoSettings", "is_int", "is_real", "require", "resolve_config"]
 
 
 def require(cond: bool, owner: str, name: str, msg: str) -> None:
@@ -36,3 +36,18 @@ def resolve_config(cls: type, config: Any) -> Any:
             raise ValueError(f"{cls.__name__}: unknown keys {unknown}; known: {sorted(known)}")
         return cls(**config)
     raise TypeError(f"expected a {cls.__name__}, a mapping or None, got {type(config).__name__}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoSettings:
+    """The config of a policy that has no settings."""
+
+
+class Configured:
+    """A policy with frozen settings: `Config` is its settings class; the constructor
+    takes one, a mapping of its fields, or None (the defaults)."""
+
+    Config: ClassVar[type] = NoSettings
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = resolve_config(self.Config, config)

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 from . import registry
-from .checks import is_int, is_real, require, resolve_config
+from .checks import Configured, NoSettings, is_int, is_real, require
 from .ep_cost import CostTables, ModelNumbers, kv_tokens_per_rank, weight_bytes_per_rank
 
 __all__ = ["CostModelConfig", "CostModelPolicy", "DEFAULT_POLICY", "Decision", "EPInputs",
@@ -187,23 +187,12 @@ def estimate(inputs: EPInputs, layout: EPLayout) -> Estimate:
     return Estimate(layout, True, batch, step, per_rank)
 
 
-class EPWidthPolicy(ABC):
-    """See the module docstring for the contract. `Config`: the policy's frozen settings
-    class; the constructor takes one, a mapping of its fields, or None (the defaults)."""
-
-    Config: ClassVar[type]
-
-    def __init__(self, config: Any = None) -> None:
-        self.config = resolve_config(self.Config, config)
+class EPWidthPolicy(Configured, ABC):
+    """See the module docstring for the contract (settings: `Configured`)."""
 
     @abstractmethod
     def decide(self, inputs: EPInputs) -> Decision:
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class NoSettings:
-    """The config of a policy that has no settings."""
 
 
 def _keep(inputs: EPInputs, reason: str, estimates: tuple = ()) -> Decision:

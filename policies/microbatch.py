@@ -27,10 +27,10 @@ import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from . import registry
-from .checks import is_int, is_real, require, resolve_config
+from .checks import Configured, NoSettings, is_int, is_real, require
 
 __all__ = ["AdaptiveConfig", "AdaptivePolicy", "KIND", "MicrobatchPolicy", "StepShape",
            "ThresholdConfig", "bucket_of", "make_microbatch_policy", "microbatch_policy_names"]
@@ -60,14 +60,8 @@ def bucket_of(tokens: int) -> int:
     return 0 if tokens <= 1 else math.ceil(math.log2(tokens))
 
 
-class MicrobatchPolicy(ABC):
-    """See the module docstring for the contract. `Config`: the policy's frozen settings
-    class; the constructor takes one, a mapping of its fields, or None (the defaults)."""
-
-    Config: ClassVar[type]
-
-    def __init__(self, config: Any = None) -> None:
-        self.config = resolve_config(self.Config, config)
+class MicrobatchPolicy(Configured, ABC):
+    """See the module docstring for the contract (settings: `Configured`)."""
 
     @abstractmethod
     def decide(self, shape: StepShape) -> int:
@@ -75,11 +69,6 @@ class MicrobatchPolicy(ABC):
 
     def observe(self, shape: StepShape, microbatches: int, step_s: float) -> None:
         """What a step this policy decided cost (the group's step time)."""
-
-
-@dataclass(frozen=True, slots=True)
-class NoSettings:
-    """The config of a policy that has no settings."""
 
 
 @registry.register(KIND, "off")

@@ -22,6 +22,7 @@ from phalanx.actors.rank.spec import RankSpec, shard_for
 from phalanx.models.loader import read_model_config
 from phalanx.models.qwen3_moe import CausalLM
 
+from indexed_outputs import generate_indexed
 from test_hf_oracle import hf_greedy, make_prompts
 
 MAX_NEW = 10
@@ -155,22 +156,6 @@ def test_rank_killed_mid_all_to_all_fails_fast(tiny_model, exchange):
         assert elapsed < deadline + 15, f"caller waited {elapsed:.1f}s"
     finally:
         llm.close()
-
-
-def generate_indexed(llm: LLM, prompts, params: SamplingParams) -> list[list[int]]:
-    """Each prompt's tokens as the caller sees them, asserting that every output's index
-    follows the previous one (each token once, none skipped)."""
-    rids = llm._submit([list(p) for p in prompts], [params] * len(prompts))
-    seen: dict[str, list[int]] = {rid: [] for rid in rids}
-    pending = set(rids)
-    while pending:
-        for out in llm._poll():
-            got = seen[out.request_id]
-            assert out.index == len(got), (out.request_id, out.index, len(got))
-            got.extend(out.new_token_ids)
-            if out.finished:
-                pending.discard(out.request_id)
-    return [seen[rid] for rid in rids]
 
 
 def check_one_recovery(llm: LLM, point: str, count: int, prompts, expected) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from indexed_outputs import generate_indexed
 from phalanx import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -63,20 +64,11 @@ def test_rank_killed_inside_a_micro_batched_all_to_all_recovers(tiny_model, refe
     llm = LLM(tiny_model, dp=2, microbatch="on", collective_timeout_s=5.0, **ENGINE)
     try:
         ray.get(llm.cluster.supervisor.actors[1].arm_fault.remote("moe_dispatch", 40))
-        rids = llm._submit([list(p) for p in PROMPTS], list(PARAMS))
-        seen: dict[str, list[int]] = {rid: [] for rid in rids}
-        pending = set(rids)
-        while pending:
-            for out in llm._poll():
-                got = seen[out.request_id]
-                assert out.index == len(got), (out.request_id, out.index, len(got))
-                got.extend(out.new_token_ids)
-                if out.finished:
-                    pending.discard(out.request_id)
+        got = generate_indexed(llm, PROMPTS, PARAMS)
         assert llm.cluster.recoveries == 1 and llm.cluster.epoch == 2
     finally:
         llm.close()
-    assert [seen[rid] for rid in rids] == reference
+    assert got == reference
 
 
 def test_a_dead_peer_ends_the_survivors_split_step_within_the_deadline(tiny_model):
