@@ -235,12 +235,14 @@ class MicrobatchConfig:
 
     `policy`: a registered "microbatch" policy ("off", "on", "threshold", "adaptive");
     `min_tokens`: threshold's tokens per rank from which it splits; `samples`, `probe`:
-    adaptive's steps measured per choice and bucket, and the share of steps it re-probes."""
+    adaptive's steps measured per choice and bucket, and the share of steps it re-probes;
+    `window`: adaptive's recent steps a choice's mean is taken over."""
 
     policy: str = "adaptive"
     min_tokens: int = 32
     samples: int = 4
-    probe: float = 0.05
+    probe: float = 0.02
+    window: int = 32
 
     def __post_init__(self) -> None:
         _require(isinstance(self.policy, str) and bool(self.policy), "microbatch.policy",
@@ -251,6 +253,8 @@ class MicrobatchConfig:
                  f"must be an integer >= 1, got {self.samples!r}")
         _require(isinstance(self.probe, (int, float)) and 0 <= self.probe < 1,
                  "microbatch.probe", f"must be in [0, 1), got {self.probe!r}")
+        _require(isinstance(self.window, int) and self.window >= self.samples,
+                 "microbatch.window", f"must be an integer >= samples, got {self.window!r}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MicrobatchConfig":
@@ -261,7 +265,7 @@ class MicrobatchConfig:
         if self.policy == "threshold":
             return {"min_tokens": self.min_tokens}
         if self.policy == "adaptive":
-            return {"samples": self.samples, "probe": self.probe}
+            return {"samples": self.samples, "probe": self.probe, "window": self.window}
         return None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Optional
 
 import ray
 
@@ -50,10 +51,13 @@ def settle(client, timeout_s: float = 120.0) -> None:
 
 
 def step_ms(client, batch: int, seconds: float, prompt_len: int = PROMPT_LEN,
-            max_new: int = MAX_NEW) -> tuple[float, float]:
+            max_new: int = MAX_NEW, warm_steps: int = 0, min_steps: int = 0,
+            window: Optional[list] = None) -> tuple[float, float]:
     """The mean decode step (ms) of the layout's groups with `batch` greedy requests per
-    DP rank, measured over `seconds` once every request decodes (ended early when one
-    finishes), and the mean context they ran at. The requests are aborted after."""
+    DP rank, measured over `seconds` and at least `min_steps` steps once every request
+    decodes and `warm_steps` more steps ran (ended early when one finishes), and the mean
+    context they ran at. The requests are aborted after. `window`: gets the DP leaders'
+    stats at the start and at the end of the measured time appended."""
     side, vocab = client.side, client.config.model.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     ids = [f"ep-calibration-{batch}-{i}-{time.monotonic_ns()}" for i in range(side.dp * batch)]
@@ -64,11 +68,17 @@ def step_ms(client, batch: int, seconds: float, prompt_len: int = PROMPT_LEN,
     while min((seen.get(r, 0) for r in ids), default=0) < 4:  # every request decoding
         for o in client.poll():
             seen[o.request_id] = seen.get(o.request_id, 0) + len(o.new_token_ids)
+    finished = _poll_steps(client, warm_steps)
     first, t0 = client.leader_stats()["decode"], time.monotonic()
-    end, finished = t0 + seconds, False
+    end = t0 + seconds
     while time.monotonic() < end and not finished:
         finished = any(o.finished for o in client.poll())
+    if not finished:
+        finished = _poll_steps(client, min_steps - (client.leader_stats()["decode"][0]["steps"]
+                                                    - first[0]["steps"]))
     last, t1 = client.leader_stats()["decode"], time.monotonic()
+    if window is not None:
+        window.append((first, last))
     for rid in ids:
         client.abort(rid)
     per_group = side.dp // side.groups
@@ -78,6 +88,17 @@ def step_ms(client, batch: int, seconds: float, prompt_len: int = PROMPT_LEN,
         raise RuntimeError(f"a group took no step in {t1 - t0:.2f} s at batch {batch}")
     ctx = sum(s["running_tokens"] for s in last) / max(1, sum(s["num_running"] for s in last))
     return (t1 - t0) * 1e3 / (sum(steps) / len(steps)), ctx
+
+
+def _poll_steps(client, steps: int) -> bool:
+    """Poll until DP leader 0 took `steps` more steps (or a request finished: True)."""
+    if steps <= 0:
+        return False
+    goal = client.leader_stats()["decode"][0]["steps"] + steps
+    while client.leader_stats()["decode"][0]["steps"] < goal:
+        if any(o.finished for o in client.poll()):
+            return True
+    return False
 
 
 def _batches(client, wanted: Sequence[int]) -> tuple[list[int], int]:

@@ -1,20 +1,26 @@
 """Micro-batching (two-batch overlap) in DP×EP steps: the step time with one batch and
 with two micro-batches against tokens per rank, and the `adaptive` policy's choice against
-the better fixed one per bucket.
+the better one per bucket.
 
     python bench/microbatch.py                         # dp2 and dp4, CPU
     python bench/microbatch.py --dp 2 --batches 1,16,64 --seconds 1
 
 A colocated layout of real rank actors (Ray, gloo, shared memory) serving a model whose
 exchange is a real share of the step (wide hidden size, narrow experts, 64 experts
-top-8, few layers). For each `--dp`, each policy (`off`, `on`, `adaptive`) gets its own
-layout; at each batch (sequences per DP rank, each decoding one token a step) the step is
-measured as the DP leaders' step counters over wall time while every request decodes
-(`actors/ep_calibration.step_ms`). The adaptive layout's choice per bucket is read from
-its ranks' stats (the share of its steps there that split). The baseline is the `off`
-layout in the same process: ratios, not absolute times, are what the table reports.
+top-8, few layers). Two layouts per `--dp`, each stepping `batch` decoding sequences per
+DP rank at every `--batches` point (`actors/ep_calibration.step_ms`):
 
-Prints a table last; writes JSON to $OUT/microbatch.json (or ./microbatch.json).
+- A/B: the adaptive policy told to keep measuring (`samples` unbounded), so its steps
+  alternate one batch / two micro-batches: both figures come from the same processes,
+  interleaved step by step (separate layouts differ by 10-25% from placement alone);
+  each step timed by the ranks themselves (`MicrobatchControl`), means over the window;
+- adaptive: the policy with its defaults, measured once it has tried both choices at that
+  batch (its steady state, re-probes included): the share of its steps that split, and
+  the cost of its choices valued at the A/B means (mean over its steps of the A/B time of
+  the choice it made, over the better A/B time).
+
+The baseline is one batch in the same layout. Prints a table last; writes JSON to
+$OUT/microbatch.json (or ./microbatch.json).
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from phalanx.actors.ep_calibration import settle, step_ms  # noqa: E402
+from phalanx.config import MicrobatchConfig  # noqa: E402
 from phalanx.models.tiny import tiny_variant_config, write_random_checkpoint, write_tokenizer  # noqa: E402
 from phalanx.policies.microbatch import bucket_of  # noqa: E402
 
-POLICIES = ("off", "on", "adaptive")
-SLOWER_LIMIT = 1.03  # adaptive is the default if never slower than this × the better fixed
+DEFAULTS = MicrobatchConfig()
+ALTERNATE = {"samples": 10 ** 9, "probe": 0.0, "window": 10 ** 9}  # both choices, alternating
+MIN_STEPS = 24  # steps measured per point at least
+SLOWER_LIMIT = 1.03  # adaptive is the default if never slower than this × the better choice
 
 
 def build_model(folder: Path, hidden: int, layers: int) -> Path:
@@ -47,33 +56,55 @@ def build_model(folder: Path, hidden: int, layers: int) -> Path:
     return write_random_checkpoint(folder, cfg, seed=0)
 
 
-def measure(model_dir: Path, dp: int, policy: str, batches: list[int], seconds: float
-            ) -> tuple[dict[int, float], dict]:
-    """{batch: step ms} of a dp-rank layout under `policy`, and its leader 0's stats."""
+def _delta(first: dict, last: dict, bucket: int) -> dict[int, tuple[int, float]]:
+    """{n: (steps, mean ms)} of leader 0's steps of `bucket` between two stats."""
+    out = {}
+    for n in (1, 2):
+        key = f"{bucket}:{n}"
+        c0 = first.get("microbatch_step_counts", {}).get(key, 0)
+        c1 = last.get("microbatch_step_counts", {}).get(key, 0)
+        m0 = first.get("microbatch_step_ms", {}).get(key, 0.0)
+        m1 = last.get("microbatch_step_ms", {}).get(key, 0.0)
+        if c1 > c0:
+            out[n] = (c1 - c0, (c1 * m1 - c0 * m0) / (c1 - c0))
+    return out
+
+
+def measure(model_dir: Path, dp: int, options: dict, batches: list[int], seconds: float,
+            warm: int) -> dict[int, dict[int, tuple[int, float]]]:
+    """{batch: {n: (steps, mean ms)}} of a dp-rank layout under adaptive(`options`)."""
     from phalanx import LLM
-    options = {"samples": 3, "probe": 0.05} if policy == "adaptive" else None
-    llm = LLM(model_dir, dp=dp, microbatch=policy, microbatch_options=options,
+    llm = LLM(model_dir, dp=dp, microbatch="adaptive", microbatch_options=options,
               max_num_seqs=max(batches), max_num_batched_tokens=max(1024, max(batches) * 4),
-              page_size=16, num_pages=max(256, max(batches) * 8))
-    client, steps = llm.cluster, {}
+              page_size=16, num_pages=max(256, max(batches) * 12))
+    client, out = llm.cluster, {}
     try:
         settle(client)
         for b in batches:
-            ms, _ = step_ms(client, b, seconds, prompt_len=8, max_new=96)
-            steps[b] = ms
-            print(f"  dp{dp} {policy}: batch {b}: {ms:.2f} ms/step", flush=True)
+            window: list = []
+            step_ms(client, b, seconds, prompt_len=8, max_new=160, warm_steps=warm,
+                    min_steps=MIN_STEPS, window=window)
+            first, last = window[0]
+            out[b] = _delta(first[0], last[0], bucket_of(b))
+            print(f"  dp{dp} {options}: batch {b}: {out[b]}", flush=True)
             settle(client)
-        stats = client.leader_stats()["decode"][0]
     finally:
         llm.close()
-    return steps, stats
+    return out
 
 
-def adaptive_choice(stats: dict, batch: int) -> str:
-    """What the adaptive layout ran at `batch`'s bucket: steps with one batch / two."""
-    counts = stats.get("microbatch_step_counts", {})
-    b = bucket_of(batch)
-    return f"{counts.get(f'{b}:1', 0)}/{counts.get(f'{b}:2', 0)}"
+def row(dp: int, b: int, ab: dict, adaptive: dict) -> dict:
+    one, two = ab.get(1, (0, float("nan")))[1], ab.get(2, (0, float("nan")))[1]
+    if b < 2:  # one token per rank never splits: both columns are one batch
+        two = one
+    best = min(one, two)
+    steps = sum(c for c, _ in adaptive.values())
+    valued = sum(c * (one if n == 1 else two) for n, (c, _) in adaptive.items())
+    return {"dp": dp, "batch": b, "one_ms": one, "two_ms": two, "two_over_one": two / one,
+            "ab_steps": {n: c for n, (c, _) in ab.items()},
+            "adaptive_split_share": adaptive.get(2, (0, 0))[0] / steps if steps else 0.0,
+            "adaptive_over_best": valued / steps / best if steps else float("nan"),
+            "better": "two" if two < one else "one"}
 
 
 def main(argv=None) -> int:
@@ -81,39 +112,35 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", default="2,4", help="DP ranks of the layouts")
     ap.add_argument("--batches", default="1,4,16,32,64,128,256",
                     help="sequences per DP rank (tokens per rank: decode steps)")
-    ap.add_argument("--seconds", type=float, default=1.5, help="measured time per point")
+    ap.add_argument("--seconds", type=float, default=1.0, help="measured time per point")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args(argv)
     out_dir = Path(os.environ.get("OUT", "."))
     batches = [int(b) for b in args.batches.split(",")]
+    defaults = {"samples": DEFAULTS.samples, "probe": DEFAULTS.probe}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "moe", args.hidden, args.layers)
         for dp in (int(d) for d in args.dp.split(",")):
-            results = {p: measure(model_dir, dp, p, batches, args.seconds) for p in POLICIES}
-            for b in batches:
-                off, on, adaptive = (results[p][0][b] for p in POLICIES)
-                best = min(off, on)
-                rows.append({"dp": dp, "batch": b, "off_ms": off, "on_ms": on,
-                             "adaptive_ms": adaptive, "on_over_off": on / off,
-                             "adaptive_over_best": adaptive / best,
-                             "better_fixed": "on" if on < off else "off",
-                             "adaptive_ran": adaptive_choice(results["adaptive"][1], b)})
+            ab = measure(model_dir, dp, ALTERNATE, batches, args.seconds, warm=2)
+            adaptive = measure(model_dir, dp, defaults, batches, args.seconds,
+                               warm=2 * DEFAULTS.samples + 2)
+            rows += [row(dp, b, ab[b], adaptive[b]) for b in batches]
     worst = max(r["adaptive_over_best"] for r in rows)
     default = "adaptive" if worst <= SLOWER_LIMIT else "threshold"
     (out_dir / "microbatch.json").write_text(json.dumps(
         {"rows": rows, "worst_adaptive_over_best": worst, "default": default,
-         "hidden": args.hidden, "layers": args.layers}, indent=1))
+         "hidden": args.hidden, "layers": args.layers, "adaptive": defaults}, indent=1))
     print(f"\nJSON: {out_dir / 'microbatch.json'}; adaptive at worst {worst:.3f}x the better "
-          f"fixed choice -> default {default!r} (limit {SLOWER_LIMIT}x)")
-    print("| dp | batch/rank | off ms | on ms | on/off | adaptive ms | adaptive/best | "
-          "adaptive steps 1/2 |")
+          f"choice -> default {default!r} (limit {SLOWER_LIMIT}x)")
+    print("| dp | batch/rank | one batch ms | two micro-batches ms | two/one | better | "
+          "adaptive: steps split | adaptive/best |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dp']} | {r['batch']} | {r['off_ms']:.2f} | {r['on_ms']:.2f} | "
-              f"{r['on_over_off']:.2f} | {r['adaptive_ms']:.2f} | {r['adaptive_over_best']:.2f} | "
-              f"{r['adaptive_ran']} |")
+        print(f"| {r['dp']} | {r['batch']} | {r['one_ms']:.2f} | {r['two_ms']:.2f} | "
+              f"{r['two_over_one']:.2f} | {r['better']} | {r['adaptive_split_share']:.0%} | "
+              f"{r['adaptive_over_best']:.3f} |")
     return 0
 
 

@@ -122,7 +122,7 @@ class AdaptiveConfig:
     - `seed`: the re-probes' generator (the same on every rank of a group)."""
 
     samples: int = 4
-    probe: float = 0.05
+    probe: float = 0.02
     window: int = 32
     seed: int = 0
 

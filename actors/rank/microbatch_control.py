@@ -6,9 +6,10 @@ previous step's time, the slowest rank's (each rank sends its own in the step's
 agreement, which takes the maximum). Same inputs in the same order on every rank, so every
 rank splits the same way without another message (ARCHITECTURE §3).
 
-Micro-batching applies to eager steps over the `GroupComm` exchanges on CPU; a step that
-replays a captured graph, or any step on GPU (its streams and graphs for two micro-batches
-are not built yet), runs one batch. Stats: steps split, and per token-count bucket the
+Micro-batching applies to eager steps over the `GroupComm` exchanges (`ep_exchange`
+"exact" or "padded") on CPU; a step that replays a captured graph, a step over the peer
+channels (they hold one exchange in flight), and any step on GPU (its streams and graphs
+for two micro-batches are not built yet) run one batch. Stats: steps split, and per token-count bucket the
 mean step time of each choice as this rank measured it.
 """
 
