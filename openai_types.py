@@ -41,6 +41,9 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: Optional[str] = None  # "stop" | "length"; null on non-final chunks
     logprobs: Any = None
+    # vLLM's `return_token_ids` extension: the generated token ids (a chunk: since the
+    # previous chunk of the choice); absent unless the request asked for them
+    token_ids: Union[list[int], UnsetType] = UNSET
 
 
 class Completion(msgspec.Struct):
@@ -72,6 +75,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessage
     finish_reason: Optional[str] = None
     logprobs: Any = None
+    token_ids: Union[list[int], UnsetType] = UNSET  # as `CompletionChoice.token_ids`
 
 
 class ChatCompletion(msgspec.Struct):
@@ -99,6 +103,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     finish_reason: Optional[str] = None
     logprobs: Any = None
+    token_ids: Union[list[int], UnsetType] = UNSET  # as `CompletionChoice.token_ids`
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 from ..openai_types import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                          ChatDelta, ChatMessage, Completion, CompletionChoice,
-                         PromptTokensDetails, Usage)
+                         PromptTokensDetails, UNSET, Usage)
 from .generation import ChoiceEvent
 
 __all__ = ["Envelope", "CompletionFormat", "ChatFormat", "make_usage"]
@@ -24,6 +24,11 @@ class Envelope:
     id: str
     created: int
     model: str
+    token_ids: bool = False  # `return_token_ids`: choices carry their tokens' ids
+
+
+def _ids(env: Envelope, ids: Optional[list[int]]) -> Any:
+    return ids if env.token_ids and ids is not None else UNSET
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
@@ -35,8 +40,10 @@ class CompletionFormat:
     """`text_completion` objects (the same object type for responses and chunks)."""
 
     def response(self, env: Envelope, texts: Sequence[str], reasons: Sequence[Optional[str]],
-                 usage: Usage) -> Completion:
-        choices = [CompletionChoice(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
+                 usage: Usage, ids: Sequence[list[int]] = ()) -> Completion:
+        ids = list(ids) or [None] * len(texts)
+        choices = [CompletionChoice(i, t, r, token_ids=_ids(env, d))
+                   for i, (t, r, d) in enumerate(zip(texts, reasons, ids))]
         return Completion(env.id, "text_completion", env.created, env.model, choices, usage)
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
@@ -44,7 +51,8 @@ class CompletionFormat:
 
     def chunk(self, env: Envelope, event: ChoiceEvent) -> Completion:
         return Completion(env.id, "text_completion", env.created, env.model,
-                          [CompletionChoice(event.index, event.text, event.finish_reason)])
+                          [CompletionChoice(event.index, event.text, event.finish_reason,
+                                            token_ids=_ids(env, event.token_ids))])
 
     def usage_chunk(self, env: Envelope, usage: Usage) -> Completion:
         return Completion(env.id, "text_completion", env.created, env.model, [], usage)
@@ -56,9 +64,10 @@ class ChatFormat:
     each choice carries its `finish_reason` (and its remaining text, if any)."""
 
     def response(self, env: Envelope, texts: Sequence[str], reasons: Sequence[Optional[str]],
-                 usage: Usage) -> ChatCompletion:
-        choices = [ChatChoice(i, ChatMessage("assistant", t), r)
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+                 usage: Usage, ids: Sequence[list[int]] = ()) -> ChatCompletion:
+        ids = list(ids) or [None] * len(texts)
+        choices = [ChatChoice(i, ChatMessage("assistant", t), r, token_ids=_ids(env, d))
+                   for i, (t, r, d) in enumerate(zip(texts, reasons, ids))]
         return ChatCompletion(env.id, "chat.completion", env.created, env.model, choices, usage)
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
@@ -67,7 +76,8 @@ class ChatFormat:
 
     def chunk(self, env: Envelope, event: ChoiceEvent) -> ChatCompletionChunk:
         delta = ChatDelta(content=event.text) if event.text else ChatDelta()
-        return self._chunk(env, [ChatChunkChoice(event.index, delta, event.finish_reason)])
+        return self._chunk(env, [ChatChunkChoice(event.index, delta, event.finish_reason,
+                                                 token_ids=_ids(env, event.token_ids))])
 
     def usage_chunk(self, env: Envelope, usage: Usage) -> ChatCompletionChunk:
         return self._chunk(env, [], usage)

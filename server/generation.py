@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
 from ..engine.sampling_params import SamplingParams
@@ -29,11 +29,13 @@ __all__ = ["ChoiceEvent", "ChoiceRun", "merge_runs"]
 
 @dataclass(slots=True)
 class ChoiceEvent:
-    """New text of choice `index`; `finish_reason` ("stop"/"length") on its last event."""
+    """New text of choice `index`; `finish_reason` ("stop"/"length") on its last event;
+    `token_ids`: the tokens generated since the previous event of the choice."""
 
     index: int
     text: str
     finish_reason: Optional[str] = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 class ChoiceRun:
@@ -53,6 +55,7 @@ class ChoiceRun:
         self._first: Optional[TokenDelta] = None
         self._backend_done = False
         self._closed = False
+        self._ids: list[int] = []  # tokens not yet carried by an event
 
     async def admit(self) -> None:
         """Submit and wait for the first delta. Raises what the backend raises
@@ -94,6 +97,7 @@ class ChoiceRun:
             self.metrics.observe_tokens(n, now - self._last, first=self.num_tokens == 0)
             self._last = now
         self.num_tokens += n
+        self._ids.extend(delta.token_ids)
         if delta.finished:
             self._backend_done = True
             self.num_cached_tokens = delta.num_cached_tokens
@@ -102,10 +106,14 @@ class ChoiceRun:
                                   type=SERVER_ERROR, code="request_aborted")
         text = self.text.feed(delta.token_ids, final=delta.finished)
         if self.text.stopped:
-            return ChoiceEvent(self.index, text, "stop")
+            return self._event(text, "stop")
         if delta.finished:
-            return ChoiceEvent(self.index, text, delta.finish_reason or "stop")
-        return ChoiceEvent(self.index, text) if text else None
+            return self._event(text, delta.finish_reason or "stop")
+        return self._event(text, None) if text else None
+
+    def _event(self, text: str, finish_reason: Optional[str]) -> ChoiceEvent:
+        ids, self._ids = self._ids, []
+        return ChoiceEvent(self.index, text, finish_reason, ids)
 
     async def close(self) -> None:
         """Release the backend request (abort it unless it finished). Idempotent."""

@@ -168,7 +168,8 @@ class GenerationHandlers:
 
     def _plan(self, req: proto.SamplingFields, prefix: str, prompts: list[list[int]],
               max_tokens: int, fmt: _Format, prompt_param: str) -> _Plan:
-        env = Envelope(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name)
+        env = Envelope(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
+                       bool(req.return_token_ids))
         opts = req.stream_options
         return _Plan(env, prompts, proto.sampling_params(req, max_tokens), proto.stop_strings(req),
                      bool(req.stream), bool(req.stream and opts and opts.include_usage), fmt,
@@ -201,14 +202,16 @@ class GenerationHandlers:
     async def collect(self, plan: _Plan, runs: list[ChoiceRun]) -> Any:
         """The whole response object (`Completion` / `ChatCompletion`) of admitted runs."""
         texts: list[list[str]] = [[] for _ in runs]
+        ids: list[list[int]] = [[] for _ in runs]
         reasons: list[Optional[str]] = [None] * len(runs)
         async with aclosing(merge_runs(runs)) as events:
             async for event in events:
                 texts[event.index].append(event.text)
+                ids[event.index].extend(event.token_ids)
                 if event.finish_reason is not None:
                     reasons[event.index] = event.finish_reason
         return plan.fmt.response(plan.env, ["".join(t) for t in texts], reasons,
-                                 _usage(plan, runs))
+                                 _usage(plan, runs), ids)
 
     async def chunks(self, plan: _Plan, runs: list[ChoiceRun]) -> AsyncIterator[Any]:
         """The stream's chunk objects of admitted runs (opening chunks, one per event,

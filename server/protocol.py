@@ -7,7 +7,9 @@ request argument"), as the OpenAI API does. Fields of the spec that phalanx does
 implement are accepted only at their neutral value (`n: 1`, `echo: false`,
 `logprobs: null`, penalties 0, ...); anything else is 400 naming the field.
 
-Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off) and `ignore_eos` (bool).
+Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off), `ignore_eos` (bool) and
+`return_token_ids` (bool: each choice, and each stream chunk's choice, carries the ids of
+the tokens it adds as `token_ids`).
 `stop` is implemented by matching the detokenized text (up to 4 non-empty strings).
 Response bodies live in `phalanx.openai_types` (shared with the SDK).
 """
@@ -55,6 +57,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     logit_bias: Optional[dict[str, int]] = None
     user: Optional[str] = None
     ignore_eos: Optional[bool] = None  # extension
+    return_token_ids: Optional[bool] = None  # extension
 
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):

@@ -139,6 +139,31 @@ async def test_token_and_multi_prompts(client, offline):
     assert texts == [refs[0][0], refs[1][0]]
 
 
+async def test_return_token_ids_on_both_routes(client, offline):
+    """vLLM's `return_token_ids`: each stream chunk's choice carries the ids it adds (their
+    concatenation is the offline engine's tokens), the whole response its choice's ids;
+    absent unless asked for."""
+    prompt = _prompts(1)[0]
+    ids = offline.tokenizer.encode(prompt, add_special_tokens=False)
+    want = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=9, ignore_eos=True))[0].outputs[0].token_ids
+    body = dict(model=MODEL, prompt=prompt, max_tokens=9, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    got: list[int] = []
+    async for chunk in await client.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            got += c.model_extra["token_ids"]
+    assert got == want
+    whole = await client.completions.create(**body)
+    assert whole.choices[0].model_extra["token_ids"] == want
+    plain = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4,
+        extra_body={"return_token_ids": True})
+    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
+
+
 async def stream_completion(client, prompt: str, max_tokens: int):
     """(text, finish reason of every chunk, usage) of one streamed greedy completion."""
     text, reasons, usage = "", [], None
