@@ -173,6 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    from .chaos.cli import add_chaos
+    add_chaos(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
@@ -180,6 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "serve":
             from .server.serve_main import run_serve
             return run_serve(args)
+        if args.command == "chaos":
+            from .chaos.cli import run_chaos
+            return run_chaos(args)
     except (ValueError, OSError) as e:  # OSError: e.g. the port is taken
         print(f"phalanx: error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from typing import Optional
 
 import ray
@@ -26,6 +27,9 @@ from .rank_actor import MAX_CONCURRENCY, RemoteRank
 log = get_logger(__name__)
 
 START_TIMEOUT_S = 300.0
+# Rank actors are named in this Ray namespace, so that a tool outside the server's
+# process (the chaos drill) can reach one by name (`chaos.ranks.RANK_NAMESPACE`).
+RANK_NAMESPACE = "phalanx-ranks"
 FORM_ATTEMPTS = 3  # formations tried when the rendezvous port was taken meanwhile
 
 
@@ -119,8 +123,10 @@ class GroupSupervisor:
                                 f"{'GPU' if gpu else 'CPU'} rank(s) within "
                                 f"{placement_timeout_s} s") from e
         env = {"runtime_env": {"env_vars": env_vars}} if (env_vars := self._env_vars()) else {}
+        tag = uuid.uuid4().hex[:12]  # names are unique in the namespace, as Ray wants
         self.actors = [
             self.actor_cls.options(
+                name=f"rank-{tag}-e{self.epoch}-r{r}", namespace=RANK_NAMESPACE,
                 num_cpus=1, num_gpus=1 if gpu else 0, max_concurrency=MAX_CONCURRENCY,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._pgs[r // self.tp], placement_group_bundle_index=r % self.tp),

@@ -12,9 +12,11 @@ import os
 import signal
 from dataclasses import dataclass
 
-__all__ = ["RANK_CLASSES", "RankProcess", "rank_processes", "sigkill"]
+__all__ = ["RANK_CLASSES", "RANK_NAMESPACE", "RankProcess", "rank_handle", "rank_processes",
+           "sigkill"]
 
 RANK_CLASSES = ("RankActor", "PrefillRank", "DecodeRank")
+RANK_NAMESPACE = "phalanx-ranks"  # where the supervisor names its rank actors
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,7 @@ class RankProcess:
     class_name: str  # RankActor (colocated), PrefillRank, DecodeRank
     node_id: str
     state: str  # ALIVE, DEPENDENCIES_UNREADY, PENDING_CREATION, RESTARTING, DEAD
+    name: str = ""  # its name in RANK_NAMESPACE ("" for an unnamed actor)
 
     @property
     def role(self) -> str:
@@ -36,16 +39,16 @@ def _from_state_api() -> list[RankProcess] | None:
         rows = list_actors(limit=10_000, raise_on_missing_output=False, timeout=5)
     except Exception:  # noqa: BLE001 - no dashboard: fall back to the GCS table
         return None
-    return [RankProcess(int(r.pid or 0), r.actor_id, r.class_name, r.node_id or "", r.state)
-            for r in rows]
+    return [RankProcess(int(r.pid or 0), r.actor_id, r.class_name, r.node_id or "", r.state,
+                        r.name or "") for r in rows]
 
 
 def _from_gcs() -> list[RankProcess]:
     import ray
     table = ray._private.state.actors()  # the GCS actor table, as `ray list actors` reads it
     return [RankProcess(int(a.get("Pid") or 0), a["ActorID"], a.get("ActorClassName") or "",
-                        (a.get("Address") or {}).get("NodeID", ""), a.get("State", ""))
-            for a in table.values()]
+                        (a.get("Address") or {}).get("NodeID", ""), a.get("State", ""),
+                        a.get("Name") or "") for a in table.values()]
 
 
 def rank_processes(alive_only: bool = True, use_dashboard: bool = False) -> list[RankProcess]:
@@ -66,3 +69,12 @@ def sigkill(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def rank_handle(rank: RankProcess):
+    """A handle of `rank`'s actor, by its name (ValueError for an unnamed one, or one
+    gone meanwhile)."""
+    import ray
+    if not rank.name:
+        raise ValueError(f"rank actor {rank.actor_id} has no name to reach it by")
+    return ray.get_actor(rank.name, namespace=RANK_NAMESPACE)

@@ -112,6 +112,7 @@ def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str
     else:
         say(f"joining the Ray cluster at {address}" if address else "starting a local Ray cluster")
     client = build_cluster(config, disagg, address)
+    say(f"Ray cluster at {ray.get_runtime_context().gcs_address}")
     say("rank groups formed, shards loaded")
     try:
         for line in placement_lines(client.rank_nodes()):
