@@ -26,7 +26,8 @@ from .faults import parse_fault
 __all__ = ["add_chaos", "run_chaos"]
 
 LAYOUTS = {"disagg": dict(prefill_tp=1, decode_dp=2), "dp2": dict(tp=1, dp=2),
-           "tp2": dict(tp=2, dp=1), "dp2tp2": dict(tp=2, dp=2)}
+           "tp2": dict(tp=2, dp=1), "dp2tp2": dict(tp=2, dp=2),
+           "dp2-peer": dict(tp=1, dp=2, ep_exchange="peer")}
 READY = re.compile(r"serving \S+ at (http://\S+)")
 RAY_LINE = re.compile(r"Ray cluster at (\S+)")
 

@@ -35,6 +35,7 @@ from .workload import ChaosRequest, StreamRecord, make_requests, stream_request
 __all__ = ["Drill", "DrillConfig", "DrillResult", "FaultThread"]
 
 STATS_EVERY_S = 1.0
+VICTIM_WAIT_S = 10.0  # a planned fault with no victim at its time is tried this long
 PROGRESS_EVERY_S = 5.0
 
 
@@ -90,7 +91,11 @@ class FaultThread(threading.Thread):
         pending = list(self.plan)
         while not self.stop.is_set():
             while pending and time.time() - t0 >= pending[0].t:
-                self._inject(pending.pop(0).spec)
+                due = pending.pop(0)
+                late = time.time() - t0 - due.t
+                if not self._inject(due.spec, final=late >= VICTIM_WAIT_S):
+                    pending.insert(0, due)  # tried again next round
+                    break
             if watching:
                 fresh = self._ranks() - known
                 if fresh:
@@ -111,13 +116,20 @@ class FaultThread(threading.Thread):
         from .ranks import rank_processes
         return {r.actor_id for r in rank_processes()}
 
-    def _inject(self, spec: FaultSpec, only: Optional[set[str]] = None) -> None:
+    def _inject(self, spec: FaultSpec, only: Optional[set[str]] = None,
+                final: bool = True) -> bool:
+        """Apply `spec`; False when there was no victim and it may be tried again
+        (`final` False: a planned fault waits up to `VICTIM_WAIT_S` for one, e.g. while
+        the group it needs is being re-formed)."""
         try:
             self.result.injected.append(self.injectors.inject(spec, only))
         except NoVictim as e:
+            if not final:
+                return False
             self.result.skipped.append((time.time(), spec.text, str(e)))
         except Exception as e:  # noqa: BLE001 - reported: the drill then fails
             self.result.fault_errors.append((time.time(), spec.text, f"{type(e).__name__}: {e}"))
+        return True
 
 
 class Drill:

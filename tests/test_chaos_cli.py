@@ -2,7 +2,9 @@
 layout with every fault kind that reaches it from outside, and a colocated DP×EP group),
 the server started by the tool as a process of its own, faults from this machine's
 outside view of it (Ray's state, signals, named actors). Every stream must pass the
-check against the reference pass; the report holds every fault and a timeline."""
+check against the reference pass; the report holds every fault and a timeline. And
+bench/chaos.py (fault points again and again, a kill during each re-formation) on the
+peer exchange's DP×EP group, whose survivors learn of a death only at the deadline."""
 
 from __future__ import annotations
 
@@ -41,3 +43,14 @@ def test_a_60_second_drill_passes_with_every_fault_kind(tmp_path, layout):
     assert any(s["cut_off"] for s in body["streams"]), "some clients went away mid-stream"
     assert (report / "timeline.png").stat().st_size > 10_000
     assert "| verdict | PASS |" in done.stdout
+
+
+def test_bench_chaos_drills_the_peer_exchange_group(tmp_path, monkeypatch):
+    import os
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    monkeypatch.syspath_prepend(bench)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    import chaos as bench_chaos  # bench/chaos.py (the package is phalanx.chaos)
+    assert bench_chaos.main(["--layouts", "dp2-peer", "--duration", "30", "--every", "8"]) == 0
+    (row,) = json.loads((tmp_path / "chaos.json").read_text())["rows"]
+    assert row["passed"] and row["faults"] >= 3 and row["recoveries_seen"] >= 1, row
