@@ -85,8 +85,9 @@ class RankActor:
     def poll(self, timeout_s: float = 0.1) -> list:
         return self.rank.poll(timeout_s)
 
-    def arm_fault(self, point: str, after: int = 0, stall_s: float = 0.0) -> None:
-        self.rank.arm_fault(point, after, stall_s)
+    def arm_fault(self, point: str, after: int = 0, stall_s: float = 0.0,
+                  drop: bool = False) -> None:
+        self.rank.arm_fault(point, after, stall_s, drop)
 
     def stats(self) -> dict:
         return self.rank.stats()

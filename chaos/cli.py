@@ -50,7 +50,7 @@ def add_chaos(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="KIND[:every=15s|rate=0.1|at=10s,recovery][:for=5s][:role=R]"
                         "[:point=P]; kinds: kill-rank, kill-actor, pause-rank, fault-point, "
-                        "kv-delay, remove-node (repeatable)")
+                        "kv-delay, kv-drop, remove-node (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="schedule, victims and workload")
     p.add_argument("--requests", type=int, default=48, help="distinct requests (cycled)")
     p.add_argument("--concurrency", type=int, default=8, help="streams at once")

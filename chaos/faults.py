@@ -8,6 +8,7 @@ Syntax: `KIND[:key=value]...`, for example
     kill-rank:at=recovery           kill a rank of a group that is being re-formed
     fault-point:point=moe_dispatch:every=20s    arm an internal fault point (exact placement)
     kv-delay:every=30s:for=2s       stall a prefill rank's next KV send for 2 s
+    kv-drop:every=30s               drop a prefill rank's next KV batch (its transfer fails)
     remove-node:at=40s              kill a Ray node's raylet (a node of this machine)
 
 Keys: `every` (a period), `rate` (faults per second, Poisson), `at` (times or the event
@@ -22,7 +23,8 @@ from typing import Optional
 
 __all__ = ["EVENTS", "FaultSpec", "KINDS", "POINTS", "parse_fault"]
 
-KINDS = ("kill-rank", "kill-actor", "pause-rank", "fault-point", "kv-delay", "remove-node")
+KINDS = ("kill-rank", "kill-actor", "pause-rank", "fault-point", "kv-delay", "kv-drop",
+         "remove-node")
 EVENTS = ("recovery",)  # named moments a fault may be tied to
 POINTS = ("step", "moe_dispatch", "kv_send")  # internal fault points (actors/rank/fault_points)
 ROLES = ("group", "prefill", "decode")

@@ -9,6 +9,8 @@ found through Ray's state (`ranks.rank_processes`).
 - `fault-point`: arm an internal fault point of a rank (the process exits at its next
   pass: inside an MoE all-to-all, at a step's start, before a KV send);
 - `kv-delay`: arm a prefill rank's `kv_send` point to stall `for` seconds once;
+- `kv-drop`: arm it to drop its next KV batch (the transfer fails; the request is
+  prefilled again);
 - `remove-node`: SIGKILL the raylet of a node other than the head (one on this machine):
   the node and every rank on it are gone.
 
@@ -81,10 +83,12 @@ class Injectors:
             import ray
             ray.kill(handle, no_restart=True)
             return Injected(time.time(), spec.text, f"actor {victim.name}")
-        point, stall = ("kv_send", spec.for_s) if spec.kind == "kv-delay" else (spec.point, 0.0)
-        handle.arm_fault.remote(point, 0, stall)
+        point = "kv_send" if spec.kind in ("kv-delay", "kv-drop") else spec.point
+        stall, drop = (spec.for_s if spec.kind == "kv-delay" else 0.0), spec.kind == "kv-drop"
+        handle.arm_fault.remote(point, 0, stall, drop)
         return Injected(time.time(), spec.text, f"actor {victim.name}",
-                        f"{point} armed" + (f", stall {stall:g} s" if stall else ""))
+                        f"{point} armed" + (f", stall {stall:g} s" if stall else "")
+                        + (", drop" if drop else ""))
 
     def _victim(self, spec: FaultSpec, only: Optional[set[str]]) -> RankProcess:
         roles = _roles(spec)
@@ -140,7 +144,7 @@ def _roles(spec: FaultSpec) -> Optional[tuple[str, ...]]:
     MoE dispatch: DP×EP ranks; a KV send: prefill ranks), else any."""
     if spec.role is not None:
         return (spec.role,)
-    point = "kv_send" if spec.kind == "kv-delay" else spec.point
+    point = "kv_send" if spec.kind in ("kv-delay", "kv-drop") else spec.point
     return {"kv_send": ("prefill",), "moe_dispatch": ("group", "decode")}.get(point)
 
 

@@ -20,6 +20,7 @@ def test_fault_specs_parse_and_print_back():
     assert parse_fault("kill-rank:at=2s,recovery:role=decode").at_events == ("recovery",)
     assert parse_fault("kv-delay:rate=0.1:for=500ms").for_s == 0.5
     assert parse_fault("fault-point:point=moe_dispatch:every=20s").point == "moe_dispatch"
+    assert parse_fault("kv-drop:every=30s").kind == "kv-drop"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -76,3 +77,18 @@ def test_only_the_reference_passes_uncut(ref, data):
     cuts = sorted(data.draw(st.lists(st.integers(0, len(got)), max_size=4)))
     chunks = [got[a:b] for a, b in zip([0] + cuts, cuts + [len(got)])]
     assert check_stream(ref, chunks).passed == (got == ref)
+
+
+def test_fault_points_exit_stall_or_drop_once():
+    import time
+
+    from phalanx.actors.rank.fault_points import FaultPoints
+    points = FaultPoints()
+    points.arm("kv_send", after=1, drop=True)
+    assert [points.passed("kv_send") for _ in range(3)] == [False, True, False]
+    points.arm("step", stall_s=0.05)
+    t = time.monotonic()
+    assert points.passed("step") is False and time.monotonic() - t >= 0.05
+    assert points.passed("step") is False
+    with pytest.raises(ValueError, match="not both"):
+        points.arm("kv_send", stall_s=1.0, drop=True)

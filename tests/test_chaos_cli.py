@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 DRILLS = {
     "disagg": ["kill-rank:every=20s", "pause-rank:at=8s:for=3s", "kill-actor:at=30s",
                "fault-point:point=moe_dispatch:at=45s", "kv-delay:at=5s,35s:for=2s",
-               "kill-rank:at=recovery"],
+               "kv-drop:at=15s,50s", "kill-rank:at=recovery"],
     "dp2": ["kill-rank:at=12s,40s", "pause-rank:at=5s:for=2s", "kill-actor:at=25s",
             "fault-point:point=step:at=52s"],
 }

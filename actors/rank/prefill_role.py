@@ -127,9 +127,12 @@ class PrefillRole(RankRole):
 
         def layer_done(layer: int) -> None:
             for key, dst_rank, copies in sends.get(layer, ()):
-                self._rank.fault_point("kv_send")
+                dropped = self._rank.fault_point("kv_send")
                 stream = self._streams.get(key)
                 if stream is None:  # forgotten during the step (its batches withdrawn)
+                    continue
+                if dropped:  # the batch is lost on the link: the transfer fails
+                    stream.failed = "a KV batch was dropped (fault point kv_send)"
                     continue
                 address = tuple(stream.dest.addresses[dst_rank])
                 stream.futures.append(self._sender.submit_layer(

@@ -132,11 +132,13 @@ class Rank:
             raise ValueError(f"rank {self.spec.rank} is not a DP leader")
 
     # -- fault injection (chaos drills) ----------------------------------------------
-    def arm_fault(self, point: str, after: int = 0, stall_s: float = 0.0) -> None:
-        self.faults.arm(point, after, stall_s)
+    def arm_fault(self, point: str, after: int = 0, stall_s: float = 0.0,
+                  drop: bool = False) -> None:
+        self.faults.arm(point, after, stall_s, drop)
 
-    def fault_point(self, point: str) -> None:
-        self.faults.passed(point)
+    def fault_point(self, point: str) -> bool:
+        """True: an armed drop fired (the caller drops what it was about to do)."""
+        return self.faults.passed(point)
 
     # -- the loop --------------------------------------------------------------------
     def _run(self) -> None:
