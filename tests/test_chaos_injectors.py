@@ -23,8 +23,9 @@ class RankActor:  # the name the tool looks for in Ray's actor table
     def __init__(self) -> None:
         self.armed = []
 
-    def arm_fault(self, point: str, after: int = 0, stall_s: float = 0.0) -> None:
-        self.armed.append((point, after, stall_s))
+    def arm_fault(self, point: str, after: int = 0, stall_s: float = 0.0,
+                  drop: bool = False) -> None:
+        self.armed.append((point, after, stall_s, drop))
 
     def faults(self) -> list:
         return self.armed
@@ -64,9 +65,11 @@ def test_every_injector_reaches_its_victim(cluster):
     pid = ray.get(a.pid.remote())
 
     done = inj.inject(parse_fault("fault-point:point=step:at=1s"))
-    assert "step armed" in done.note and ray.get(a.faults.remote()) == [("step", 0, 0.0)]
+    assert "step armed" in done.note and ray.get(a.faults.remote()) == [("step", 0, 0.0, False)]
     inj.inject(parse_fault("kv-delay:at=1s:for=2s:role=group"))
-    assert ray.get(a.faults.remote())[-1] == ("kv_send", 0, 2.0)
+    assert ray.get(a.faults.remote())[-1] == ("kv_send", 0, 2.0, False)
+    inj.inject(parse_fault("kv-drop:at=1s:role=group"))
+    assert ray.get(a.faults.remote())[-1] == ("kv_send", 0, 0.0, True)
 
     paused = inj.inject(parse_fault("pause-rank:at=1s:for=1s"))
     assert str(pid) in paused.target and _state(pid) == "T"
