@@ -89,7 +89,7 @@ def _buffer(device: str, nbytes: int) -> Any:
 
 
 async def _serve(mode: str, device: str, sizes: list[int], burst: tuple[int, int],
-                 rounds: int, q: Any) -> None:
+                 rounds: int, q: Any, finished: Any) -> None:
     ucxx = _init(mode)
     done = asyncio.Event()
     bufs = [_buffer(device, s) for s in sizes]
@@ -115,13 +115,15 @@ async def _serve(mode: str, device: str, sizes: list[int], burst: tuple[int, int
     listener = ucxx.create_listener(handler)
     q.put(listener.port)
     await done.wait()
-    await asyncio.sleep(0.2)
+    # The endpoint stays open until the client has its last reply: closing it earlier
+    # cancels the client's receive on a loaded machine.
+    await asyncio.get_running_loop().run_in_executor(None, finished.wait, 60)
     ucxx.stop_notifier_thread()  # a non-daemon thread: the process would not exit
 
 
 def _server_main(mode: str, device: str, sizes: list[int], burst: tuple[int, int],
-                 rounds: int, q: Any) -> None:
-    asyncio.run(_serve(mode, device, sizes, burst, rounds, q))
+                 rounds: int, q: Any, finished: Any) -> None:
+    asyncio.run(_serve(mode, device, sizes, burst, rounds, q, finished))
 
 
 def _median_us(ts: list[float]) -> float:
@@ -166,22 +168,24 @@ def _burst_key(burst: tuple[int, int]) -> str:
 
 
 def _client_main(mode: str, device: str, sizes: list[int], burst: tuple[int, int],
-                 rounds: int, q: Any, out: Any) -> None:
+                 rounds: int, q: Any, out: Any, finished: Any) -> None:
     try:
         out.put(asyncio.run(_client(mode, device, sizes, burst, rounds, q.get(timeout=60))))
     except Exception as e:
         out.put({"mode": mode, "error": repr(e)})
+    finally:
+        finished.set()
 
 
 def run_mode(mode: str, device: str, server_device: str, sizes: list[int],
              burst: tuple[int, int], rounds: int) -> dict:
     """One mode in two fresh processes (ucxx is initialised once per process)."""
     ctx = mp.get_context("spawn")
-    q, out = ctx.Queue(), ctx.Queue()
+    q, out, finished = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_server_main,
-                         args=(mode, server_device, sizes, burst, rounds, q)),
+                         args=(mode, server_device, sizes, burst, rounds, q, finished)),
              ctx.Process(target=_client_main,
-                         args=(mode, device, sizes, burst, rounds, q, out))]
+                         args=(mode, device, sizes, burst, rounds, q, out, finished))]
     for p in procs:
         p.start()
     try:
