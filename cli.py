@@ -41,6 +41,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="re-formations allowed within --recovery-window before failing (0: never)")
     p.add_argument("--recovery-window", type=float, default=600.0,
                    help="seconds over which --max-recoveries re-formations are counted")
+    p.add_argument("--replace-timeout", type=float, default=30.0,
+                   help="seconds a dead rank's replacement may wait for room in the Ray "
+                        "cluster; past it a DP group re-forms narrower (fewer DP ranks)")
     add_disagg_arguments(p)
 
 
@@ -121,6 +124,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "its requests (0: never re-form)")
     p.add_argument("--recovery-window", type=float, default=600.0,
                    help="seconds over which --max-recoveries re-formations are counted")
+    p.add_argument("--replace-timeout", type=float, default=30.0,
+                   help="seconds a dead rank's replacement may wait for room in the Ray "
+                        "cluster; past it a DP group re-forms narrower (fewer DP ranks)")
     p.add_argument("--routing-policy", default=None,
                    help="routing policy over DP groups (default: prefix_aware)")
 
@@ -136,6 +142,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, tp=args.tp, dp=args.dp, page_size=args.page_size, num_pages=args.num_pages,
               device=args.device, collective_timeout_s=args.collective_timeout,
               max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
+              replace_timeout_s=args.replace_timeout,
               ep_exchange=args.ep_exchange, **layout_kwargs(args))
     try:
         return _run_generate(llm, args, params)

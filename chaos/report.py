@@ -100,14 +100,15 @@ def _plot(result: DrillResult, s: dict, path: Path) -> Optional[Path]:
     ax2 = ax.twinx()
     ax2.plot(t, s["in_flight"], color="tab:gray", alpha=0.6, label="streams in flight")
     ax2.set_ylabel("streams in flight")
-    colors = {"re-forming": "tab:orange", "recovered": "tab:green"}
+    colors = {"re-forming": "tab:orange", "recovered": "tab:green", "width": "tab:purple"}
     for inj in result.injected:
         ax.axvline(inj.t - result.started, color="tab:red", lw=1.2)
     for when, kind, _ in result.marks:
         ax.axvline(when - result.started, color=colors.get(kind, "k"), lw=0.9, ls="--")
     handles = [plt.Line2D([], [], color="tab:red", label="fault"),
                plt.Line2D([], [], color="tab:orange", ls="--", label="new ranks (re-forming)"),
-               plt.Line2D([], [], color="tab:green", ls="--", label="recovery done")]
+               plt.Line2D([], [], color="tab:green", ls="--", label="recovery done"),
+               plt.Line2D([], [], color="tab:purple", ls="--", label="DP width changed")]
     ax.legend(handles=ax.get_legend_handles_labels()[0] and
               [*ax.get_legend_handles_labels()[0], *handles], loc="upper left", fontsize=8)
     verdict = "PASS" if result.passed else "FAIL"

@@ -61,7 +61,7 @@ class DrillResult:
     verdicts: list = field(default_factory=list)  # Verdict per record
     injected: list = field(default_factory=list)  # Injected
     skipped: list = field(default_factory=list)  # (time, spec, why): nothing to apply it to
-    marks: list = field(default_factory=list)  # (time, "re-forming" | "recovered", note)
+    marks: list = field(default_factory=list)  # (time, "re-forming" | "recovered" | "width", note)
     service_gave_up: bool = False
     fault_errors: list = field(default_factory=list)  # injector failures (not NoVictim)
 
@@ -212,6 +212,10 @@ class Drill:
         if seen is not None and now > seen:
             result.marks.append((time.time(), "recovered", f"recoveries {seen:g} -> {now:g}"))
         self._recoveries = now
+        width, before = stats.get("width"), getattr(self, "_width", None)
+        if width is not None and before is not None and width != before:
+            result.marks.append((time.time(), "width", f"DP width {before:g} -> {width:g}"))
+        self._width = width if width is not None else before
         if float(stats.get("healthy", 1.0)) == 0.0:
             result.service_gave_up = True
 

@@ -63,6 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
             page_size=args.page_size, num_pages=args.num_pages, max_model_len=args.max_model_len,
             device=args.device, seed=args.seed, collective_timeout_s=args.collective_timeout,
             max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
+            replace_timeout_s=args.replace_timeout,
             ep_exchange=args.ep_exchange,
             ray_address=args.address)
         _restore(previous)

@@ -54,3 +54,49 @@ def test_bench_chaos_drills_the_peer_exchange_group(tmp_path, monkeypatch):
     assert bench_chaos.main(["--layouts", "dp2-peer", "--duration", "30", "--every", "8"]) == 0
     (row,) = json.loads((tmp_path / "chaos.json").read_text())["rows"]
     assert row["passed"] and row["faults"] >= 3 and row["recoveries_seen"] >= 1, row
+
+
+def test_a_60_second_remove_node_drill_against_a_running_server(tmp_path):
+    """The operator's form: a Ray cluster of three nodes on this machine (a head with no
+    CPUs and two worker nodes of one CPU each, so each DP rank has a node of its own),
+    `phalanx serve --address` on it, then `phalanx chaos --url --address` removing a
+    worker node's raylet 12 s into the drill. The lost rank cannot be placed again: past
+    --replace-timeout the DP group re-forms at width 1 and every stream still passes."""
+    import re
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", "serve", "--port", "0", "--tp", "1", "--dp", "2",
+         "--address", cluster.address, "--max-num-seqs", "16", "--page-size", "4",
+         "--num-pages", "1024", "--max-num-batched-tokens", "256", "--collective-timeout", "10",
+         "--replace-timeout", "3", "--api-key", "K"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = next(m.group(1) for line in serve.stdout
+                   if (m := re.search(r"serving \S+ at (http://\S+)", line)))
+        report = tmp_path / "report"
+        done = subprocess.run(
+            [sys.executable, "-m", "phalanx.cli", "chaos", "--url", url, "--api-key", "K",
+             "--address", cluster.address, "--duration", "60", "--seed", "1", "--requests", "24",
+             "--fault", "remove-node:at=12s", "--report", str(report)],
+            capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        body = json.loads((report / "report.json").read_text())
+        summary = body["summary"]
+        assert summary["passed"] and set(summary["verdicts"]) == {"ok"}, summary
+        assert summary["faults"] == 1 and summary["fault_errors"] == 0, body["faults"]
+        assert summary["streams"] > 50 and not summary["service_gave_up"], summary
+        widths = [m["note"] for m in body["marks"] if m["kind"] == "width"]
+        assert "DP width 2 -> 1" in widths, body["marks"]
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(120)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+        cluster.shutdown()
