@@ -185,7 +185,7 @@ class EPDispatcher:
         `moe`'s result. With `overlap` set the exchanges run on this rank's
         `ExchangeWorker` (two micro-batches interleaved), else at submission."""
         T, H = self._check(x, topk_weights, topk_ids)
-        k, worker = topk_ids.shape[1], self._worker_now()
+        k, worker = topk_ids.shape[1], self._worker_now(x.device)
         if self.step_tokens is not None:
             order, rows, send, _ = self._padded_rows(x, topk_weights, topk_ids,
                                                      self.step_tokens * k)
@@ -231,12 +231,13 @@ class EPDispatcher:
                              f"{self.step_tokens * k} rows per rank")
         return T, H
 
-    def _worker_now(self):
-        """Where this layer's exchanges run: the worker thread while overlapping."""
+    def _worker_now(self, device: torch.device):
+        """Where this layer's exchanges run: the worker thread while overlapping (on a
+        CUDA device, with a stream of its own there)."""
         if not self.overlap:
             return INLINE
         if self._worker is None:
-            self._worker = ExchangeWorker(f"phalanx-exchange-r{self.comm.rank}")
+            self._worker = ExchangeWorker(f"phalanx-exchange-r{self.comm.rank}", device)
         return self._worker
 
     def _wait(self, pending):

@@ -80,6 +80,24 @@ def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp, exchange, eag
         llm.close()
 
 
+@pytest.mark.parametrize("exchange", ["exact", "padded"])
+def test_two_micro_batches_on_gpu_equal_cpu(tiny_model, cpu_tokens, exchange):
+    """Two-batch overlap on GPU (every step eager, every one split): each rank's MoE
+    exchanges run on its exchange thread's own CUDA stream, ordered by events against
+    the other micro-batch's kernels; the tokens are the CPU engine's."""
+    prompts, expected = cpu_tokens
+    llm = LLM(tiny_model, dp=2, device="cuda", dtype="float32", collective_timeout_s=30,
+              ep_exchange=exchange, enforce_eager=True, microbatch="on", **KW)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        stats = llm.cluster.leader_stats()["decode"]
+        assert all(s["microbatch_split_steps"] > 0 for s in stats), stats
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("exchange", ["exact", "peer"])
 def test_gpu_rank_killed_mid_all_to_all_fails_fast(tiny_model, exchange):
     """peer: the survivor's wait kernel spins on the dead rank's flags until the

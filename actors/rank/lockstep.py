@@ -58,8 +58,7 @@ class Lockstep:
         self._dispatcher: Optional[EPDispatcher] = None  # told per step whether to overlap
         self.microbatch = MicrobatchControl(
             spec.config.parallel.microbatch, spec.world_size,
-            enabled=spec.dp > 1 and not spec.config.device.startswith("cuda")
-            and spec.config.parallel.ep_exchange != "peer")
+            enabled=spec.dp > 1 and spec.config.parallel.ep_exchange != "peer")
         self._exchanges: tuple[PeerExchange, ...] = ()  # ep_exchange "peer": its channels
         self._peers = None
         self.graphs: Optional[GroupGraphs] = None  # the group's decode steps, captured

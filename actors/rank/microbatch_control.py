@@ -7,9 +7,10 @@ agreement, which takes the maximum). Same inputs in the same order on every rank
 rank splits the same way without another message (ARCHITECTURE §3).
 
 Micro-batching applies to eager steps over the `GroupComm` exchanges (`ep_exchange`
-"exact" or "padded") on CPU; a step that replays a captured graph, a step over the peer
-channels (they hold one exchange in flight), and any step on GPU (its streams and graphs
-for two micro-batches are not built yet) run one batch. Stats: steps split, and per token-count bucket the
+"exact" or "padded"), on CPU and on GPU (the exchanges on a stream of their own,
+`comm/exchange_worker.py`); a step that replays a captured graph (one set of graphs, of
+one batch) and a step over the peer channels (they hold one exchange in flight) run one
+batch. Stats: steps split, and per token-count bucket the
 mean step time of each choice as this rank measured it.
 """
 
