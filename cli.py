@@ -102,6 +102,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="require `Authorization: Bearer KEY` on every route but /health")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies are answered 413")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated origins (scheme://host[:port]) or * whose browser "
+                        "pages may call the API (CORS); default: none")
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of "
                         "starting a local one")

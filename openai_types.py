@@ -19,7 +19,8 @@ from msgspec import UNSET, UnsetType
 __all__ = [
     "UNSET", "Usage", "PromptTokensDetails", "CompletionChoice", "Completion",
     "ChatMessage", "ChatChoice", "ChatCompletion", "ChatDelta", "ChatChunkChoice",
-    "ChatCompletionChunk", "Model", "ModelList", "ErrorDetail", "ErrorResponse",
+    "ChatCompletionChunk", "Model", "ModelList", "TokenizeResponse", "DetokenizeResponse",
+    "Version", "ErrorDetail", "ErrorResponse",
 ]
 
 
@@ -136,6 +137,24 @@ class Model(msgspec.Struct):
 class ModelList(msgspec.Struct):
     object: str  # "list"
     data: list[Model]
+
+
+class TokenizeResponse(msgspec.Struct):
+    """`POST /tokenize` (vLLM's shape): the prompt's token ids and their count, beside
+    the served context length; `token_strs` when asked for."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str  # `POST /detokenize`: the text of the given token ids
+
+
+class Version(msgspec.Struct):
+    version: str  # `GET /version`
 
 
 class ErrorDetail(msgspec.Struct):

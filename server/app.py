@@ -1,30 +1,38 @@
 """The aiohttp application: routes, API-key check, body cap, errors, metrics, logging.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). With an API key,
-every route but `/health` needs `Authorization: Bearer <key>` (401 otherwise). Every
-error, including aiohttp's own (unknown route 404, wrong method 405, body over the cap
-413), is answered in the OpenAI shape (errors.py). Each request gets an id (the
-response's `X-Request-Id`), logged with route, status and duration.
+`GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`, `POST /detokenize`
+(tokenizer_routes.py), `GET /version`, `GET|HEAD /health`, `GET /metrics` (Prometheus
+text). With an API key, every route but `/health` and `/version` needs `Authorization:
+Bearer <key>` (401 otherwise). Every error, including aiohttp's own (unknown route 404,
+wrong method 405, body over the cap 413), is answered in the OpenAI shape (errors.py).
+Each request has an id, the client's `X-Request-Id` when it sends one (kept as given:
+up to 128 visible ASCII characters), else one of ours (a generation's: its completion
+id); it is the response's `X-Request-Id` and is logged with route, status and duration.
+Cross-origin access: cors.py (off unless `allowed_origins`).
 """
 
 from __future__ import annotations
 
 import hmac
+import re
 import time
 import uuid
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Sequence
 
 import msgspec
 from aiohttp import web
 
+from .. import __version__
 from ..log import get_logger
-from ..openai_types import Model, ModelList
+from ..openai_types import Model, ModelList, Version
 from .backend import ServingBackend
+from .cors import CorsPolicy
 from .errors import SERVER_ERROR, OpenAIError, from_http_exception, too_large
 from .handlers import GenerationHandlers
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .request_keys import ARRIVAL, REQUEST_ID
+from .request_keys import ARRIVAL, CLIENT_ID, REQUEST_ID
+from .tokenizer_routes import TokenizerRoutes
 
 log = get_logger("phalanx.server")
 
@@ -34,17 +42,20 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 BACKEND_KEY: web.AppKey[ServingBackend] = web.AppKey("backend", ServingBackend)
 METRICS_KEY: web.AppKey[ServerMetrics] = web.AppKey("metrics", ServerMetrics)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_UNAUTHENTICATED = frozenset({"/health"})
+_UNAUTHENTICATED = frozenset({"/health", "/version"})
+_CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII, no spaces
 
 
 def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               served_model_name: Optional[str] = None) -> web.Application:
+               served_model_name: Optional[str] = None,
+               allowed_origins: Sequence[str] = ()) -> web.Application:
     """An OpenAI-compatible app over `backend`.
 
-    api_key: when set, required as a Bearer token on every route but /health.
+    api_key: when set, required as a Bearer token on every route but /health, /version.
     max_body_bytes: request bodies above this are answered 413.
     served_model_name: the model id clients must send (default `backend.model_name`).
+    allowed_origins: origins (or "*") whose browser pages may call the API (cors.py).
     The app does not own the backend: closing it is the caller's job.
     """
     if max_body_bytes <= 0:
@@ -53,17 +64,28 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
         raise ValueError("api_key must be a non-empty string or None")
     metrics = ServerMetrics()
     model_name = served_model_name or backend.model_name
+    cors = CorsPolicy(allowed_origins) if allowed_origins else None
     app = web.Application(client_max_size=max_body_bytes, middlewares=[
-        _error_middleware(metrics, max_body_bytes), _auth_middleware(api_key)])
+        _error_middleware(metrics, max_body_bytes),
+        *([cors.middleware] if cors else []), _auth_middleware(api_key)])
+    if cors:
+        cors.install(app)
     app[BACKEND_KEY] = backend
     app[METRICS_KEY] = metrics
     gen = GenerationHandlers(backend, metrics, model_name)
     created = int(time.time())
 
+    card = Model(model_name, "model", created, "phalanx", backend.max_model_len)
+
     async def models(request: web.Request) -> web.Response:
-        data = ModelList("list", [Model(model_name, "model", created, "phalanx",
-                                        backend.max_model_len)])
-        return _json(data)
+        return _json(ModelList("list", [card]))
+
+    async def model(request: web.Request) -> web.Response:
+        gen.check_model(request.match_info["id"])
+        return _json(card)
+
+    async def version(request: web.Request) -> web.Response:
+        return _json(Version(__version__))
 
     async def health(request: web.Request) -> web.Response:
         if backend.healthy():
@@ -82,7 +104,12 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
     app.router.add_post("/v1/completions", gen.completions)
     app.router.add_post("/v1/chat/completions", gen.chat)
     app.router.add_get("/v1/models", models, allow_head=False)
-    app.router.add_get("/health", health, allow_head=False)
+    app.router.add_get("/v1/models/{id:.+}", model, allow_head=False)
+    tokens = TokenizerRoutes(gen)
+    app.router.add_post("/tokenize", tokens.tokenize)
+    app.router.add_post("/detokenize", tokens.detokenize)
+    app.router.add_get("/version", version, allow_head=False)
+    app.router.add_get("/health", health)  # HEAD too: load balancers probe with it
     app.router.add_get("/metrics", prometheus, allow_head=False)
     return app
 
@@ -103,10 +130,17 @@ def _error_middleware(metrics: ServerMetrics, max_body_bytes: int):
     @web.middleware
     async def middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
         request[ARRIVAL] = start = time.monotonic()
-        request[REQUEST_ID] = f"req-{uuid.uuid4().hex}"
+        given = request.headers.get("X-Request-Id")
+        request[CLIENT_ID] = given is not None and _CLIENT_ID.fullmatch(given) is not None
+        request[REQUEST_ID] = given if request[CLIENT_ID] else f"req-{uuid.uuid4().hex}"
         status = 500
         try:
-            response = await _handle(request, handler, max_body_bytes)
+            if given is not None and not request[CLIENT_ID]:
+                response = _rejected(request, OpenAIError(
+                    400, "X-Request-Id must be 1 to 128 visible ASCII characters.",
+                    param="X-Request-Id", code="invalid_value"))
+            else:
+                response = await _handle(request, handler, max_body_bytes)
             status = response.status
             if not response.prepared:
                 response.headers.setdefault("X-Request-Id", request[REQUEST_ID])

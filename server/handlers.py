@@ -30,12 +30,12 @@ from .errors import SERVER_ERROR, OpenAIError
 from .formats import ChatFormat, CompletionFormat, Envelope, make_usage
 from .generation import ChoiceRun, admit_all, merge_runs
 from .metrics import ServerMetrics
-from .request_keys import ARRIVAL, REQUEST_ID
+from .request_keys import ARRIVAL, CLIENT_ID, REQUEST_ID
 from .sse import SSEStream
 
 log = get_logger(__name__)
 
-__all__ = ["GenerationHandlers"]
+__all__ = ["GenerationHandlers", "render_chat"]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default of /v1/completions
 _Format = Union[CompletionFormat, ChatFormat]
@@ -73,6 +73,21 @@ def _text_chars(req: Union[proto.CompletionRequest, proto.ChatCompletionRequest]
     return sum(len(x) for x in p if isinstance(x, str)) if isinstance(p, list) else 0
 
 
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                add_special_tokens: bool = False) -> list[int]:
+    """The token ids of `messages` under the model folder's chat template (400 when the
+    template refuses them)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message)
+    except Exception as e:  # noqa: BLE001 - templates raise on messages they refuse
+        raise OpenAIError(400, f"The chat template rejected the messages: {e}",
+                          param="messages", code="invalid_value") from None
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
 class GenerationHandlers:
     """The two generation routes over one backend. Plans of long prompts are built on one
     tokenizer thread (tokenizers are used from one thread at a time there; short prompts
@@ -96,9 +111,14 @@ class GenerationHandlers:
         """`completion_plan` / `chat_plan` of `req`, on the tokenizer thread when its text
         passes `OFFLOAD_CHARS` (OpenAIError as theirs)."""
         build = self.chat_plan if isinstance(req, proto.ChatCompletionRequest) else self.completion_plan
-        if _text_chars(req) < OFFLOAD_CHARS:
-            return build(req)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, build, req)
+        return await self.on_tokenizer(_text_chars(req), build, req)
+
+    async def on_tokenizer(self, chars: int, fn: Any, *args: Any) -> Any:
+        """`fn(*args)`: on the loop for text under `OFFLOAD_CHARS` characters, else on the
+        tokenizer thread."""
+        if chars < OFFLOAD_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     def close(self) -> None:
         """Stop the tokenizer thread (after the last request)."""
@@ -107,7 +127,7 @@ class GenerationHandlers:
     # -- plans (HTTP-free: the in-process SDK client uses them too) --------------------
     def completion_plan(self, req: proto.CompletionRequest) -> _Plan:
         """A validated completion request, ready to run (OpenAIError if it is not)."""
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompts = [self._tokenize(p) for p in proto.completion_prompts(req)]
         max_tokens = self._fit(prompts, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
                                "max_tokens", "prompt")
@@ -115,7 +135,7 @@ class GenerationHandlers:
 
     def chat_plan(self, req: proto.ChatCompletionRequest) -> _Plan:
         """A validated chat request, ready to run (OpenAIError if it is not)."""
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompt = self._render_chat(proto.chat_messages(req))
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
@@ -123,7 +143,7 @@ class GenerationHandlers:
         return self._plan(req, "chatcmpl", [prompt], max_tokens, ChatFormat(), "messages")
 
     # -- validation --------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist. This server serves "
                               f"`{self.model_name}`.", param="model", code="model_not_found")
@@ -138,13 +158,7 @@ class GenerationHandlers:
         return list(ids)
 
     def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        tok = self.backend.tokenizer
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - templates raise on messages they refuse
-            raise OpenAIError(400, f"The chat template rejected the messages: {e}",
-                              param="messages", code="invalid_value") from None
-        return list(tok.encode(text, add_special_tokens=False))
+        return render_chat(self.backend.tokenizer, messages)
 
     def _fit(self, prompts: list[list[int]], requested: Optional[int], default: Optional[int],
              param: str, prompt_param: str) -> int:
@@ -225,17 +239,19 @@ class GenerationHandlers:
             yield plan.fmt.usage_chunk(plan.env, _usage(plan, runs))
 
     async def _execute(self, request: web.Request, plan: _Plan) -> web.StreamResponse:
-        request[REQUEST_ID] = plan.env.id
+        if not request.get(CLIENT_ID):
+            request[REQUEST_ID] = plan.env.id
+        rid = request[REQUEST_ID]
         async with self.running(plan, request.get(ARRIVAL, time.monotonic())) as runs:
             if plan.stream:
                 return await self._stream(request, plan, runs)
             body = await self.collect(plan, runs)
             return web.Response(body=msgspec.json.encode(body), content_type="application/json",
-                                headers={"X-Request-Id": plan.env.id})
+                                headers={"X-Request-Id": rid})
 
     async def _stream(self, request: web.Request, plan: _Plan,
                       runs: list[ChoiceRun]) -> web.StreamResponse:
-        sse = SSEStream(request, headers={"X-Request-Id": plan.env.id})
+        sse = SSEStream(request, headers={"X-Request-Id": request[REQUEST_ID]})
         await sse.start()
         try:
             async with aclosing(self.chunks(plan, runs)) as chunks:

@@ -26,7 +26,7 @@ from .errors import OpenAIError
 
 __all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart",
            "ChatMessageIn", "ChatCompletionRequest", "decode_request", "completion_prompts",
-           "chat_messages", "stop_strings", "sampling_params", "MAX_PROMPTS"]
+           "chat_messages", "stop_strings", "sampling_params", "MAX_PROMPTS", "decode_struct"]
 
 MAX_PROMPTS = 256  # prompts per /v1/completions request
 MAX_STOP = 4
@@ -106,16 +106,22 @@ _FIELD = re.compile(r"field `(?P<name>[^`]+)`")
 
 
 def decode_request(body: bytes, cls: Type[T]) -> T:
-    """Decode and type-check a request body; OpenAIError(400) on any mismatch."""
+    """Decode and type-check a generation request body; OpenAIError(400) on any mismatch."""
+    req = decode_struct(body, cls)
+    _check_common(req)
+    return req
+
+
+def decode_struct(body: bytes, cls: Type[T]) -> T:
+    """Decode and type-check a request body of any route; OpenAIError(400) naming the
+    field on a mismatch, an unknown field or a missing one."""
     try:
-        req = msgspec.json.decode(body, type=cls)
+        return msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:
         raise OpenAIError(400, f"We could not parse the JSON body of your request ({e}). "
                           "The body must be a JSON object.", code="invalid_json") from None
-    _check_common(req)
-    return req
 
 
 def _validation_error(text: str) -> OpenAIError:

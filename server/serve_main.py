@@ -21,6 +21,7 @@ from typing import Callable
 
 from .app import create_app
 from .backend import ServingBackend
+from .cors import parse_origins
 from .launch import build_backend, layout_kwargs
 from .runner import start_server
 
@@ -50,6 +51,7 @@ def _restore(handlers: dict) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand (arguments: cli.py's `serve` parser)."""
+    args.allowed_origins = parse_origins(args.allowed_origins)  # ValueError before loading
     was_connected = _ray_connected()
     # While loading, both signals interrupt (even if the shell started us with SIGINT
     # ignored, as it does for background jobs): serving handles both the same way.
@@ -87,7 +89,8 @@ async def _serve(backend: ServingBackend, args: argparse.Namespace) -> None:
     try:
         stop = _stop_event(asyncio.get_running_loop())
         app = create_app(backend, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                         served_model_name=args.served_model_name)
+                         served_model_name=args.served_model_name,
+                         allowed_origins=args.allowed_origins)
         server = await start_server(app, args.host, args.port)
         try:
             name = args.served_model_name or backend.model_name

@@ -1,0 +1,151 @@
+"""The server's routes beside generation, as clients use them: `/tokenize` and
+`/detokenize` (vLLM's shapes; a chat tokenization equals the ids a chat completion runs
+on), `GET /v1/models/{id}` through the `openai` client, `/version`, `HEAD /health`, CORS
+preflights and answers (`allowed_origins`, before the API-key check), and a client's
+`X-Request-Id` kept on JSON and SSE answers."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from phalanx import __version__
+from phalanx.server import BackgroundServer, EngineBackend, create_app
+
+MODEL = "tiny-routes"
+KEY = "routes-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ORIGIN = "http://app.example:3000"
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model):
+    b = EngineBackend.from_model_dir(tiny_model, model_name=MODEL, max_num_seqs=8, num_pages=256)
+    yield b
+
+
+@pytest.fixture(scope="module")
+def server(backend):
+    srv = BackgroundServer(lambda: create_app(backend, api_key=KEY, allowed_origins=[ORIGIN]))
+    srv.start()
+    yield srv
+    srv.run(backend.close())
+    srv.stop()
+
+
+async def _post(server, path: str, body: dict, headers: dict = AUTH) -> tuple[int, dict, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + path, json=body, headers=headers) as r:
+            return r.status, await r.json(), dict(r.headers)
+
+
+async def test_tokenize_a_prompt_and_back(server, backend):
+    tok = backend.tokenizer
+    text = "alpha bravo charlie is the name of"
+    status, body, _ = await _post(server, "/tokenize", {"prompt": text, "model": MODEL})
+    assert status == 200, body
+    assert body["tokens"] == tok.encode(text, add_special_tokens=True)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == backend.max_model_len
+    assert body["token_strs"] is None
+    _, plain, _ = await _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False,
+                                                    "return_token_strs": True})
+    assert plain["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert plain["token_strs"] == tok.convert_ids_to_tokens(plain["tokens"])
+    status, back, _ = await _post(server, "/detokenize", {"tokens": plain["tokens"]})
+    assert status == 200 and back == {"prompt": tok.decode(plain["tokens"])}
+
+
+async def test_tokenize_chat_messages_as_a_chat_completion_runs_them(server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    status, body, _ = await _post(server, "/tokenize", {"messages": messages})
+    assert status == 200, body
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
+        out = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert body["count"] == out.usage.prompt_tokens
+    _, bare, _ = await _post(server, "/tokenize", {"messages": messages,
+                                                   "add_generation_prompt": False})
+    assert bare["count"] < body["count"] and body["tokens"][:bare["count"]] == bare["tokens"]
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "bogus": 1}, 400, "bogus"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("/tokenize", {"messages": [{"role": "assistant", "content": "x"}],
+                   "continue_final_message": True}, 400, "continue_final_message"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "tokens[1]"),
+    ("/detokenize", {"tokens": [10 ** 9]}, 400, "tokens[0]"),
+    ("/detokenize", {}, 400, "tokens"),
+])
+async def test_bad_tokenizer_requests_are_4xx_naming_the_field(server, path, body, status, param):
+    got, err, _ = await _post(server, path, body)
+    assert got == status, err
+    assert err["error"]["param"] == param, err
+
+
+async def test_model_card_version_and_head_health(server):
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
+        card = await c.models.retrieve(MODEL)
+        assert card.id == MODEL and card.owned_by == "phalanx"
+        with pytest.raises(openai.NotFoundError) as info:
+            await c.models.retrieve("no-such-model")
+        assert info.value.body["code"] == "model_not_found"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.url + "/version") as r:  # no key needed
+            assert r.status == 200 and await r.json() == {"version": __version__}
+        async with s.head(server.url + "/health") as r:
+            assert r.status == 200 and await r.read() == b""
+        async with s.get(server.url + "/tokenize", headers=AUTH) as r:
+            assert r.status == 405
+
+
+async def test_cors_preflight_and_answers(server):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    async with aiohttp.ClientSession() as s:
+        async with s.options(server.url + "/v1/chat/completions", headers=preflight) as r:
+            assert r.status == 204  # before the key check: browsers send none here
+            assert r.headers["Access-Control-Allow-Origin"] == ORIGIN
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            assert "Authorization" in r.headers["Access-Control-Allow-Headers"]
+        async with s.options(server.url + "/v1/chat/completions",
+                             headers={**preflight, "Origin": "http://evil.example"}) as r:
+            assert r.status == 403 and "Access-Control-Allow-Origin" not in r.headers
+        body = {"model": MODEL, "prompt": "alpha", "max_tokens": 3, "stream": True}
+        async with s.post(server.url + "/v1/completions", json=body,
+                          headers={**AUTH, "Origin": ORIGIN}) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == ORIGIN
+            assert "X-Request-Id" in r.headers["Access-Control-Expose-Headers"]
+            assert (await r.text()).rstrip().endswith("data: [DONE]")
+        async with s.get(server.url + "/v1/models", headers=AUTH) as r:  # no Origin
+            assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+
+
+async def test_no_cors_unless_origins_are_given(backend):
+    srv = BackgroundServer(lambda: create_app(backend))
+    srv.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(srv.url + "/v1/models", headers={"Origin": ORIGIN}) as r:
+                assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_clients_request_id_is_kept(server, stream):
+    body = {"model": MODEL, "prompt": "alpha", "max_tokens": 2, "stream": stream}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + "/v1/completions", json=body,
+                          headers={**AUTH, "X-Request-Id": "trace-42.a"}) as r:
+            assert r.status == 200 and r.headers["X-Request-Id"] == "trace-42.a"
+            await r.read()
+        async with s.post(server.url + "/v1/completions", json=body, headers=AUTH) as r:
+            assert r.headers["X-Request-Id"].startswith("cmpl-")
+            await r.read()
+        async with s.post(server.url + "/v1/completions", json=body,
+                          headers={**AUTH, "X-Request-Id": "x" * 129}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "X-Request-Id"
