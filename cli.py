@@ -92,7 +92,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "serve", help="serve an OpenAI-compatible HTTP API (completions, chat, SSE streaming)",
         description="Serve a model over HTTP. With no layout flag: the disaggregated layout "
                     "(prefill TP=1 -> decode DP=2) on a local Ray cluster; --tp 1 --dp 1: one "
-                    "in-process engine without Ray. Ctrl-C or SIGTERM shuts down cleanly.")
+                    "in-process engine without Ray. Ctrl-C or SIGTERM shuts down cleanly.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="Hugging Face model folder (as `--model`; vLLM's spelling)")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the tiny model)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: the model folder's name)")
@@ -109,8 +112,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of "
                         "starting a local one")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--tp", type=int, default=None, help="colocated: tensor-parallel ranks")
-    p.add_argument("--dp", type=int, default=None, help="colocated: data-parallel ranks")
+    p.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
+                   help="colocated: tensor-parallel ranks")
+    p.add_argument("--dp", "-dp", "--data-parallel-size", dest="dp", type=int, default=None,
+                   help="colocated: data-parallel ranks")
     add_disagg_arguments(p)
     p.add_argument("--max-num-seqs", type=int, default=64, help="running requests per DP rank")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -178,18 +183,36 @@ def _run_generate(llm, args: argparse.Namespace, params) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _merge_model_path(args: argparse.Namespace) -> None:
+    """`phalanx serve MODEL` is `--model MODEL` (ValueError when both name different ones)."""
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise ValueError(f"two models given: MODEL {args.model_path!r} and --model "
+                             f"{args.model!r}")
+        args.model = args.model_path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `phalanx` parser: `generate`, `serve` and `chaos`."""
+    from . import __version__
+    from .chaos.cli import add_chaos
     parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
-    from .chaos.cli import add_chaos
     add_chaos(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
+            _merge_model_path(args)
             from .server.serve_main import run_serve
             return run_serve(args)
         if args.command == "chaos":

@@ -22,6 +22,7 @@ from typing import Callable
 from .app import create_app
 from .backend import ServingBackend
 from .cors import parse_origins
+from .serve_checks import check_serve_args
 from .launch import build_backend, layout_kwargs
 from .runner import start_server
 
@@ -51,7 +52,8 @@ def _restore(handlers: dict) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand (arguments: cli.py's `serve` parser)."""
-    args.allowed_origins = parse_origins(args.allowed_origins)  # ValueError before loading
+    check_serve_args(args)  # ValueError naming the flag, before anything loads
+    args.allowed_origins = parse_origins(args.allowed_origins)
     was_connected = _ray_connected()
     # While loading, both signals interrupt (even if the shell started us with SIGINT
     # ignored, as it does for background jobs): serving handles both the same way.
