@@ -260,5 +260,6 @@ class LLMEngine:
             "kv_usage": self.pool.usage,
             "prefix_hit_rate": self.pool.hit_rate,
             "prefix_hit_tokens": self.pool.hit_tokens,
+            "prefix_query_tokens": self.pool.query_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
         }

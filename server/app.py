@@ -62,8 +62,8 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be a non-empty string or None")
-    metrics = ServerMetrics()
     model_name = served_model_name or backend.model_name
+    metrics = ServerMetrics(model_name)
     cors = CorsPolicy(allowed_origins) if allowed_origins else None
     app = web.Application(client_max_size=max_body_bytes, middlewares=[
         _error_middleware(metrics, max_body_bytes),

@@ -7,6 +7,9 @@ Keys (all numbers; see `ServingBackend.stats`):
   kv_usage: KV pages in use over KV pages, summed over the decode DP leaders;
   prefix_hit_rate: prompt tokens served from the prefix cache over prompt tokens looked
     up, on the side that runs prompts (prefill instances when disaggregated);
+    prefix_query_tokens, prefix_hit_tokens: those two totals (ranks' counts since their
+    epoch began: a re-formed group starts from 0 again);
+  num_preemptions: sequences preempted for want of KV pages, every leader;
   num_live: requests the driver tracks; num_dp_groups, num_prefill_instances;
   router_decisions, router_prefix_hit_estimate: the router's own count and hit estimate
     for the side that runs prompts;
@@ -61,6 +64,9 @@ def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
         "num_running": _total(decode, "num_running"),
         "kv_usage": _kv_usage(decode),
         "prefix_hit_rate": _hit_rate(prefill if disaggregated else decode),
+        "prefix_query_tokens": _total(prefill if disaggregated else decode, "prefix_query_tokens"),
+        "prefix_hit_tokens": _total(prefill if disaggregated else decode, "prefix_hit_tokens"),
+        "num_preemptions": _total(decode + prefill, "num_preemptions"),
         "num_live": float(live),
         "num_dp_groups": float(len(router.groups)),
         "num_prefill_instances": float(len(router.prefill_instances)),

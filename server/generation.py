@@ -49,6 +49,7 @@ class ChoiceRun:
         self.prompt_token_ids, self.params = prompt_token_ids, params
         self.text = TextAssembler(backend.tokenizer, stop)
         self.metrics, self._last = metrics, arrival
+        self._first_at = 0.0  # when the first token arrived
         self.num_tokens = 0
         self.num_cached_tokens = 0
         self._agen: Optional[AsyncIterator[TokenDelta]] = None
@@ -95,6 +96,7 @@ class ChoiceRun:
         n = len(delta.token_ids)
         if n:
             self.metrics.observe_tokens(n, now - self._last, first=self.num_tokens == 0)
+            self._first_at = self._first_at or now
             self._last = now
         self.num_tokens += n
         self._ids.extend(delta.token_ids)
@@ -102,6 +104,7 @@ class ChoiceRun:
             self._backend_done = True
             self.num_cached_tokens = delta.num_cached_tokens
             if delta.finish_reason == "abort":
+                self._finished("abort")
                 raise OpenAIError(503, "The request was aborted by the server.",
                                   type=SERVER_ERROR, code="request_aborted")
         text = self.text.feed(delta.token_ids, final=delta.finished)
@@ -113,7 +116,13 @@ class ChoiceRun:
 
     def _event(self, text: str, finish_reason: Optional[str]) -> ChoiceEvent:
         ids, self._ids = self._ids, []
+        if finish_reason is not None:
+            self._finished(finish_reason)
         return ChoiceEvent(self.index, text, finish_reason, ids)
+
+    def _finished(self, reason: str) -> None:
+        self.metrics.finished(reason, len(self.prompt_token_ids), self.num_tokens,
+                              self._last - self._first_at if self._first_at else 0.0)
 
     async def close(self) -> None:
         """Release the backend request (abort it unless it finished). Idempotent."""

@@ -237,10 +237,10 @@ async def test_stop_strings(client, offline):
     assert streamed == expected
 
 
-BASE_FAMILIES = ("phalanx_requests", "phalanx_time_to_first_token_seconds",
-                 "phalanx_inter_token_latency_seconds", "phalanx_queue_depth",
-                 "phalanx_kv_cache_usage_ratio", "phalanx_prefix_cache_hit_rate",
-                 "phalanx_running_requests")
+BASE_FAMILIES = ("phalanx_requests", "phalanx:time_to_first_token_seconds",
+                 "phalanx:inter_token_latency_seconds", "phalanx:num_requests_waiting",
+                 "phalanx:kv_cache_usage_perc", "phalanx_prefix_cache_hit_rate",
+                 "phalanx:num_requests_running")
 
 
 async def scrape_metrics(client, url: str, families_needed=BASE_FAMILIES) -> dict:
@@ -254,7 +254,7 @@ async def scrape_metrics(client, url: str, families_needed=BASE_FAMILIES) -> dic
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in families_needed:
         assert name in families, name
-    ttft = [s for s in families["phalanx_time_to_first_token_seconds"].samples
+    ttft = [s for s in families["phalanx:time_to_first_token_seconds"].samples
             if s.name.endswith("_count")]
     assert ttft[0].value >= 1
     return families
