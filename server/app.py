@@ -49,13 +49,16 @@ _CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII, no spaces
 def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                served_model_name: Optional[str] = None,
-               allowed_origins: Sequence[str] = ()) -> web.Application:
+               allowed_origins: Sequence[str] = (),
+               shutdown_grace_s: float = 3.0) -> web.Application:
     """An OpenAI-compatible app over `backend`.
 
     api_key: when set, required as a Bearer token on every route but /health, /version.
     max_body_bytes: request bodies above this are answered 413.
     served_model_name: the model id clients must send (default `backend.model_name`).
     allowed_origins: origins (or "*") whose browser pages may call the API (cors.py).
+    shutdown_grace_s: at shutdown, how long requests in flight may still run before each
+        is ended with a 503 (a stream: an error event and `[DONE]`; drain.py).
     The app does not own the backend: closing it is the caller's job.
     """
     if max_body_bytes <= 0:
@@ -100,6 +103,12 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
     async def close_handlers(app: web.Application) -> None:
         gen.close()
 
+    async def drain(app: web.Application) -> None:
+        cut = await gen.drain.drain(shutdown_grace_s)
+        if cut:
+            log.info("shutdown_cut_requests", requests=cut, grace_s=shutdown_grace_s)
+
+    app.on_shutdown.append(drain)
     app.on_cleanup.append(close_handlers)
     app.router.add_post("/v1/completions", gen.completions)
     app.router.add_post("/v1/chat/completions", gen.chat)

@@ -26,6 +26,7 @@ from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from . import protocol as proto
 from .backend import ServingBackend
+from .drain import InFlight, ShutdownDrain, shutting_down_error
 from .errors import SERVER_ERROR, OpenAIError
 from .formats import ChatFormat, CompletionFormat, Envelope, make_usage
 from .generation import ChoiceRun, admit_all, merge_runs
@@ -96,6 +97,7 @@ class GenerationHandlers:
     def __init__(self, backend: ServingBackend, metrics: ServerMetrics, model_name: str) -> None:
         self.backend, self.metrics, self.model_name = backend, metrics, model_name
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "phalanx-tokenize")
+        self.drain = ShutdownDrain()  # the app drains it at shutdown
 
     # -- routes ----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -242,15 +244,21 @@ class GenerationHandlers:
         if not request.get(CLIENT_ID):
             request[REQUEST_ID] = plan.env.id
         rid = request[REQUEST_ID]
-        async with self.running(plan, request.get(ARRIVAL, time.monotonic())) as runs:
-            if plan.stream:
-                return await self._stream(request, plan, runs)
-            body = await self.collect(plan, runs)
-            return web.Response(body=msgspec.json.encode(body), content_type="application/json",
-                                headers={"X-Request-Id": rid})
+        with self.drain.track() as entry:
+            try:
+                async with self.running(plan, request.get(ARRIVAL, time.monotonic())) as runs:
+                    if plan.stream:
+                        return await self._stream(request, plan, runs, entry)
+                    body = await self.collect(plan, runs)
+                    return web.Response(body=msgspec.json.encode(body),
+                                        content_type="application/json",
+                                        headers={"X-Request-Id": rid})
+            except asyncio.CancelledError:
+                entry.absorb()  # cut short by the shutdown drain: a 503, not a dropped socket
+                raise shutting_down_error() from None
 
-    async def _stream(self, request: web.Request, plan: _Plan,
-                      runs: list[ChoiceRun]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, plan: _Plan, runs: list[ChoiceRun],
+                      entry: InFlight) -> web.StreamResponse:
         sse = SSEStream(request, headers={"X-Request-Id": request[REQUEST_ID]})
         await sse.start()
         try:
@@ -260,6 +268,9 @@ class GenerationHandlers:
             await sse.done()
         except ConnectionResetError:
             log.info("client_disconnected", request_id=plan.env.id)
+        except asyncio.CancelledError:
+            entry.absorb()
+            await _send_error(sse, plan.env.id, shutting_down_error())
         except Exception as e:  # noqa: BLE001 - headers are out: report in-stream
             await _send_error(sse, plan.env.id, e)
         return sse.response

@@ -6,6 +6,9 @@ preflights and answers (`allowed_origins`, before the API-key check), and a clie
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import aiohttp
 import openai
 import pytest
@@ -149,3 +152,43 @@ async def test_a_clients_request_id_is_kept(server, stream):
         async with s.post(server.url + "/v1/completions", json=body,
                           headers={**AUTH, "X-Request-Id": "x" * 129}) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "X-Request-Id"
+
+
+class SlowBackend(EngineBackend):
+    """Each delta 50 ms late: a stream that outlives the shutdown grace."""
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        async for delta in super().generate(request_id, prompt_token_ids, params):
+            await asyncio.sleep(0.05)
+            yield delta
+
+
+async def test_shutdown_ends_open_requests_with_a_503_after_the_grace(tiny_model):
+    """Shut down with a stream and a JSON request open: after the grace each gets a 503
+    (`server_shutting_down`): the stream as an error event followed by `[DONE]`, never a
+    connection cut mid-event; the backend holds nothing afterwards."""
+    backend = SlowBackend.from_model_dir(tiny_model, model_name=MODEL, max_num_seqs=8,
+                                         num_pages=256)
+    srv = BackgroundServer(lambda: create_app(backend, shutdown_grace_s=0.5))
+    srv.start()
+    body = {"model": MODEL, "prompt": "alpha", "max_tokens": 400, "ignore_eos": True}
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(srv.url + "/v1/completions", json={**body, "stream": True}) as r:
+                first = await r.content.readline()
+                assert first.startswith(b"data: {"), first
+                plain = asyncio.ensure_future(s.post(srv.url + "/v1/completions", json=body))
+                await asyncio.sleep(0.3)
+                stopping = asyncio.ensure_future(asyncio.to_thread(srv.stop))
+                rest = (await r.read()).decode()
+            events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", rest[-500:]
+            assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+            answer = await plain
+            assert answer.status == 503
+            assert (await answer.json())["error"]["code"] == "server_shutting_down"
+            await stopping
+        assert backend.stats()["num_running"] == 0
+    finally:
+        srv.stop()
+        await backend.close()
