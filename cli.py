@@ -224,6 +224,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RuntimeError as e:  # e.g. GroupFailure: a rank died; named with its epoch
         print(f"phalanx: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what was built is closed on the way out
+        print("\nphalanx: interrupted", file=sys.stderr)
+        return 130
     parser.error(f"unknown command {args.command}")
     return 2
 

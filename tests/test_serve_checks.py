@@ -57,3 +57,20 @@ def test_vllm_spellings_and_version(capsys, tiny_model):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"phalanx {__version__}"
+
+
+def test_ctrl_c_in_generate_is_one_line_and_status_130(tiny_model):
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "generate", "hello",
+                             "--model", str(tiny_model), "--max-tokens", "100000",
+                             "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(1)  # generating
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert b"Traceback" not in err and err.strip().endswith(b"phalanx: interrupted"), err[-2000:]
