@@ -11,9 +11,13 @@ Keyword parameters are sent as JSON fields of the request (`max_tokens`, `temper
 `top_p`, `top_k`, `seed`, `stop`, `ignore_eos`, ...); `model` defaults to the first
 model the server lists. Connection failures (refused, reset before an answer) and
 429/502/503/504 answers are retried up to `max_retries` times with exponential backoff
-and jitter; other 4xx/5xx raise `APIError` at once. A stream is retried only until its
-response starts. `phalanx.server.LocalClient` offers the same methods over a backend in
-this process, without HTTP.
+and jitter; other 4xx/5xx raise `APIError` at once. A stream is retried until its
+response starts; after that, a connection that drops mid-stream is resumed (up to
+`max_resumes` times) by asking again with the standard `Last-Event-ID` header: a phalanx
+server continues the same generation from the next event, so no token is lost or
+repeated (a server without resumable streams makes it an `APIConnectionError`).
+`phalanx.server.LocalClient` offers the same methods over a backend in this process,
+without HTTP.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import aiohttp
 import msgspec
 
 from .errors import APIConnectionError, APIError, APITimeoutError
-from .sse import iter_sse_data
+from .sse import iter_sse_events
 from ..openai_types import ChatCompletion, ChatCompletionChunk, Completion, ErrorResponse, ModelList
 
 __all__ = ["AsyncClient"]
@@ -42,17 +46,21 @@ class AsyncClient:
     def __init__(self, base_url: str, api_key: Optional[str] = None, *,
                  model: Optional[str] = None, timeout: float = 600.0,
                  connect_timeout: float = 10.0, max_retries: int = 2,
-                 backoff_s: float = 0.25, max_backoff_s: float = 8.0) -> None:
+                 backoff_s: float = 0.25, max_backoff_s: float = 8.0,
+                 max_resumes: int = 5) -> None:
         """base_url: `http://host:port` or `.../v1`. timeout: seconds for a whole
         non-streamed request, and the longest wait between two chunks of a stream.
-        max_retries: extra attempts after a connection failure or a 429/502/503/504."""
-        if max_retries < 0 or timeout <= 0 or connect_timeout <= 0 or backoff_s < 0:
-            raise ValueError("max_retries, backoff_s must be >= 0 and timeouts > 0")
+        max_retries: extra attempts after a connection failure or a 429/502/503/504.
+        max_resumes: reconnections of one stream after its connection dropped."""
+        if min(max_retries, max_resumes, backoff_s) < 0 or timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("max_retries, max_resumes, backoff_s must be >= 0 and timeouts > 0")
         base = base_url.rstrip("/")
         self.base_url = base if base.endswith("/v1") else base + "/v1"
         self.model = model
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.retries = 0  # retries performed so far (all requests)
+        self.max_resumes = max_resumes
+        self.resumes = 0  # streams resumed after a dropped connection so far
         self._headers = {"Accept": "application/json", "User-Agent": "phalanx-sdk"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -140,26 +148,35 @@ class AsyncClient:
     async def _stream(self, path: str, cls: Type[T], model: Optional[str],
                       params: dict[str, Any], **fields: Any) -> AsyncIterator[T]:
         body = await self._body(model, params, stream=True, **fields)
-
-        async def attempt() -> aiohttp.ClientResponse:
-            resp = await self._get_session().post(self.base_url + path, json=body,
-                                                  timeout=self._stream_timeout)
-            if resp.status >= 400:
-                data = await resp.read()
-                resp.release()
-                raise _api_error(resp.status, data, resp.headers)
-            return resp
-        resp = await self._retrying(attempt)
         decoder = msgspec.json.Decoder(cls)
-        try:
-            async for payload in iter_sse_data(resp.content.iter_any()):
-                yield _decode_chunk(decoder, payload, resp.status)
-        except asyncio.TimeoutError as e:
-            raise APITimeoutError(f"no chunk within the timeout: {e!r}") from e
-        except aiohttp.ClientError as e:
-            raise APIConnectionError(f"stream broken: {e!r}") from e
-        finally:
-            resp.close()
+        last_id: Optional[str] = None
+        for resumed in range(self.max_resumes + 1):
+            resp = await self._retrying(lambda: self._open_stream(path, body, last_id))
+            try:
+                async for event_id, payload in iter_sse_events(resp.content.iter_any()):
+                    item = _decode_chunk(decoder, payload, resp.status)
+                    last_id = event_id
+                    yield item
+                return
+            except asyncio.TimeoutError as e:
+                raise APITimeoutError(f"no chunk within the timeout: {e!r}") from e
+            except aiohttp.ClientError as e:
+                if last_id is None or resumed == self.max_resumes:
+                    raise APIConnectionError(f"stream broken: {e!r}") from e
+                self.resumes += 1  # the connection dropped: continue after `last_id`
+            finally:
+                resp.close()
+
+    async def _open_stream(self, path: str, body: dict,
+                           last_id: Optional[str]) -> aiohttp.ClientResponse:
+        headers = {"Last-Event-ID": last_id} if last_id is not None else None
+        resp = await self._get_session().post(self.base_url + path, json=body,
+                                              headers=headers, timeout=self._stream_timeout)
+        if resp.status >= 400:
+            data = await resp.read()
+            resp.release()
+            raise _api_error(resp.status, data, resp.headers)
+        return resp
 
     async def _retrying(self, attempt):
         """Run `attempt()`; retry connection failures and RETRY_STATUSES with backoff."""

@@ -50,7 +50,8 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                served_model_name: Optional[str] = None,
                allowed_origins: Sequence[str] = (),
-               shutdown_grace_s: float = 3.0) -> web.Application:
+               shutdown_grace_s: float = 3.0,
+               stream_resume_s: float = 10.0) -> web.Application:
     """An OpenAI-compatible app over `backend`.
 
     api_key: when set, required as a Bearer token on every route but /health, /version.
@@ -59,6 +60,8 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
     allowed_origins: origins (or "*") whose browser pages may call the API (cors.py).
     shutdown_grace_s: at shutdown, how long requests in flight may still run before each
         is ended with a 503 (a stream: an error event and `[DONE]`; drain.py).
+    stream_resume_s: how long a stream whose connection dropped keeps generating for a
+        client that resumes it with `Last-Event-ID` (resumable.py); 0: aborted at once.
     The app does not own the backend: closing it is the caller's job.
     """
     if max_body_bytes <= 0:
@@ -75,7 +78,7 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
         cors.install(app)
     app[BACKEND_KEY] = backend
     app[METRICS_KEY] = metrics
-    gen = GenerationHandlers(backend, metrics, model_name)
+    gen = GenerationHandlers(backend, metrics, model_name, resume_grace_s=stream_resume_s)
     created = int(time.time())
 
     card = Model(model_name, "model", created, "phalanx", backend.max_model_len)
@@ -105,6 +108,7 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
 
     async def drain(app: web.Application) -> None:
         cut = await gen.drain.drain(shutdown_grace_s)
+        await gen.streams.close()  # streams nobody follows any more
         if cut:
             log.info("shutdown_cut_requests", requests=cut, grace_s=shutdown_grace_s)
 

@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import time
 import uuid
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, Union
 
@@ -31,10 +31,12 @@ from .errors import SERVER_ERROR, OpenAIError
 from .formats import ChatFormat, CompletionFormat, Envelope, make_usage
 from .generation import ChoiceRun, admit_all, merge_runs
 from .metrics import ServerMetrics
+from .resumable import ResumableStreams, StreamLog, parse_event_id
 from .request_keys import ARRIVAL, CLIENT_ID, REQUEST_ID
 from .sse import SSEStream
 
 log = get_logger(__name__)
+_encoder = msgspec.json.Encoder()
 
 __all__ = ["GenerationHandlers", "render_chat"]
 
@@ -94,19 +96,40 @@ class GenerationHandlers:
     tokenizer thread (tokenizers are used from one thread at a time there; short prompts
     stay on the loop, where the hop would cost more than the work)."""
 
-    def __init__(self, backend: ServingBackend, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, backend: ServingBackend, metrics: ServerMetrics, model_name: str, *,
+                 resume_grace_s: float = 10.0) -> None:
         self.backend, self.metrics, self.model_name = backend, metrics, model_name
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "phalanx-tokenize")
         self.drain = ShutdownDrain()  # the app drains it at shutdown
+        self.streams = ResumableStreams(resume_grace_s)  # streams, resumable by Last-Event-ID
 
     # -- routes ----------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        if "Last-Event-ID" in request.headers:
+            return await self.resume(request)
         req = proto.decode_request(await request.read(), proto.CompletionRequest)
         return await self._execute(request, await self.plan(req))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        if "Last-Event-ID" in request.headers:
+            return await self.resume(request)
         req = proto.decode_request(await request.read(), proto.ChatCompletionRequest)
         return await self._execute(request, await self.plan(req))
+
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        """A dropped stream continued after the client's `Last-Event-ID` (resumable.py);
+        the body is not read again."""
+        given = request.headers["Last-Event-ID"]
+        parsed = parse_event_id(given)
+        stream = self.streams.get(parsed[0]) if parsed else None
+        if stream is None:
+            raise OpenAIError(404, f"No stream to resume at Last-Event-ID {given[:80]!r}: it "
+                              f"ended more than {self.streams.grace_s:g} s ago, or never "
+                              "existed.", param="Last-Event-ID", code="stream_not_found")
+        if not request.get(CLIENT_ID):
+            request[REQUEST_ID] = stream.id
+        with self.drain.track() as entry:
+            return await self._follow(request, stream, parsed[1] + 1, entry)
 
     async def plan(self, req: Union[proto.CompletionRequest, proto.ChatCompletionRequest]
                    ) -> "_Plan":
@@ -244,11 +267,13 @@ class GenerationHandlers:
         if not request.get(CLIENT_ID):
             request[REQUEST_ID] = plan.env.id
         rid = request[REQUEST_ID]
+        arrival = request.get(ARRIVAL, time.monotonic())
         with self.drain.track() as entry:
             try:
-                async with self.running(plan, request.get(ARRIVAL, time.monotonic())) as runs:
-                    if plan.stream:
-                        return await self._stream(request, plan, runs, entry)
+                if plan.stream:
+                    return await self._follow(request, await self._open_stream(plan, arrival),
+                                              0, entry)
+                async with self.running(plan, arrival) as runs:
                     body = await self.collect(plan, runs)
                     return web.Response(body=msgspec.json.encode(body),
                                         content_type="application/json",
@@ -257,22 +282,49 @@ class GenerationHandlers:
                 entry.absorb()  # cut short by the shutdown drain: a 503, not a dropped socket
                 raise shutting_down_error() from None
 
-    async def _stream(self, request: web.Request, plan: _Plan, runs: list[ChoiceRun],
+    async def _open_stream(self, plan: _Plan, arrival: float) -> StreamLog:
+        """Admit the stream's choices (a refusal is still a 400: nothing is sent yet) and
+        start producing its events on a task of their own."""
+        stack = AsyncExitStack()
+        try:
+            runs = await stack.enter_async_context(self.running(plan, arrival))
+        except BaseException:
+            await stack.aclose()
+            raise
+        return self.streams.open(plan.env.id,
+                                 lambda stream: self._produce(stack, plan, runs, stream))
+
+    async def _produce(self, stack: AsyncExitStack, plan: _Plan, runs: list[ChoiceRun],
+                       stream: StreamLog) -> None:
+        """The stream's events into its log, `[DONE]` last; the runs are released (the
+        unfinished ones aborted) when it ends, is abandoned or the server shuts down."""
+        try:
+            async with stack:
+                async with aclosing(self.chunks(plan, runs)) as chunks:
+                    async for chunk in chunks:
+                        stream.push(_encoder.encode(chunk))
+        except asyncio.CancelledError:  # abandoned (nobody to read it) or shutting down
+            stream.push(shutting_down_error().body())
+        except Exception as e:  # noqa: BLE001 - reported in-stream, as the spec has it
+            stream.push(_error_body(plan.env.id, e))
+        stream.push(b"[DONE]")
+
+    async def _follow(self, request: web.Request, stream: StreamLog, start: int,
                       entry: InFlight) -> web.StreamResponse:
+        """Write `stream`'s events from index `start` on, each with its SSE id."""
         sse = SSEStream(request, headers={"X-Request-Id": request[REQUEST_ID]})
         await sse.start()
-        try:
-            async with aclosing(self.chunks(plan, runs)) as chunks:
-                async for chunk in chunks:
-                    await sse.send(chunk)
-            await sse.done()
-        except ConnectionResetError:
-            log.info("client_disconnected", request_id=plan.env.id)
-        except asyncio.CancelledError:
-            entry.absorb()
-            await _send_error(sse, plan.env.id, shutting_down_error())
-        except Exception as e:  # noqa: BLE001 - headers are out: report in-stream
-            await _send_error(sse, plan.env.id, e)
+        with self.streams.attach(stream):
+            try:
+                async for index, payload in stream.follow(start):
+                    await sse.event(f"{stream.id}/{index}", payload)
+                await sse.end()
+            except ConnectionResetError:
+                log.info("client_disconnected", request_id=stream.id,
+                         resumable_s=self.streams.grace_s)
+            except asyncio.CancelledError:
+                entry.absorb()
+                await _send_error(sse, stream.id, shutting_down_error())
         return sse.response
 
 
@@ -281,14 +333,19 @@ def _usage(plan: _Plan, runs: list[ChoiceRun]):
                       sum(r.num_cached_tokens for r in runs))
 
 
+def _error_body(request_id: str, e: Exception) -> bytes:
+    """An in-stream `{"error": ...}` payload (the openai client raises on it)."""
+    if isinstance(e, OpenAIError):
+        return e.body()
+    log.error("stream_failed", request_id=request_id, error=repr(e))
+    return OpenAIError(500, f"Internal error while generating: {type(e).__name__}",
+                       type=SERVER_ERROR).body()
+
+
 async def _send_error(sse: SSEStream, request_id: str, e: Exception) -> None:
-    """An `{"error": ...}` event then `[DONE]` (the openai client raises on it)."""
-    err = e if isinstance(e, OpenAIError) else OpenAIError(
-        500, f"Internal error while generating: {type(e).__name__}", type=SERVER_ERROR)
-    if not isinstance(e, OpenAIError):
-        log.error("stream_failed", request_id=request_id, error=repr(e))
+    """An `{"error": ...}` event then `[DONE]`, outside the stream's log."""
     try:
-        await sse.response.write(b"data: " + err.body() + b"\n\n")
+        await sse.response.write(b"data: " + _error_body(request_id, e) + b"\n\n")
         await sse.done()
     except ConnectionResetError:
         pass

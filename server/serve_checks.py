@@ -23,7 +23,8 @@ __all__ = ["check_serve_args"]
 _POSITIVE = ("tp", "dp", "prefill_tp", "prefill_instances", "decode_dp", "decode_tp",
              "prefill_page_size", "max_num_seqs", "max_num_batched_tokens", "page_size",
              "max_body_bytes", "ep_groups")
-_NON_NEGATIVE = ("num_pages", "max_model_len", "max_recoveries", "microbatch_min_tokens")
+_NON_NEGATIVE = ("num_pages", "max_model_len", "max_recoveries", "microbatch_min_tokens",
+                 "stream_resume")
 _SECONDS = ("collective_timeout", "recovery_window", "replace_timeout")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 

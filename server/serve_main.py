@@ -92,7 +92,8 @@ async def _serve(backend: ServingBackend, args: argparse.Namespace) -> None:
         stop = _stop_event(asyncio.get_running_loop())
         app = create_app(backend, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                          served_model_name=args.served_model_name,
-                         allowed_origins=args.allowed_origins)
+                         allowed_origins=args.allowed_origins,
+                         stream_resume_s=args.stream_resume)
         server = await start_server(app, args.host, args.port)
         try:
             name = args.served_model_name or backend.model_name

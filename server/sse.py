@@ -1,4 +1,5 @@
-"""Server-sent events in the OpenAI shape: `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`."""
+"""Server-sent events in the OpenAI shape: `data: {json}\\n\\n` ... `data: [DONE]\\n\\n`,
+each with an `id:` line when resumable (resumable.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ class SSEStream:
     async def send(self, payload: Any) -> None:
         """One event: a msgspec Struct or any JSON-encodable object."""
         await self.response.write(b"data: " + _encoder.encode(payload) + b"\n\n")
+
+    async def event(self, event_id: str, payload: bytes) -> None:
+        """One event with its SSE id; `payload`: the encoded data (or `[DONE]`)."""
+        await self.response.write(b"id: " + event_id.encode() + b"\ndata: " + payload + b"\n\n")
+
+    async def end(self) -> None:
+        await self.response.write_eof()
 
     async def done(self) -> None:
         await self.response.write(b"data: [DONE]\n\n")

@@ -51,7 +51,8 @@ def backend(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    srv = BackgroundServer(lambda: create_app(backend, api_key=KEY, max_body_bytes=BODY_CAP))
+    srv = BackgroundServer(lambda: create_app(backend, api_key=KEY, max_body_bytes=BODY_CAP,
+                                              stream_resume_s=0))
     srv.start()
     yield srv
     srv.run(backend.close())
