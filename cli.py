@@ -197,7 +197,7 @@ def _merge_model_path(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `phalanx` parser: `generate`, `serve` and `chaos`."""
-    from . import __version__
+    from .version import __version__
     from .chaos.cli import add_chaos
     parser = argparse.ArgumentParser(prog="phalanx", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"phalanx {__version__}")

@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 import msgspec
 from aiohttp import web
 
-from .. import __version__
+from ..version import __version__
 from ..log import get_logger
 from ..openai_types import Model, ModelList, Version
 from .backend import ServingBackend

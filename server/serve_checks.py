@@ -90,8 +90,8 @@ def _check_model(model: str | None, max_model_len: int) -> None:
         return  # the tiny model, built on first use
     config = os.path.join(model, "config.json")
     if not os.path.isfile(config):
-        raise ValueError(f"--model {model}: no config.json there (a Hugging Face model "
-                         "folder is expected)")
+        raise ValueError(f"--model {model}: not a model folder (no config.json there; a "
+                         "Hugging Face model folder is expected)")
     try:
         with open(config) as f:
             context = json.load(f).get("max_position_embeddings")

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SKIP = {"tests", "bench", ".venv", "build", "phalanx.egg-info", ".git"}
-SHARED = {"config", "log", "envs"}  # leaves every room may use
+SHARED = {"config", "log", "envs", "version"}  # leaves every room may use
 
 # room -> the rooms it may import (besides itself and SHARED). Departures from the
 # ARCHITECTURE table, each for a reason: `actors` builds a rank's model shard and MoE

@@ -27,7 +27,7 @@ from phalanx.server.serve_checks import check_serve_args
     (["--collective-timeout", "0"], "--collective-timeout must be a positive"),
     (["--allowed-origins", "app.example"], "'app.example' is not an origin"),
     (["/tmp", "--model", "/other"], "two models given"),
-    (["/proc"], "--model /proc: no config.json there"),
+    (["/proc"], "--model /proc: not a model folder (no config.json there"),
 ])
 def test_a_user_error_is_one_line_before_loading(capsys, argv, says):
     assert main(["serve", *argv]) == 2
