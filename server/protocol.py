@@ -7,7 +7,8 @@ request argument"), as the OpenAI API does. Fields of the spec that phalanx does
 implement are accepted only at their neutral value (`n: 1`, `echo: false`,
 `logprobs: null`, penalties 0, ...); anything else is 400 naming the field.
 
-Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off), `ignore_eos` (bool) and
+Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off), `min_p` (float in [0, 1]),
+`stop_token_ids` (ids that end the choice, finish reason "stop"), `ignore_eos` (bool) and
 `return_token_ids` (bool: each choice, and each stream chunk's choice, carries the ids of
 the tokens it adds as `token_ids`).
 `stop` is implemented by matching the detokenized text (up to 4 non-empty strings).
@@ -58,6 +59,8 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     user: Optional[str] = None
     ignore_eos: Optional[bool] = None  # extension
     return_token_ids: Optional[bool] = None  # extension
+    min_p: Optional[float] = None  # extension
+    stop_token_ids: Optional[list[int]] = None  # extension
 
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
@@ -156,6 +159,10 @@ def _check_common(req: SamplingFields) -> None:
         raise _bad("top_p", f"top_p must be in (0, 1], got {req.top_p}.")
     if req.top_k is not None and req.top_k < -1:
         raise _bad("top_k", f"top_k must be -1, 0 (off) or positive, got {req.top_k}.")
+    if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+        raise _bad("min_p", f"min_p must be in [0, 1], got {req.min_p}.")
+    if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
+        raise _bad("stop_token_ids", "stop_token_ids must be token ids (>= 0).")
     if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
         raise _bad("seed", "seed must fit in a signed 64-bit integer.")
     if req.model == "":
@@ -259,6 +266,8 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
             max_tokens=max_tokens, seed=req.seed, ignore_eos=bool(req.ignore_eos))
     except ValueError as e:
         raise _bad(str(e).split(" ", 1)[0], str(e)) from None

@@ -196,3 +196,42 @@ async def test_shutdown_ends_open_requests_with_a_503_after_the_grace(tiny_model
     finally:
         srv.stop()
         await backend.close()
+
+
+async def test_stop_token_ids_and_min_p_through_the_openai_client(server, tiny_model):
+    """vLLM's `stop_token_ids` ends a choice at the first of those ids (finish reason
+    "stop"); `min_p` is honoured (a seeded sampled run equals the offline engine's with
+    the same min_p); out-of-range values are 400s naming the field."""
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
+        free = await c.completions.create(model=MODEL, prompt="alpha bravo", max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True,
+                                                                     "return_token_ids": True})
+        ids = free.choices[0].token_ids
+        stop_at = next(i for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+        cut = await c.completions.create(
+            model=MODEL, prompt="alpha bravo", max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True,
+                        "stop_token_ids": [ids[stop_at]]})
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].token_ids == ids[:stop_at + 1]
+        sampled = [await c.completions.create(
+            model=MODEL, prompt="alpha bravo", max_tokens=8, temperature=1.0, seed=3,
+            extra_body={"min_p": min_p, "ignore_eos": True, "return_token_ids": True})
+            for min_p in (0.0, 0.5)]
+        for bad in ({"min_p": 1.5}, {"stop_token_ids": [-1]}):
+            with pytest.raises(openai.BadRequestError) as info:
+                await c.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                           extra_body=bad)
+            assert info.value.body["param"] == next(iter(bad))
+    from phalanx import LLM, SamplingParams
+    return_ids = [s.choices[0].token_ids for s in sampled]
+    assert return_ids[0] != return_ids[1]  # min_p changed what was drawn
+    llm = LLM(tiny_model, max_num_seqs=4)
+    try:
+        for min_p, got in zip((0.0, 0.5), return_ids):
+            prompt = llm.tokenizer.encode("alpha bravo", add_special_tokens=False)
+            out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+                temperature=1.0, seed=3, min_p=min_p, max_tokens=8, ignore_eos=True))
+            assert out[0].outputs[0].token_ids == got, min_p
+    finally:
+        llm.close()
