@@ -105,6 +105,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="require `Authorization: Bearer KEY` on every route but /health")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies are answered 413")
+    p.add_argument("--quiet", action="store_true",
+                   help="no access line per request and no throughput line every 10 s")
     p.add_argument("--stream-resume", type=float, default=10.0,
                    help="seconds a stream whose connection dropped keeps generating for a "
                         "client that resumes it with Last-Event-ID (0: abort at once)")

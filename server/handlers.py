@@ -230,7 +230,7 @@ class GenerationHandlers:
             except ValueError as e:  # the backend refused it (contract: before any token)
                 param = plan.prompt_param if str(e).startswith("prompt") else None
                 raise OpenAIError(400, str(e), param=param, code="invalid_value") from None
-            self.metrics.prompt_tokens.inc(sum(len(p) for p in plan.prompts))
+            self.metrics.count_prompt(sum(len(p) for p in plan.prompts))
             yield runs
         finally:
             for r in runs:

@@ -125,6 +125,7 @@ class ServerMetrics:
         self._success = Counter(P + "request_success", "Choices finished, by finish reason",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        self._totals_now = {"requests": 0.0, "prompt_tokens": 0.0, "generation_tokens": 0.0}
         self.in_flight = Gauge("phalanx_http_requests_in_flight",
                                "Generation requests the server is handling", registry=r)
         self._gauges = {key: Gauge(name, doc, ["model_name"], registry=r).labels(**label)
@@ -139,6 +140,16 @@ class ServerMetrics:
 
     def count_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
+        if route.startswith("/v1/") and route.endswith("completions"):
+            self._totals_now["requests"] += 1
+
+    def count_prompt(self, tokens: int) -> None:
+        self.prompt_tokens.inc(tokens)
+        self._totals_now["prompt_tokens"] += tokens
+
+    def totals(self) -> dict[str, float]:
+        """Generation requests answered, prompt and generated tokens since start."""
+        return dict(self._totals_now)
 
     def observe_tokens(self, n: int, since_last_s: float, first: bool) -> None:
         """`n` tokens arrived `since_last_s` after the previous delta (or the request's
@@ -146,6 +157,7 @@ class ServerMetrics:
         if n <= 0:
             return
         self.generation_tokens.inc(n)
+        self._totals_now["generation_tokens"] += n
         if first:
             self.ttft.observe(since_last_s)
         else:

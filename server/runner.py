@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -43,10 +43,13 @@ class RunningServer:
 
 
 async def start_server(app: web.Application, host: str = DEFAULT_HOST, port: int = 0, *,
-                       shutdown_timeout: float = 5.0) -> RunningServer:
-    """Bind `app` on host:port (0: a free port) and start serving; returns at once."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=shutdown_timeout)
+                       shutdown_timeout: float = 5.0, access_log: Optional[Any] = None,
+                       access_log_format: Optional[str] = None) -> RunningServer:
+    """Bind `app` on host:port (0: a free port) and start serving; returns at once.
+    `access_log`: a `logging.Logger` for one line per request (None: none)."""
+    extra = {"access_log_format": access_log_format} if access_log_format else {}
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log,
+                           shutdown_timeout=shutdown_timeout, **extra)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

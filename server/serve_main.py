@@ -19,12 +19,13 @@ import signal
 import sys
 from typing import Callable
 
-from .app import create_app
+from .app import METRICS_KEY, create_app
 from .backend import ServingBackend
 from .cors import parse_origins
 from .serve_checks import check_serve_args
 from .launch import build_backend, layout_kwargs
 from .runner import start_server
+from .serve_report import ACCESS_FORMAT, access_logger, report_throughput
 
 __all__ = ["run_serve", "EXIT_INTERRUPTED"]
 
@@ -94,7 +95,12 @@ async def _serve(backend: ServingBackend, args: argparse.Namespace) -> None:
                          served_model_name=args.served_model_name,
                          allowed_origins=args.allowed_origins,
                          stream_resume_s=args.stream_resume)
-        server = await start_server(app, args.host, args.port)
+        quiet = args.quiet
+        server = await start_server(app, args.host, args.port,
+                                    access_log=None if quiet else access_logger(),
+                                    access_log_format=ACCESS_FORMAT)
+        reporter = None if quiet else asyncio.ensure_future(
+            report_throughput(app[METRICS_KEY], backend.stats, _say))
         try:
             name = args.served_model_name or backend.model_name
             print(f"phalanx: serving {name} at {server.url} (OpenAI base URL {server.url}/v1)",
@@ -102,6 +108,8 @@ async def _serve(backend: ServingBackend, args: argparse.Namespace) -> None:
             await stop.wait()
             _say("shutting down")
         finally:
+            if reporter is not None:
+                reporter.cancel()
             await server.close()
     finally:
         await backend.close()
