@@ -257,6 +257,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "running_tokens": sum(seq.num_tokens for seq in self.scheduler.running),
             "num_pages": self.num_pages,
+            "kv_capacity_tokens": self.num_pages * self.pool.page_size,
             "kv_usage": self.pool.usage,
             "prefix_hit_rate": self.pool.hit_rate,
             "prefix_hit_tokens": self.pool.hit_tokens,

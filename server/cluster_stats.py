@@ -5,6 +5,7 @@ Keys (all numbers; see `ServingBackend.stats`):
     holds back for lack of decode pages (the queue depth);
   num_running: requests the decode DP leaders are running;
   kv_usage: KV pages in use over KV pages, summed over the decode DP leaders;
+  kv_capacity_tokens: the tokens their KV caches hold, summed;
   prefix_hit_rate: prompt tokens served from the prefix cache over prompt tokens looked
     up, on the side that runs prompts (prefill instances when disaggregated);
     prefix_query_tokens, prefix_hit_tokens: those two totals (ranks' counts since their
@@ -63,6 +64,7 @@ def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
         "num_waiting": _total(decode + prefill, "num_waiting") + float(view.get("queued", 0)),
         "num_running": _total(decode, "num_running"),
         "kv_usage": _kv_usage(decode),
+        "kv_capacity_tokens": _total(decode, "kv_capacity_tokens"),
         "prefix_hit_rate": _hit_rate(prefill if disaggregated else decode),
         "prefix_query_tokens": _total(prefill if disaggregated else decode, "prefix_query_tokens"),
         "prefix_hit_tokens": _total(prefill if disaggregated else decode, "prefix_hit_tokens"),

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 from typing import Callable
 
 from .app import METRICS_KEY, create_app
@@ -53,6 +54,7 @@ def _restore(handlers: dict) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """The `serve` subcommand (arguments: cli.py's `serve` parser)."""
+    started = time.monotonic()
     check_serve_args(args)  # ValueError naming the flag, before anything loads
     args.allowed_origins = parse_origins(args.allowed_origins)
     was_connected = _ray_connected()
@@ -72,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
             ep_exchange=args.ep_exchange,
             ray_address=args.address)
         _restore(previous)
+        _say(_capacity_line(_first_stats(backend), time.monotonic() - started))
         asyncio.run(_serve(backend, args))
         return 0
     except KeyboardInterrupt:
@@ -113,6 +116,24 @@ async def _serve(backend: ServingBackend, args: argparse.Namespace) -> None:
             await server.close()
     finally:
         await backend.close()
+
+
+def _first_stats(backend: ServingBackend, wait_s: float = 3.0) -> dict:
+    """The backend's stats once they report the KV capacity (a cluster's driver
+    refreshes them every half second), or what they hold after `wait_s`."""
+    end = time.monotonic() + wait_s
+    while True:
+        stats = backend.stats()
+        if stats.get("kv_capacity_tokens") or time.monotonic() > end:
+            return stats
+        time.sleep(0.1)
+
+
+def _capacity_line(stats: dict, seconds: float) -> str:
+    """The line before the ready line: KV capacity and how long start-up took."""
+    tokens = int(stats.get("kv_capacity_tokens", 0))
+    kv = f"KV cache holds {tokens:,} tokens" if tokens else "KV cache size not reported"
+    return f"{kv}; started in {seconds:.1f} s"
 
 
 def _stop_event(loop: asyncio.AbstractEventLoop) -> asyncio.Event:

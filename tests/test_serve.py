@@ -8,6 +8,7 @@ One server for the module; the SIGINT test runs last and ends it.
 
 from __future__ import annotations
 
+import re
 import asyncio
 
 import aiohttp
@@ -57,6 +58,9 @@ async def test_ready_line_health_and_layout(serve, client):
     assert serve.url.startswith("http://127.0.0.1:")
     sides = sorted({side for side, _, _ in serve.placement()})
     assert sides == ["decode", "prefill instance 0"], serve.stderr()[-2000:]
+    # the disaggregated default: two decode ranks' KV, counted before the ready line
+    assert re.search(r"phalanx: KV cache holds [1-9][\d,]* tokens; started in [\d.]+ s",
+                     serve.stderr()), serve.stderr()[-2000:]
     assert [m.id for m in (await client.models.list()).data] == [MODEL]
     async with aiohttp.ClientSession() as s:
         async with s.get(serve.url + "/health") as r:
