@@ -79,9 +79,31 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
     app[BACKEND_KEY] = backend
     app[METRICS_KEY] = metrics
     gen = GenerationHandlers(backend, metrics, model_name, resume_grace_s=stream_resume_s)
-    created = int(time.time())
 
-    card = Model(model_name, "model", created, "phalanx", backend.max_model_len)
+    async def close_handlers(app: web.Application) -> None:
+        gen.close()
+
+    async def drain(app: web.Application) -> None:
+        cut = await gen.drain.drain(shutdown_grace_s)
+        await gen.streams.close()  # streams nobody follows any more
+        if cut:
+            log.info("shutdown_cut_requests", requests=cut, grace_s=shutdown_grace_s)
+
+    app.on_shutdown.append(drain)
+    app.on_cleanup.append(close_handlers)
+    app.router.add_post("/v1/completions", gen.completions)
+    app.router.add_post("/v1/chat/completions", gen.chat)
+    tokens = TokenizerRoutes(gen)
+    app.router.add_post("/tokenize", tokens.tokenize)
+    app.router.add_post("/detokenize", tokens.detokenize)
+    _add_info_routes(app, backend, gen, metrics, model_name)
+    return app
+
+
+def _add_info_routes(app: web.Application, backend: ServingBackend, gen: GenerationHandlers,
+                     metrics: ServerMetrics, model_name: str) -> None:
+    """`/v1/models`, `/v1/models/{id}`, `/version`, `/health`, `/metrics`."""
+    card = Model(model_name, "model", int(time.time()), "phalanx", backend.max_model_len)
 
     async def models(request: web.Request) -> web.Response:
         return _json(ModelList("list", [card]))
@@ -103,28 +125,11 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
         body = metrics.render(backend.stats())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
-    async def close_handlers(app: web.Application) -> None:
-        gen.close()
-
-    async def drain(app: web.Application) -> None:
-        cut = await gen.drain.drain(shutdown_grace_s)
-        await gen.streams.close()  # streams nobody follows any more
-        if cut:
-            log.info("shutdown_cut_requests", requests=cut, grace_s=shutdown_grace_s)
-
-    app.on_shutdown.append(drain)
-    app.on_cleanup.append(close_handlers)
-    app.router.add_post("/v1/completions", gen.completions)
-    app.router.add_post("/v1/chat/completions", gen.chat)
     app.router.add_get("/v1/models", models, allow_head=False)
     app.router.add_get("/v1/models/{id:.+}", model, allow_head=False)
-    tokens = TokenizerRoutes(gen)
-    app.router.add_post("/tokenize", tokens.tokenize)
-    app.router.add_post("/detokenize", tokens.detokenize)
     app.router.add_get("/version", version, allow_head=False)
     app.router.add_get("/health", health)  # HEAD too: load balancers probe with it
     app.router.add_get("/metrics", prometheus, allow_head=False)
-    return app
 
 
 def _json(obj: object, status: int = 200) -> web.Response:

@@ -17,7 +17,8 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx import LLM, SamplingParams
-from phalanx.server import BackgroundServer, EngineBackend, create_app
+from spy_backend import SpyBackend
+from phalanx.server import BackgroundServer, create_app
 
 MODEL = "tiny-test"
 KEY = "test-key"
@@ -29,18 +30,6 @@ WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
 def _prompts(n: int) -> list[str]:
     """Distinct short prompts (no shared full KV page between them)."""
     return [f"{WORDS[i % 8]} {i} {WORDS[(i * 3 + 1) % 8]} is the name of" for i in range(n)]
-
-
-class SpyBackend(EngineBackend):
-    """EngineBackend that records the ids it was asked to abort."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.aborted: list[str] = []
-        super().__init__(*args, **kwargs)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-        await super().abort(request_id)
 
 
 @pytest.fixture(scope="module")

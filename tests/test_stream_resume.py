@@ -14,21 +14,12 @@ import aiohttp
 import pytest
 
 from phalanx.sdk import AsyncClient
-from phalanx.server import BackgroundServer, EngineBackend, create_app
+from spy_backend import SpyBackend
+from phalanx.server import BackgroundServer, create_app
 
 MODEL = "tiny-resume"
 BODY = {"model": MODEL, "prompt": "alpha bravo", "max_tokens": 60, "temperature": 0.8,
         "seed": 5, "ignore_eos": True, "return_token_ids": True}
-
-
-class SpyBackend(EngineBackend):
-    def __init__(self, *args, **kwargs) -> None:
-        self.aborted: list[str] = []
-        super().__init__(*args, **kwargs)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-        await super().abort(request_id)
 
 
 @pytest.fixture(scope="module")
