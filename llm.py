@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from .config import (KV_IN_PLACE_MIN_BYTES, CacheConfig, EngineConfig, EPWidthConfig,
                      MicrobatchConfig, ParallelConfig, SchedulerConfig)
 from .engine.llm_engine import LLMEngine
-from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.choices import ChoiceRun
+from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
 from .models.loader import read_model_config
 from .policies.ep_width import ep_width_policy_names
@@ -161,6 +163,7 @@ class LLM:
             self.cluster = build_cluster(self.config, None, ray_address)
         self._tokenizer = None
         self._ids = itertools.count()
+        self._seeds = random.Random(seed)  # base seeds of unseeded requests with n > 1
 
     @property
     def tokenizer(self):
@@ -225,31 +228,55 @@ class LLM:
 
     def generate(self, prompts: Prompts = None, sampling_params: Params = None,
                  prompt_token_ids: TokenPrompts = None) -> list[RequestOutput]:
-        """Complete every prompt; results come back in the prompts' order."""
+        """Complete every prompt; results come back in the prompts' order, each with
+        `sampling_params.n` outputs (choice i seeded with seed + i). The first choice of
+        a prompt runs ahead; the others join once its prompt is in the cache, so they
+        share its pages."""
         texts, token_lists = self._inputs(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(token_lists))
-        rids = self._submit(token_lists, params)
-        tokens_of: dict[str, list[int]] = {rid: [] for rid in rids}
-        last: dict[str, object] = {}
-        pending = set(rids)
+        choices = [p.choices(lambda: self._seeds.getrandbits(63)) for p in params]
+        runs = [ChoiceRun(tokens, len(c)) for tokens, c in zip(token_lists, choices)]
+        heads = self._submit(token_lists, [c[0] for c in choices])
+        owner = {rid: (i, 0) for i, rid in enumerate(heads)}
+        for run, rid in zip(runs, heads):
+            run.rids.append(rid)
+        waiting = {rid: i for i, rid in enumerate(heads) if len(choices[i]) > 1}
         try:
-            while pending:
+            while any(not run.done for run in runs):
                 for out in self._poll():
-                    if out.request_id not in tokens_of:
+                    at = owner.get(out.request_id)
+                    if at is None:
                         continue
-                    tokens_of[out.request_id].extend(out.new_token_ids)
-                    if out.finished:
-                        last[out.request_id] = out
-                        pending.discard(out.request_id)
+                    runs[at[0]].take(at[1], out)
+                    i = waiting.pop(out.request_id, None)
+                    if i is not None:  # the prompt's pages are registered: the rest join
+                        rest = self._submit([token_lists[i]] * (len(choices[i]) - 1), choices[i][1:])
+                        for k, rid in enumerate(rest, start=1):
+                            owner[rid] = (i, k)
+                            runs[i].rids.append(rid)
         finally:
-            for rid in pending:
-                self._abort(rid)
-        results = []
-        for rid, text, tokens in zip(rids, texts, token_lists):
-            out_ids, end = tokens_of[rid], last[rid]
-            completion = CompletionOutput(0, self.decode(out_ids), out_ids, end.finish_reason)
-            results.append(RequestOutput(rid, text, tokens, [completion], end.num_cached_tokens))
-        return results
+            for run in runs:
+                for rid in run.unfinished():
+                    self._abort(rid)
+        return [run.output(text, self.decode) for run, text in zip(runs, texts)]
+
+    def chat(self, messages, sampling_params: Params = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Optional[Mapping] = None) -> list[RequestOutput]:
+        """`generate` over conversations rendered with the model folder's chat template:
+        `messages` is one conversation (a list of `{"role", "content"}` dicts) or a list
+        of them."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if not conversations or any(not conv for conv in conversations):
+            raise ValueError("messages: give a conversation (a non-empty list of messages) "
+                             "or a list of them")
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            prompts.append(list(self.tokenizer.encode(text, add_special_tokens=False)))
+        return self.generate(prompt_token_ids=prompts, sampling_params=sampling_params)
 
     def stream(self, prompt: str | Sequence[int],
                sampling_params: Optional[SamplingParams] = None) -> Iterator[int]:

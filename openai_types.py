@@ -18,6 +18,7 @@ from msgspec import UNSET, UnsetType
 
 __all__ = [
     "UNSET", "Usage", "PromptTokensDetails", "CompletionChoice", "Completion",
+    "CompletionLogprobs", "TopLogprob", "ChatTokenLogprob", "ChatLogprobs",
     "ChatMessage", "ChatChoice", "ChatCompletion", "ChatDelta", "ChatChunkChoice",
     "ChatCompletionChunk", "Model", "ModelList", "TokenizeResponse", "DetokenizeResponse",
     "Version", "ErrorDetail", "ErrorResponse",
@@ -35,6 +36,38 @@ class Usage(msgspec.Struct):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: Union[PromptTokensDetails, UnsetType] = UNSET
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """A completion choice's `logprobs` (the legacy shape): per token its text, its
+    logprob, its top alternatives `{text: logprob}` and its character offset in the
+    choice's text. With `echo`, the prompt's tokens come first (the first one has null
+    logprob and null top_logprobs: nothing scores it)."""
+
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    """One token of a chat choice's `logprobs.content`."""
+
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: Optional[list[ChatTokenLogprob]] = None
+    refusal: Optional[list[ChatTokenLogprob]] = None
 
 
 class CompletionChoice(msgspec.Struct):

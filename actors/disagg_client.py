@@ -343,7 +343,8 @@ class DisaggClient(DisaggPlacement, DisaggRecovery, DisaggViews):
         reason = ("stop" if o.finish_reason == "stop" else "length") if final else None
         req.first = StepOutput(req.request_id, list(o.new_token_ids), final, reason,
                                o.num_cached_tokens, self.decodes.by_key[req.dkey].epoch,
-                               index=req.base)
+                               index=req.base, logprobs=o.logprobs,
+                               prompt_logprobs=o.prompt_logprobs)
         if len(req.emitted) == req.base:  # a re-prefill samples the same token: emit it once
             req.emitted.extend(req.first.new_token_ids)
             self._out.append(req.first)

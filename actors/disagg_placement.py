@@ -8,6 +8,8 @@ raises `DecodeLost`, whose fence (`DisaggRecovery`) takes the group's requests b
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray
 
 from ..log import get_logger
@@ -138,7 +140,8 @@ class DisaggPlacement:
         for req in reqs:
             if not req.first.finished:
                 by_dp.setdefault(req.local, []).append(
-                    (req.request_id, req.tokens, req.first.new_token_ids[0], req.params))
+                    (req.request_id, req.tokens, req.first.new_token_ids[0],
+                     dataclasses.replace(req.params, prompt_logprobs=None)))
         leaders = self.decodes.by_key[key].leaders
         refs += [leaders[dp].admit_many.remote(items) for dp, items in by_dp.items()]
         self._decode_call(key, lambda: ray.get(refs))

@@ -19,4 +19,8 @@ def resume_from(prompt: Sequence[int], params: SamplingParams, emitted: Sequence
         raise ValueError("a sampled request resumes only with the seed it started with")
     base = len(emitted)
     left = max(params.max_tokens - base, 1)
-    return list(prompt) + list(emitted), dataclasses.replace(params, max_tokens=left), base
+    resumed = params
+    if base:  # the caller has the prompt logprobs already; the emitted tokens are output
+        resumed = dataclasses.replace(params, prompt_logprobs=None,
+                                      output_base=params.output_base + base)
+    return list(prompt) + list(emitted), dataclasses.replace(resumed, max_tokens=left), base

@@ -21,8 +21,8 @@ from ..models.parallel import ExpertParallel, ModelComm
 from ..models.qwen3_moe import CausalLM
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
-from .model_runner import (BatchInputs, ModelRunner, PendingTokens, allocate_kv_cache,
-                           num_pages_for_memory, torch_dtype)
+from .model_runner import (BatchInputs, ModelRunner, PendingTokens, StepSamples,
+                           allocate_kv_cache, num_pages_for_memory, torch_dtype)
 from .outputs import StepOutput
 from .prompt_check import check_prompt
 from .sampling_params import SamplingParams
@@ -52,7 +52,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, caches, cache.page_size, self.device,
                                   max_model_len=config.max_model_len,
                                   cuda_graph_max_batch=0 if config.enforce_eager
-                                  else min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs))
+                                  else min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs),
+                                  eos_token_ids=tuple(config.model.eos_token_ids))
         self.scheduler = Scheduler(self.pool, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens, config.max_model_len,
                                    config.model.eos_token_ids)
@@ -94,7 +95,8 @@ class LLMEngine:
             raise ValueError("a disaggregated sampled request needs its seed fixed up front")
         if not isinstance(transfer_key, int) or transfer_key <= 0:
             raise ValueError(f"transfer_key must be a positive int, got {transfer_key!r}")
-        seq = self.add_request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=1))
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        seq = self.add_request(request_id, prompt_token_ids, first_only)
         seq.transfer_key, seq.hold_kv = transfer_key, True
         return seq
 
@@ -164,8 +166,7 @@ class LLMEngine:
             # Finished or aborted while the step was in flight: drop their rows and
             # launch nothing from these inputs (their rows no longer match the batch).
             batch, inputs = ScheduledBatch(live), None
-            sampled = {seq.request_id: sampled[seq.request_id] for seq, _ in live
-                       if seq.request_id in sampled}
+            sampled = sampled.only(seq.request_id for seq, _ in live)
             if live:
                 break
         finished = self._advance(batch, sampled)
@@ -185,7 +186,7 @@ class LLMEngine:
 
     def _greedy_continuation(self, batch: ScheduledBatch, inputs: BatchInputs) -> bool:
         return (self.overlap and inputs.decode_only
-                and all(seq.params.greedy for seq, _ in batch.items))
+                and all(seq.params.plain_greedy for seq, _ in batch.items))
 
     def _take_ahead(self):
         work, self._ahead = self._ahead, None
@@ -225,26 +226,36 @@ class LLMEngine:
             nxt = self.runner.prepare_next(inputs, following, input_ids=ids)
             self._ahead = (following, nxt, self.runner.forward(nxt))
 
-    def step_outputs(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[StepOutput]:
+    def step_outputs(self, batch: ScheduledBatch, sampled: StepSamples) -> list[StepOutput]:
         """Advance the scheduler with a step's sampled tokens; one output per token."""
         return self._outputs(sampled, self._advance(batch, sampled))
 
-    def _advance(self, batch: ScheduledBatch, sampled: dict[str, int]) -> dict[str, FinishedSequence]:
-        return {f.sequence.request_id: f for f in self.scheduler.update(batch, sampled)}
+    def _advance(self, batch: ScheduledBatch, sampled: StepSamples) -> dict[str, FinishedSequence]:
+        for rid, scored in sampled.prompt_logprobs.items():
+            seq = self.sequences.get(rid)
+            if seq is not None:
+                seq.prompt_logprobs.extend(scored)
+        return {f.sequence.request_id: f for f in self.scheduler.update(batch, sampled.tokens)}
 
-    def _outputs(self, sampled: dict[str, int], finished: dict[str, FinishedSequence]
+    def _outputs(self, sampled: StepSamples, finished: dict[str, FinishedSequence]
                  ) -> list[StepOutput]:
         outputs = []
-        for rid, token in sampled.items():
+        for rid, token in sampled.tokens.items():
             done = finished.get(rid)
+            seq = self.sequences[rid] if done is None else done.sequence
+            out = StepOutput(rid, [token], index=len(seq.output_token_ids) - 1)
+            lp = sampled.logprobs.get(rid)
+            if lp is not None:
+                out.logprobs = [lp]
+            if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+                out.prompt_logprobs = [None, *seq.prompt_logprobs]
             if done is None:
-                index = len(self.sequences[rid].output_token_ids) - 1
-                outputs.append(StepOutput(rid, [token], index=index))
+                outputs.append(out)
                 continue
-            seq = done.sequence
             self.sequences.pop(rid, None)
-            outputs.append(StepOutput(rid, [token], True, done.reason, seq.num_cached_tokens,
-                                      index=len(seq.output_token_ids) - 1))
+            out.finished, out.finish_reason = True, done.reason
+            out.num_cached_tokens = seq.num_cached_tokens
+            outputs.append(out)
             log.debug("request_finished", request_id=rid, reason=done.reason,
                       output_tokens=len(seq.output_token_ids), cached_tokens=seq.num_cached_tokens)
         return outputs

@@ -18,7 +18,9 @@ from ..models.qwen3_moe import CausalLM, KVCache
 from ..models.stages import interleave
 from .cuda_graphs import DecodeGraphs
 from .microbatches import micro_batches
-from .sampler import sample
+from .logits_processors import RowHistory
+from .logprobs import TokenLogprob, token_logprobs
+from .sampler import sample_batch
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -110,6 +112,11 @@ class BatchInputs:
     # The numpy arrays `host` was filled from (staging buffers are reused, these are
     # not), so the next decode step can be derived from them.
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    # Rows of the logits beyond the sampled ones: prompt positions whose next token's
+    # logprob was asked for, as (sequence, first logits row, rows, first position). With
+    # any, `sample_rows` are the logits rows of `sampled` (else rows 0..len(sampled)-1).
+    prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
+    sample_rows: Optional[list[int]] = None
 
     @property
     def num_logits(self) -> int:
@@ -118,7 +125,25 @@ class BatchInputs:
     @property
     def decode_only(self) -> bool:
         """Every row is one token that gets sampled: the case CUDA graphs cover."""
-        return self.max_query_len == 1 and self.num_logits == self.host["input_ids"].shape[0]
+        return (self.max_query_len == 1 and not self.prompt_rows
+                and self.num_logits == self.host["input_ids"].shape[0])
+
+
+@dataclass(slots=True)
+class StepSamples:
+    """A step's sampled token per request id, and what was reported with them: the
+    token's `TokenLogprob` (requests with `logprobs`), prompt logprobs computed this step
+    (requests with `prompt_logprobs`, in position order, a chunk at a time)."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+    def only(self, request_ids) -> "StepSamples":
+        keep = set(request_ids)
+        return StepSamples({r: t for r, t in self.tokens.items() if r in keep},
+                           {r: v for r, v in self.logprobs.items() if r in keep},
+                           {r: v for r, v in self.prompt_logprobs.items() if r in keep})
 
 
 @dataclass(slots=True)
@@ -131,18 +156,20 @@ class PendingTokens:
     event: Optional[torch.cuda.Event]
     request_ids: list[str]
 
-    def result(self) -> dict[str, int]:
+    def result(self) -> StepSamples:
         if self.event is not None:
             self.event.synchronize()
-        return dict(zip(self.request_ids, self.host.tolist()))
+        return StepSamples(dict(zip(self.request_ids, self.host.tolist())))
 
 
 class ModelRunner:
     """Builds batch metadata, runs the model, samples the sequences that reached their end."""
 
     def __init__(self, model: CausalLM, caches: list[KVCache], page_size: int,
-                 device: torch.device, max_model_len: int = 0, cuda_graph_max_batch: int = 0) -> None:
+                 device: torch.device, max_model_len: int = 0, cuda_graph_max_batch: int = 0,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # barred from rows short of their min_tokens
         self.caches = caches
         self.page_size = page_size
         self.device = device
@@ -167,7 +194,7 @@ class ModelRunner:
         max_pages = max(len(seq.pages) for seq, _ in batch.items)
         tables = np.zeros((len(batch.items), max_pages), dtype=np.int32)
         row_keys = np.zeros(len(batch.items), dtype=np.int64)
-        logits_idx, sampled = [], []
+        logits_idx, sampled, sample_rows, prompt_rows = [], [], [], []
         t = 0
         for row, (seq, n) in enumerate(batch.items):
             begin, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -183,16 +210,25 @@ class ModelRunner:
                 ids[t:t + n] = seq.token_slice(begin, end)
                 positions[t:t + n] = pos
                 slots[t:t + n] = np.asarray(pages, dtype=np.int64)[pos // ps] * ps + pos % ps
+            if seq.params.prompt_logprobs is not None and not seq.output_token_ids:
+                last = min(end, seq.num_prompt_tokens - 1)  # position p scores token p + 1
+                if last > begin:
+                    prompt_rows.append((seq, len(logits_idx), last - begin, begin))
+                    logits_idx.extend(range(t, t + last - begin))
             t += n
             starts[row + 1] = t
             seq_lens[row] = end
             if end == seq.num_tokens:
+                sample_rows.append(len(logits_idx))
                 logits_idx.append(t - 1)
                 sampled.append(seq)
         arrays = dict(input_ids=ids, positions=positions, slot_mapping=slots,
                       query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
                       logits_indices=np.asarray(logits_idx, dtype=np.int64), row_keys=row_keys)
-        return self._stage(arrays, int(max(n for _, n in batch.items)), sampled)
+        inputs = self._stage(arrays, int(max(n for _, n in batch.items)), sampled)
+        if prompt_rows:
+            inputs.prompt_rows, inputs.sample_rows = prompt_rows, sample_rows
+        return inputs
 
     def _stage(self, arrays: dict[str, np.ndarray], max_query_len: int,
                sampled: list[Sequence]) -> BatchInputs:
@@ -294,11 +330,39 @@ class ModelRunner:
         return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
                                h["seq_lens"], h["block_tables"], graph_size)
 
-    @staticmethod
-    def sample(inputs: BatchInputs, logits: torch.Tensor) -> dict[str, int]:
-        """One token for each sequence whose step reached its end."""
+    def sample(self, inputs: BatchInputs, logits: torch.Tensor) -> StepSamples:
+        """One token for each sequence whose step reached its end, with the logprobs
+        its request asked for; the prompt logprobs of this step's prompt rows."""
+        out = StepSamples({})
+        if inputs.prompt_rows:
+            out.prompt_logprobs = prompt_logprobs(inputs.prompt_rows, logits)
+            logits = logits[inputs.sample_rows]
         if not inputs.sampled:
-            return {}
-        tokens = sample(logits, [s.params for s in inputs.sampled],
-                        [s.num_tokens for s in inputs.sampled])
-        return {s.request_id: t for s, t in zip(inputs.sampled, tokens)}
+            return out
+        rows = [RowHistory(s.params, s.prompt_token_ids, s.output_token_ids)
+                for s in inputs.sampled]
+        result = sample_batch(logits, rows, [s.num_tokens for s in inputs.sampled],
+                              self.eos_token_ids)
+        out.tokens = {s.request_id: t for s, t in zip(inputs.sampled, result.tokens)}
+        out.logprobs = {s.request_id: lp for s, lp in zip(inputs.sampled, result.logprobs)
+                        if lp is not None}
+        return out
+
+
+def prompt_logprobs(prompt_rows: list[tuple[Sequence, int, int, int]], logits: torch.Tensor
+                    ) -> dict[str, list[TokenLogprob]]:
+    """Per request: the logprob of each prompt token scored by these rows (position p's
+    row scores token p + 1) under the model's raw distribution, one batched pass."""
+    index, targets, ks = [], [], []
+    for seq, row, count, first in prompt_rows:
+        index.extend(range(row, row + count))
+        targets.extend(seq.prompt_token_ids[first + 1:first + 1 + count])
+        ks.extend([seq.params.prompt_logprobs] * count)
+    device = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(index, device=device)].float(), dim=1)
+    flat = token_logprobs(lp, torch.tensor(targets, device=device), ks)
+    out, at = {}, 0
+    for seq, _, count, _ in prompt_rows:
+        out[seq.request_id] = flat[at:at + count]
+        at += count
+    return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .logprobs import TokenLogprob
+
 
 @dataclass(slots=True)
 class StepOutput:
@@ -17,6 +19,10 @@ class StepOutput:
     num_cached_tokens: int = 0  # prefix-cache hits, reported with the last token
     epoch: int = 0  # the group epoch of the step that produced it (0: single rank)
     index: int = -1  # output position of new_token_ids[0] (-1: not known)
+    logprobs: Optional[list[TokenLogprob]] = None  # one per new token (requests asking)
+    # With the first token of a request asking for them: one per prompt token (None for
+    # the first, which nothing scores).
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 @dataclass(slots=True)
@@ -25,6 +31,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: Optional[str]
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token (requests asking)
+    cumulative_logprob: Optional[float] = None
 
 
 @dataclass(slots=True)
@@ -37,3 +45,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None

@@ -14,7 +14,7 @@ __all__ = ["check_prompt"]
 def check_prompt(prompt_token_ids: Seq[int], params: SamplingParams, config: EngineConfig,
                  num_pages: int) -> list[int]:
     """The prompt as a list; ValueError naming what is wrong: no tokens, ids outside the
-    vocabulary, no room left in the context to generate, or more pages of `num_pages`
+    vocabulary (prompt or `logit_bias`), no room left in the context to generate, or more pages of `num_pages`
     than the pool has for the prompt and its `max_tokens`."""
     tokens = list(prompt_token_ids)
     if not tokens:
@@ -23,6 +23,9 @@ def check_prompt(prompt_token_ids: Seq[int], params: SamplingParams, config: Eng
     bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+    biased = [t for t, _ in params.logit_bias if t >= vocab]
+    if biased:
+        raise ValueError(f"logit_bias: token ids {biased[:5]} outside the vocabulary [0, {vocab})")
     limit = config.max_model_len
     if len(tokens) >= limit:
         raise ValueError(f"prompt: {len(tokens)} tokens leave no room to generate in the "

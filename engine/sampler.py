@@ -1,68 +1,143 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, seeded per position.
+"""Token sampling for a whole batch at once: processors, temperature, top-k, top-p,
+min-p, a seeded draw per (request, position), and the logprobs asked for.
 
-Every row is sampled on its own: the random draw for (seed, position) comes from a
-generator seeded with exactly that pair, and every filter works within the row. So a
-seeded request yields the same tokens alone, in any batch, and after recovery.
+Every operation is batched over the rows (no per-row tensor work), yet each row depends
+only on itself: the random draw of a row comes from a counter-based hash of (the row's
+position seed, token id), computed with integer tensor ops, so a seeded request yields
+the same tokens alone, in any batch, on any device, and after recovery. Sampling is an
+exponential race: the arg-max of `p_i / E_i` with `E_i ~ Exp(1)` draws `i` with
+probability `p_i`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
+from .logits_processors import RowHistory, process_logits
+from .logprobs import TokenLogprob, token_logprobs
 from .sampling_params import SamplingParams
+
+__all__ = ["SampleResult", "position_seed", "filter_logits", "sample_batch", "sample",
+           "sample_row", "RowHistory"]
+
+_M32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: the products of 32-bit values stay below 2**63, so the
+# int64 arithmetic never overflows and the hash is exact on every device.
+_MUL = (0x7FEB352D, 0x6A5D39E9, 0x2C1B3C6D)
 
 
 def position_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed for one (request seed, token position)."""
+    """A 63-bit seed for one (request seed, token position)."""
     h = hashlib.blake2b(digest_size=8)
     h.update((int(seed) % (1 << 128)).to_bytes(16, "little"))
     h.update(int(position).to_bytes(8, "little"))
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Scaled, filtered float32 logits of one row; removed tokens are -inf."""
-    x = logits.float()
-    x = (x - x.max()) / p.temperature  # shifted first: a tiny temperature must not overflow
-    vocab = x.shape[-1]
-    if 0 < p.top_k < vocab:
-        kth = torch.topk(x, p.top_k).values[-1]
+def _mix(x: torch.Tensor, mul: int) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * mul) & _M32
+    return x ^ (x >> 15)
+
+
+def exponential_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[B, vocab]` Exp(1) draws, float32: row b, token t from hash(seeds[b], t)."""
+    t = torch.arange(vocab, dtype=torch.int64, device=seeds.device)[None, :]
+    lo, hi = (seeds & _M32)[:, None], ((seeds >> 32) & _M32)[:, None]
+    h = _mix(t ^ lo, _MUL[0])
+    h = _mix(h ^ hi, _MUL[1])
+    h = _mix((h + 0x9E3779B9) & _M32, _MUL[2])
+    u = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)  # in (0, 1)
+    return (-torch.log(u)).to(torch.float32)
+
+
+@dataclass(slots=True)
+class SampleResult:
+    """A token per row and, for rows that asked, its `TokenLogprob` (else None)."""
+
+    tokens: list[int]
+    logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
+
+
+def _filter(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Scaled, filtered float32 logits `[B, vocab]` (removed tokens -inf). Greedy rows
+    are scaled by 1 and not filtered."""
+    device, vocab = x.device, x.shape[1]
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                         dtype=torch.float32, device=device)[:, None]
+    # Shifted first: a tiny temperature must not overflow.
+    x = (x - x.max(dim=1, keepdim=True).values) / temps
+    ks = [p.top_k if not p.greedy and 0 < p.top_k < vocab else vocab for p in params]
+    tops = [p.top_p if not p.greedy else 1.0 for p in params]
+    if any(k < vocab for k in ks) or any(p < 1.0 for p in tops):
+        sorted_x, order = torch.sort(x, dim=1, descending=True)
+        k = torch.tensor(ks, device=device)[:, None]
+        kth = sorted_x.gather(1, k - 1)
         x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        probs = torch.softmax(sorted_x, dim=1)
+        top_p = torch.tensor([p if p < 1.0 else float("inf") for p in tops], device=device)[:, None]
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
-    if p.min_p > 0.0:
-        probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        drop_sorted = (torch.cumsum(probs, dim=1) - probs) >= top_p
+        x = x.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted),
+                          float("-inf"))
+    min_ps = [p.min_p if not p.greedy else 0.0 for p in params]
+    if any(min_ps):
+        probs = torch.softmax(x, dim=1)
+        floor = torch.tensor(min_ps, device=device)[:, None] * probs.max(dim=1, keepdim=True).values
+        x = x.masked_fill(probs < floor, float("-inf"))
     return x
 
 
-def sample_row(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
-    """One token from a row of logits for the token at `position`."""
-    if p.greedy:
-        return int(torch.argmax(logits))
-    if p.seed is None:
-        raise ValueError("sampled requests need a seed (the engine assigns one on admission)")
-    probs = torch.softmax(filter_logits(logits, p), dim=-1)
-    gen = torch.Generator(device=logits.device).manual_seed(position_seed(p.seed, position))
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i.
-    noise = torch.empty(probs.shape, dtype=torch.float32, device=logits.device).exponential_(generator=gen)
-    return int(torch.argmax(probs / noise))
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Scaled, filtered float32 logits of one row; removed tokens are -inf."""
+    return _filter(logits.float()[None], [p])[0]
+
+
+def sample_batch(logits: torch.Tensor, rows: Sequence[RowHistory], positions: Sequence[int],
+                 eos_token_ids: Sequence[int] = ()) -> SampleResult:
+    """One token per row of `logits` (`[B, vocab]`); `positions[i]`: the index the new
+    token takes in its sequence (prompt included). Raises ValueError on a shape mismatch
+    or a sampled row without a seed."""
+    if logits.shape[0] != len(rows) or len(rows) != len(positions):
+        raise ValueError(f"{logits.shape[0]} rows, {len(rows)} params, {len(positions)} positions")
+    params = [r.params for r in rows]
+    if not params:
+        return SampleResult([], [])
+    if all(p.plain_greedy for p in params):
+        return SampleResult(torch.argmax(logits, dim=-1).tolist(), [None] * len(params))
+    x = _filter(process_logits(logits.float().clone(), rows, eos_token_ids), params)
+    tokens = torch.argmax(x, dim=1)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        if any(params[i].seed is None for i in drawn):
+            raise ValueError("sampled requests need a seed (the engine assigns one on admission)")
+        seeds = torch.tensor([position_seed(params[i].seed, positions[i]) for i in drawn],
+                             dtype=torch.int64, device=x.device)
+        sub = x[drawn]
+        noise = exponential_noise(seeds, x.shape[1])
+        tokens[drawn] = torch.argmax(torch.softmax(sub, dim=1) / noise, dim=1)
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    logprobs: list[Optional[TokenLogprob]] = [None] * len(params)
+    if wanted:
+        lp = torch.log_softmax(x[wanted], dim=1)
+        for i, tl in zip(wanted, token_logprobs(lp, tokens[wanted],
+                                                [params[i].logprobs for i in wanted])):
+            logprobs[i] = tl
+    return SampleResult(tokens.tolist(), logprobs)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            positions: Sequence[int]) -> list[int]:
-    """Sample one token per row; `positions[i]` is the index the new token will take."""
-    if logits.shape[0] != len(params) or len(params) != len(positions):
-        raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(positions)} positions")
-    if not params:
-        return []
-    if all(p.greedy for p in params):
-        return torch.argmax(logits, dim=-1).tolist()
-    return [sample_row(logits[i], p, positions[i]) for i, p in enumerate(params)]
+    """Tokens of rows without history (no penalties count anything)."""
+    return sample_batch(logits, [RowHistory(p) for p in params], positions).tokens
+
+
+def sample_row(logits: torch.Tensor, p: SamplingParams, position: int) -> int:
+    """One token from a row of logits for the token at `position`."""
+    return sample(logits[None], [p], [position])[0]

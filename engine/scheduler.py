@@ -208,6 +208,8 @@ class Scheduler:
         seq.pages = []
         seq.num_computed_tokens = 0
         seq.num_registered_pages = 0
+        if not seq.output_token_ids:
+            seq.prompt_logprobs.clear()  # scored again from the first position
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -217,8 +219,10 @@ class Scheduler:
         ps = self.pool.page_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # The last token is always recomputed: its logits are needed.
-            hits = self.pool.match_prefix(seq.full_page_hashes(ps, seq.num_tokens - 1))
+            # The last token is always recomputed: its logits are needed. Prompt logprobs
+            # need every position's logits: such a prompt reuses no cached page.
+            hits = [] if _scores_prompt(seq) else \
+                self.pool.match_prefix(seq.full_page_hashes(ps, seq.num_tokens - 1))
             computed = len(hits) * ps
             n = min(seq.num_tokens - computed, budget)
             need = -(-(computed + n) // ps) - len(hits)
@@ -280,3 +284,7 @@ class Scheduler:
         seq.pages = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _scores_prompt(seq: Sequence) -> bool:
+    return seq.params.prompt_logprobs is not None and not seq.output_token_ids

@@ -31,7 +31,7 @@ class Sequence:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "arrival",
                  "status", "finish_reason", "num_computed_tokens", "pages", "page_hashes",
                  "num_registered_pages", "num_cached_tokens", "num_preemptions",
-                 "transfer_key", "hold_kv")
+                 "transfer_key", "hold_kv", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                  arrival: int) -> None:
@@ -50,6 +50,7 @@ class Sequence:
         self.num_preemptions = 0
         self.transfer_key = 0  # > 0: its KV streams to a decode rank (plan row key)
         self.hold_kv = False  # keep the pages after finishing until `release_held`
+        self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1.. scored so far
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
+from ..engine.logprobs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
 
 __all__ = ["TokenDelta", "ServingBackend", "FINISH_REASONS"]
@@ -31,7 +32,9 @@ class TokenDelta:
     `delta.index == sum(len(d.token_ids) for d in earlier deltas)`. The last delta has
     `finished=True` and a `finish_reason` from `FINISH_REASONS`; it may carry tokens or
     none. `num_cached_tokens` (prompt tokens served from the prefix cache) is reported on
-    the last delta; 0 elsewhere or when unknown.
+    the last delta; 0 elsewhere or when unknown. A request whose params ask for
+    `logprobs` gets one `TokenLogprob` per token in `logprobs`; one asking for
+    `prompt_logprobs` gets them (None first) on the delta of index 0.
     """
 
     index: int
@@ -39,6 +42,17 @@ class TokenDelta:
     finished: bool = False
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0
+    logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+
+    def merged(self, later: "TokenDelta") -> "TokenDelta":
+        """This delta followed by the contiguous `later` one, as one delta."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return TokenDelta(self.index, self.token_ids + later.token_ids, later.finished,
+                          later.finish_reason, later.num_cached_tokens, logprobs,
+                          self.prompt_logprobs or later.prompt_logprobs)
 
 
 class ServingBackend(abc.ABC):

@@ -69,16 +69,10 @@ class ClusterBackend(ThreadedBackend):
     def _fold(self, backlog: deque, emitted: int) -> TokenDelta:
         """Fold the leading `TokenDelta`s of `backlog` into one (they are contiguous: the
         driver forwards each output index once, in order); a lone one is returned as is."""
-        first: TokenDelta = backlog.popleft()
-        if first.finished or not backlog or not isinstance(backlog[0], TokenDelta):
-            return first
-        tokens = list(first.token_ids)
-        while backlog and isinstance(backlog[0], TokenDelta):
-            d: TokenDelta = backlog.popleft()
-            tokens.extend(d.token_ids)
-            if d.finished:
-                return TokenDelta(first.index, tokens, True, d.finish_reason, d.num_cached_tokens)
-        return TokenDelta(first.index, tokens)
+        delta: TokenDelta = backlog.popleft()
+        while not delta.finished and backlog and isinstance(backlog[0], TokenDelta):
+            delta = delta.merged(backlog.popleft())
+        return delta
 
     def _refusal(self) -> Optional[Exception]:
         failure = self._driver.failure

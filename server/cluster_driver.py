@@ -125,6 +125,16 @@ def _index_of(out: StepOutput, record: RequestRecord) -> int:
     return index if isinstance(index, int) and index >= 0 else record.next_index
 
 
+def _reported(out: StepOutput, at: int, fresh: list[tuple[int, int]]):
+    """(logprobs of the `fresh` (index, token) pairs of `out`, whose first token has
+    index `at`; the prompt logprobs when index 0 is among them), None where not asked."""
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = [out.logprobs[i - at] for i, _ in fresh]
+    prompt = out.prompt_logprobs if fresh and fresh[0][0] == 0 else None
+    return logprobs, prompt
+
+
 def _load_of(stats: dict) -> GroupLoad:
     """A leader's engine stats as the router's load snapshot."""
     held = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
@@ -224,9 +234,9 @@ class ClusterDriver(OwnerThread):
         """The delta `out` adds to its request (None: nothing new); ends the request when
         it finished, or when its output is inconsistent (a gap: the request fails)."""
         rec, rid = live.record, out.request_id
+        at = _index_of(out, rec)
         try:
-            fresh = rec.accept(_index_of(out, rec), out.new_token_ids, out.finished,
-                               out.finish_reason)
+            fresh = rec.accept(at, out.new_token_ids, out.finished, out.finish_reason)
         except (ValueError, RuntimeError) as e:  # TokenGapError, RequestStateError, ...
             log.error("request_output_inconsistent", request_id=rid, error=str(e))
             del self._live[rid]
@@ -243,11 +253,13 @@ class ClusterDriver(OwnerThread):
             return None  # a duplicate: the client already has these indexes
         start = fresh[0][0] if fresh else rec.next_index
         tokens = [t for _, t in fresh]
+        logprobs, prompt = _reported(out, at, fresh)
         if not rec.done:
-            return TokenDelta(start, tokens)
+            return TokenDelta(start, tokens, logprobs=logprobs, prompt_logprobs=prompt)
         del self._live[rid]
         self._end(rid, rec)
-        return TokenDelta(start, tokens, True, rec.finish_reason or "stop", live.cached)
+        return TokenDelta(start, tokens, True, rec.finish_reason or "stop", live.cached,
+                          logprobs, prompt)
 
     def _abort_all(self) -> None:
         for rid in list(self._live):

@@ -74,14 +74,15 @@ class EngineBackend(ThreadedBackend):
     def _fold(self, backlog: deque, emitted: int) -> TokenDelta:
         """Fold the leading `StepOutput`s of `backlog` into one delta at index `emitted`
         (the engine delivers each request's tokens once, in order)."""
-        tokens: list[int] = []
+        delta = TokenDelta(emitted, [])
         while backlog and isinstance(backlog[0], StepOutput):
             out: StepOutput = backlog.popleft()
-            tokens.extend(out.new_token_ids)
+            delta = delta.merged(TokenDelta(emitted, list(out.new_token_ids), out.finished,
+                                            out.finish_reason, out.num_cached_tokens,
+                                            out.logprobs, out.prompt_logprobs))
             if out.finished:
-                return TokenDelta(emitted, tokens, True, out.finish_reason,
-                                  out.num_cached_tokens)
-        return TokenDelta(emitted, tokens)
+                break
+        return delta
 
     def _refusal(self) -> Optional[Exception]:
         if self._worker.alive:

@@ -1,20 +1,24 @@
 """Response and stream-chunk bodies of the two generation routes.
 
 `CompletionFormat` and `ChatFormat` build the OpenAI objects from the pieces the
-handler collects, so the handler's flow is the same for both routes.
+handler collects, so the handler's flow is the same for both routes. A format object
+serves one request (it knows its echo and logprobs options, and keeps per-choice state
+of a stream: whether its prompt was echoed, its text offset).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..engine.logprobs import TokenLogprob
 from ..openai_types import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                          ChatDelta, ChatMessage, Completion, CompletionChoice,
                          PromptTokensDetails, UNSET, Usage)
 from .generation import ChoiceEvent
+from .logprob_format import TokenTexts, chat_logprobs, completion_logprobs, merge_completion
 
-__all__ = ["Envelope", "CompletionFormat", "ChatFormat", "make_usage"]
+__all__ = ["Envelope", "ChoiceResult", "CompletionFormat", "ChatFormat", "make_usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +31,29 @@ class Envelope:
     token_ids: bool = False  # `return_token_ids`: choices carry their tokens' ids
 
 
+@dataclass(slots=True)
+class ChoiceResult:
+    """A whole choice, gathered from its events."""
+
+    index: int
+    text: str = ""
+    finish_reason: Optional[str] = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    cumulative_logprob: float = 0.0
+
+    def add(self, event: ChoiceEvent) -> None:
+        self.text += event.text
+        self.token_ids.extend(event.token_ids)
+        if event.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + event.logprobs
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+
+
 def _ids(env: Envelope, ids: Optional[list[int]]) -> Any:
     return ids if env.token_ids and ids is not None else UNSET
 
@@ -36,22 +63,63 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
                  PromptTokensDetails(cached_tokens))
 
 
-class CompletionFormat:
-    """`text_completion` objects (the same object type for responses and chunks)."""
+@dataclass(frozen=True, slots=True)
+class EchoPrompt:
+    """A prompt as `echo` repeats it: its text and token ids."""
 
-    def response(self, env: Envelope, texts: Sequence[str], reasons: Sequence[Optional[str]],
-                 usage: Usage, ids: Sequence[list[int]] = ()) -> Completion:
-        ids = list(ids) or [None] * len(texts)
-        choices = [CompletionChoice(i, t, r, token_ids=_ids(env, d))
-                   for i, (t, r, d) in enumerate(zip(texts, reasons, ids))]
+    text: str
+    token_ids: list[int]
+
+
+class CompletionFormat:
+    """`text_completion` objects (the same object type for responses and chunks).
+    `echo`: each prompt (by prompt index = choice index // `per_prompt`) is repeated
+    before its choices' text; `texts`: token texts for `logprobs` (None: not asked)."""
+
+    def __init__(self, texts: Optional[TokenTexts] = None,
+                 echo: Optional[Sequence[EchoPrompt]] = None, per_prompt: int = 1) -> None:
+        self.texts, self.echo, self.per_prompt = texts, echo, per_prompt
+        self._offsets: dict[int, int] = {}  # stream: next text offset of each choice
+
+    def _prompt(self, index: int) -> Optional[EchoPrompt]:
+        return None if self.echo is None else self.echo[index // self.per_prompt]
+
+    def _logprobs(self, index: int, prompt_lps, logprobs, first: bool) -> Any:
+        if self.texts is None:
+            return None
+        parts, offset = [], self._offsets.get(index, 0)
+        echo = self._prompt(index) if first else None
+        if echo is not None and prompt_lps is not None:
+            parts.append(completion_logprobs(self.texts, prompt_lps, echo.token_ids, offset))
+            offset += sum(len(t) for t in parts[0].tokens)
+        elif echo is not None:
+            offset += len(echo.text)
+        parts.append(completion_logprobs(self.texts, logprobs or [], (), offset))
+        self._offsets[index] = offset + sum(len(t) for t in parts[-1].tokens)
+        return merge_completion(parts)
+
+    def response(self, env: Envelope, results: Sequence[ChoiceResult], usage: Usage) -> Completion:
+        choices = []
+        for r in results:
+            echo = self._prompt(r.index)
+            text = (echo.text if echo else "") + r.text
+            choices.append(CompletionChoice(
+                r.index, text, r.finish_reason,
+                self._logprobs(r.index, r.prompt_logprobs, r.logprobs, True),
+                token_ids=_ids(env, r.token_ids)))
         return Completion(env.id, "text_completion", env.created, env.model, choices, usage)
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
         return []
 
     def chunk(self, env: Envelope, event: ChoiceEvent) -> Completion:
+        first = event.index not in self._offsets
+        echo = self._prompt(event.index) if first else None
+        text = (echo.text if echo else "") + event.text
+        logprobs = self._logprobs(event.index, event.prompt_logprobs, event.logprobs, first)
+        self._offsets.setdefault(event.index, 0)
         return Completion(env.id, "text_completion", env.created, env.model,
-                          [CompletionChoice(event.index, event.text, event.finish_reason,
+                          [CompletionChoice(event.index, text, event.finish_reason, logprobs,
                                             token_ids=_ids(env, event.token_ids))])
 
     def usage_chunk(self, env: Envelope, usage: Usage) -> Completion:
@@ -61,13 +129,19 @@ class CompletionFormat:
 class ChatFormat:
     """`chat.completion` responses and `chat.completion.chunk` chunks. A stream opens
     with one `{"role": "assistant", "content": ""}` delta per choice; the last chunk of
-    each choice carries its `finish_reason` (and its remaining text, if any)."""
+    each choice carries its `finish_reason` (and its remaining text, if any).
+    `texts`: token texts for `logprobs` (None: not asked)."""
 
-    def response(self, env: Envelope, texts: Sequence[str], reasons: Sequence[Optional[str]],
-                 usage: Usage, ids: Sequence[list[int]] = ()) -> ChatCompletion:
-        ids = list(ids) or [None] * len(texts)
-        choices = [ChatChoice(i, ChatMessage("assistant", t), r, token_ids=_ids(env, d))
-                   for i, (t, r, d) in enumerate(zip(texts, reasons, ids))]
+    def __init__(self, texts: Optional[TokenTexts] = None) -> None:
+        self.texts = texts
+
+    def _logprobs(self, logprobs: Optional[list[TokenLogprob]]) -> Any:
+        return None if self.texts is None else chat_logprobs(self.texts, logprobs or [])
+
+    def response(self, env: Envelope, results: Sequence[ChoiceResult], usage: Usage) -> ChatCompletion:
+        choices = [ChatChoice(r.index, ChatMessage("assistant", r.text), r.finish_reason,
+                              self._logprobs(r.logprobs), token_ids=_ids(env, r.token_ids))
+                   for r in results]
         return ChatCompletion(env.id, "chat.completion", env.created, env.model, choices, usage)
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
@@ -77,6 +151,7 @@ class ChatFormat:
     def chunk(self, env: Envelope, event: ChoiceEvent) -> ChatCompletionChunk:
         delta = ChatDelta(content=event.text) if event.text else ChatDelta()
         return self._chunk(env, [ChatChunkChoice(event.index, delta, event.finish_reason,
+                                                 self._logprobs(event.logprobs),
                                                  token_ids=_ids(env, event.token_ids))])
 
     def usage_chunk(self, env: Envelope, usage: Usage) -> ChatCompletionChunk:

@@ -15,6 +15,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
+from ..engine.logprobs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from .backend import ServingBackend, TokenDelta
@@ -36,15 +37,18 @@ class ChoiceEvent:
     text: str
     finish_reason: Optional[str] = None
     token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token of `token_ids` (if asked)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # on the first event
 
 
 class ChoiceRun:
-    """One prompt's generation. Counters (`num_tokens`, `num_cached_tokens`) are
-    final once `events()` is exhausted."""
+    """One choice's generation. Counters (`num_tokens`, `num_cached_tokens`) are
+    final once `events()` is exhausted. `keep_output=False` (echo with `max_tokens: 0`):
+    the one token generated is dropped; the choice ends with "length" and no text."""
 
     def __init__(self, backend: ServingBackend, request_id: str, index: int,
                  prompt_token_ids: list[int], params: SamplingParams, stop: Sequence[str],
-                 metrics: ServerMetrics, arrival: float) -> None:
+                 metrics: ServerMetrics, arrival: float, keep_output: bool = True) -> None:
         self.backend, self.request_id, self.index = backend, request_id, index
         self.prompt_token_ids, self.params = prompt_token_ids, params
         self.text = TextAssembler(backend.tokenizer, stop)
@@ -57,6 +61,10 @@ class ChoiceRun:
         self._backend_done = False
         self._closed = False
         self._ids: list[int] = []  # tokens not yet carried by an event
+        self._lps: Optional[list[TokenLogprob]] = None  # their logprobs (if asked)
+        self._prompt_lps: Optional[list] = None  # prompt logprobs for the next event
+        self.keep_output = keep_output
+        self.cumulative_logprob = 0.0  # of the tokens generated (requests with logprobs)
 
     async def admit(self) -> None:
         """Submit and wait for the first delta. Raises what the backend raises
@@ -92,6 +100,11 @@ class ChoiceRun:
             await self.close()
 
     def _consume(self, delta: TokenDelta) -> Optional[ChoiceEvent]:
+        if delta.prompt_logprobs is not None:
+            self._prompt_lps = delta.prompt_logprobs
+        if not self.keep_output:
+            delta = TokenDelta(delta.index, [], delta.finished, "length",
+                               delta.num_cached_tokens)
         now = time.monotonic()
         n = len(delta.token_ids)
         if n:
@@ -100,6 +113,9 @@ class ChoiceRun:
             self._last = now
         self.num_tokens += n
         self._ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self._lps = (self._lps or []) + delta.logprobs
+            self.cumulative_logprob += sum(lp.logprob for lp in delta.logprobs)
         if delta.finished:
             self._backend_done = True
             self.num_cached_tokens = delta.num_cached_tokens
@@ -112,13 +128,17 @@ class ChoiceRun:
             return self._event(text, "stop")
         if delta.finished:
             return self._event(text, delta.finish_reason or "stop")
-        return self._event(text, None) if text else None
+        return self._event(text, None) if text or self._prompt_lps else None
 
     def _event(self, text: str, finish_reason: Optional[str]) -> ChoiceEvent:
         ids, self._ids = self._ids, []
+        lps, self._lps = self._lps, None
+        prompt, self._prompt_lps = self._prompt_lps, None
         if finish_reason is not None:
             self._finished(finish_reason)
-        return ChoiceEvent(self.index, text, finish_reason, ids)
+        if lps is None and self.params.logprobs is not None:
+            lps = []
+        return ChoiceEvent(self.index, text, finish_reason, ids, lps, prompt)
 
     def _finished(self, reason: str) -> None:
         self.metrics.finished(reason, len(self.prompt_token_ids), self.num_tokens,

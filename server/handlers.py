@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import secrets
 import time
 import uuid
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
@@ -28,8 +29,9 @@ from . import protocol as proto
 from .backend import ServingBackend
 from .drain import InFlight, ShutdownDrain, shutting_down_error
 from .errors import SERVER_ERROR, OpenAIError
-from .formats import ChatFormat, CompletionFormat, Envelope, make_usage
+from .formats import ChatFormat, ChoiceResult, CompletionFormat, EchoPrompt, Envelope, make_usage
 from .generation import ChoiceRun, admit_all, merge_runs
+from .logprob_format import TokenTexts
 from .metrics import ServerMetrics
 from .resumable import ResumableStreams, StreamLog, parse_event_id
 from .request_keys import ARRIVAL, CLIENT_ID, REQUEST_ID
@@ -41,12 +43,14 @@ _encoder = msgspec.json.Encoder()
 __all__ = ["GenerationHandlers", "render_chat"]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default of /v1/completions
+MAX_CHOICES = 256  # choices (prompts x n, or best_of) per request
 _Format = Union[CompletionFormat, ChatFormat]
 
 
 @dataclass(slots=True)
 class _Plan:
-    """A validated request, ready to run."""
+    """A validated request, ready to run: `params.n` choices run per prompt, `n` of them
+    are returned (fewer with `best_of`: the best by cumulative logprob)."""
 
     env: Envelope
     prompts: list[list[int]]
@@ -56,6 +60,8 @@ class _Plan:
     include_usage: bool
     fmt: _Format
     prompt_param: str  # "prompt" or "messages": where a refused prompt came from
+    n: int = 1
+    keep_output: bool = True  # False: echo with max_tokens 0 (the prompt only)
 
 
 # Prompt text (characters) past which a request is tokenized on the tokenizer thread, not
@@ -101,6 +107,7 @@ class GenerationHandlers:
         self.backend, self.metrics, self.model_name = backend, metrics, model_name
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, "phalanx-tokenize")
         self.drain = ShutdownDrain()  # the app drains it at shutdown
+        self.token_texts = TokenTexts(backend.tokenizer)  # logprobs' token strings
         self.streams = ResumableStreams(resume_grace_s)  # streams, resumable by Last-Event-ID
 
     # -- routes ----------------------------------------------------------------------
@@ -153,10 +160,20 @@ class GenerationHandlers:
     def completion_plan(self, req: proto.CompletionRequest) -> _Plan:
         """A validated completion request, ready to run (OpenAIError if it is not)."""
         self.check_model(req.model)
-        prompts = [self._tokenize(p) for p in proto.completion_prompts(req)]
-        max_tokens = self._fit(prompts, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS,
-                               "max_tokens", "prompt")
-        return self._plan(req, "cmpl", prompts, max_tokens, CompletionFormat(), "prompt")
+        given = proto.completion_prompts(req)
+        prompts = [self._tokenize(p) for p in given]
+        scoring = req.max_tokens == 0  # echo only (checked): the prompt's logprobs
+        max_tokens = self._fit(prompts, 1 if scoring else req.max_tokens,
+                               DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens", "prompt")
+        echo = None
+        if req.echo:
+            echo = [EchoPrompt(p if isinstance(p, str) else self.backend.tokenizer.decode(ids),
+                               ids) for p, ids in zip(given, prompts)]
+        fmt = CompletionFormat(self.token_texts if req.logprobs is not None else None, echo,
+                               req.n or 1)
+        plan = self._plan(req, "cmpl", prompts, max_tokens, fmt, "prompt")
+        plan.keep_output = not scoring
+        return plan
 
     def chat_plan(self, req: proto.ChatCompletionRequest) -> _Plan:
         """A validated chat request, ready to run (OpenAIError if it is not)."""
@@ -165,7 +182,8 @@ class GenerationHandlers:
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         max_tokens = self._fit([prompt], requested, None, param, "messages")
-        return self._plan(req, "chatcmpl", [prompt], max_tokens, ChatFormat(), "messages")
+        fmt = ChatFormat(self.token_texts if req.logprobs else None)
+        return self._plan(req, "chatcmpl", [prompt], max_tokens, fmt, "messages")
 
     # -- validation --------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -210,23 +228,34 @@ class GenerationHandlers:
         env = Envelope(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                        bool(req.return_token_ids))
         opts = req.stream_options
-        return _Plan(env, prompts, proto.sampling_params(req, max_tokens), proto.stop_strings(req),
+        params = proto.sampling_params(req, max_tokens)
+        if params.n * len(prompts) > MAX_CHOICES:
+            raise OpenAIError(400, f"A request runs at most {MAX_CHOICES} choices; this one "
+                              f"asks {params.n} for each of {len(prompts)} prompts.",
+                              param="n", code="invalid_value")
+        return _Plan(env, prompts, params, proto.stop_strings(req),
                      bool(req.stream), bool(req.stream and opts and opts.include_usage), fmt,
-                     prompt_param)
+                     prompt_param, req.n or 1)
 
     # -- running -----------------------------------------------------------------------
     @asynccontextmanager
     async def running(self, plan: _Plan, arrival: float) -> AsyncIterator[list[ChoiceRun]]:
         """Admit every choice of `plan` (a backend ValueError becomes a 400 before any
-        output); yields the admitted runs; on exit every unfinished one is aborted."""
-        multi = len(plan.prompts) > 1
-        runs = [ChoiceRun(self.backend, f"{plan.env.id}-{i}" if multi else plan.env.id, i,
-                          p, plan.params, plan.stop, self.metrics, arrival)
-                for i, p in enumerate(plan.prompts)]
+        output): each prompt's first choice first, the others once it has its first token
+        (its prompt's pages are then in the cache: they share them). Yields the admitted
+        runs; on exit every unfinished one is aborted."""
+        per = plan.params.n
+        params = plan.params.choices(lambda: secrets.randbits(63))
+        runs = [ChoiceRun(self.backend, f"{plan.env.id}-{i * per + k}" if per * len(plan.prompts) > 1
+                          else plan.env.id, i * per + k, p, params[k], plan.stop, self.metrics,
+                          arrival, plan.keep_output)
+                for i, p in enumerate(plan.prompts) for k in range(per)]
         self.metrics.in_flight.inc()
         try:
             try:
-                await admit_all(runs)
+                await admit_all(runs[::per])
+                if per > 1:
+                    await admit_all([r for r in runs if r.index % per])
             except ValueError as e:  # the backend refused it (contract: before any token)
                 param = plan.prompt_param if str(e).startswith("prompt") else None
                 raise OpenAIError(400, str(e), param=param, code="invalid_value") from None
@@ -240,17 +269,14 @@ class GenerationHandlers:
 
     async def collect(self, plan: _Plan, runs: list[ChoiceRun]) -> Any:
         """The whole response object (`Completion` / `ChatCompletion`) of admitted runs."""
-        texts: list[list[str]] = [[] for _ in runs]
-        ids: list[list[int]] = [[] for _ in runs]
-        reasons: list[Optional[str]] = [None] * len(runs)
+        results = [ChoiceResult(r.index) for r in runs]
         async with aclosing(merge_runs(runs)) as events:
             async for event in events:
-                texts[event.index].append(event.text)
-                ids[event.index].extend(event.token_ids)
-                if event.finish_reason is not None:
-                    reasons[event.index] = event.finish_reason
-        return plan.fmt.response(plan.env, ["".join(t) for t in texts], reasons,
-                                 _usage(plan, runs), ids)
+                results[event.index].add(event)
+        for r, run in zip(results, runs):
+            r.cumulative_logprob = run.cumulative_logprob
+        return plan.fmt.response(plan.env, _best(results, plan.params.n, plan.n),
+                                 _usage(plan, runs))
 
     async def chunks(self, plan: _Plan, runs: list[ChoiceRun]) -> AsyncIterator[Any]:
         """The stream's chunk objects of admitted runs (opening chunks, one per event,
@@ -326,6 +352,20 @@ class GenerationHandlers:
                 entry.absorb()
                 await _send_error(sse, stream.id, shutting_down_error())
         return sse.response
+
+
+def _best(results: list[ChoiceResult], per: int, n: int) -> list[ChoiceResult]:
+    """Of each prompt's `per` choices, the `n` with the highest cumulative logprob
+    (all of them, in order, when `per == n`), re-indexed prompt by prompt."""
+    if per == n:
+        return results
+    best = []
+    for start in range(0, len(results), per):
+        group = sorted(results[start:start + per], key=lambda r: -r.cumulative_logprob)[:n]
+        for r in sorted(group, key=lambda r: r.index):
+            r.index = len(best)
+            best.append(r)
+    return best
 
 
 def _usage(plan: _Plan, runs: list[ChoiceRun]):

@@ -4,13 +4,22 @@ Decoding is strict: JSON types must match (a string where an int is expected, a 
 where a number is expected, ... are 400 with `param` naming the field; see errors.py
 for why 400 and not 422) and unknown top-level fields are refused (400, "Unrecognized
 request argument"), as the OpenAI API does. Fields of the spec that phalanx does not
-implement are accepted only at their neutral value (`n: 1`, `echo: false`,
-`logprobs: null`, penalties 0, ...); anything else is 400 naming the field.
+implement are accepted only at their neutral value (`suffix`, `tools`, ...); anything
+else is 400 naming the field.
+
+Sampling fields of the spec: `n` (choices per prompt, choice i seeded with seed + i),
+`best_of` (completions: that many choices, the `n` with the highest cumulative logprob
+returned; not with `stream`), `presence_penalty`, `frequency_penalty`, `logit_bias`
+(token id -> bias in [-100, 100]), `logprobs` (completions: an int in [0, 20]; chat: a
+bool, with `top_logprobs` in [0, 20]), `echo` (completions; with `logprobs`, the prompt's
+tokens are scored too, and `max_tokens: 0` returns only the prompt: lm-evaluation-harness'
+loglikelihood request).
 
 Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off), `min_p` (float in [0, 1]),
-`stop_token_ids` (ids that end the choice, finish reason "stop"), `ignore_eos` (bool) and
-`return_token_ids` (bool: each choice, and each stream chunk's choice, carries the ids of
-the tokens it adds as `token_ids`).
+`repetition_penalty` (float in (0, 2]), `min_tokens` (EOS and stop tokens barred until
+that many tokens are out), `stop_token_ids` (ids that end the choice, finish reason
+"stop"), `ignore_eos` (bool) and `return_token_ids` (bool: each choice, and each stream
+chunk's choice, carries the ids of the tokens it adds as `token_ids`).
 `stop` is implemented by matching the detokenized text (up to 4 non-empty strings).
 Response bodies live in `phalanx.openai_types` (shared with the SDK).
 """
@@ -22,14 +31,16 @@ from typing import Any, Optional, Type, TypeVar, Union
 
 import msgspec
 
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from .errors import OpenAIError
 
 __all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart",
            "ChatMessageIn", "ChatCompletionRequest", "decode_request", "completion_prompts",
-           "chat_messages", "stop_strings", "sampling_params", "MAX_PROMPTS", "decode_struct"]
+           "chat_messages", "stop_strings", "sampling_params", "MAX_PROMPTS", "decode_struct",
+           "logit_bias"]
 
 MAX_PROMPTS = 256  # prompts per /v1/completions request
+MAX_BEST_OF = 20
 MAX_STOP = 4
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 T = TypeVar("T")
@@ -55,8 +66,10 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     n: Optional[int] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, int]] = None
+    logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    repetition_penalty: Optional[float] = None  # extension
+    min_tokens: Optional[int] = None  # extension
     ignore_eos: Optional[bool] = None  # extension
     return_token_ids: Optional[bool] = None  # extension
     min_p: Optional[float] = None  # extension
@@ -151,8 +164,10 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> OpenAIError:
 
 def _check_common(req: SamplingFields) -> None:
     """Ranges and unsupported values shared by both routes."""
-    if req.max_tokens is not None and req.max_tokens <= 0:
-        raise _bad("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}.")
+    scoring = isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+    if req.max_tokens is not None and req.max_tokens <= 0 and not scoring:
+        raise _bad("max_tokens", f"max_tokens must be at least 1 (0 only with echo), got "
+                   f"{req.max_tokens}.")
     if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
         raise _bad("temperature", f"temperature must be in [0, 2], got {req.temperature}.")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
@@ -167,22 +182,68 @@ def _check_common(req: SamplingFields) -> None:
         raise _bad("seed", "seed must fit in a signed 64-bit integer.")
     if req.model == "":
         raise _bad("model", "model must not be empty.")
-    _only_neutral(req, n=(None, 1), frequency_penalty=(None, 0.0), presence_penalty=(None, 0.0))
-    if req.logit_bias:
-        raise _bad("logit_bias", "logit_bias is not supported.", "unsupported_value")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise _bad("n", f"n must be in [1, {MAX_CHOICES}], got {req.n}.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise _bad(name, f"{name} must be in [-2, 2], got {value}.")
+    if req.repetition_penalty is not None and not 0.0 < req.repetition_penalty <= 2.0:
+        raise _bad("repetition_penalty", "repetition_penalty must be in (0, 2], got "
+                   f"{req.repetition_penalty}.")
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise _bad("min_tokens", f"min_tokens must be >= 0, got {req.min_tokens}.")
+    logit_bias(req)
     stop_strings(req)
     if isinstance(req, CompletionRequest):
-        _only_neutral(req, best_of=(None, 1), echo=(None, False), logprobs=(None,),
-                      suffix=(None, ""))
+        _check_completion(req)
     elif isinstance(req, ChatCompletionRequest):
-        if req.max_completion_tokens is not None and req.max_completion_tokens <= 0:
-            raise _bad("max_completion_tokens", "max_completion_tokens must be at least 1, "
-                       f"got {req.max_completion_tokens}.")
-        _only_neutral(req, logprobs=(None, False), top_logprobs=(None,), tools=(None, []),
-                      tool_choice=(None, "none"), parallel_tool_calls=(None, True, False))
-        if req.response_format not in (None, {"type": "text"}):
-            raise _bad("response_format", "Only response_format {\"type\": \"text\"} is "
-                       "supported.", "unsupported_value")
+        _check_chat(req)
+
+
+def _check_completion(req: "CompletionRequest") -> None:
+    _only_neutral(req, suffix=(None, ""))
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise _bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.")
+    n = req.n or 1
+    if req.best_of is not None:
+        if not n <= req.best_of <= MAX_BEST_OF:
+            raise _bad("best_of", f"best_of must be in [n, {MAX_BEST_OF}] (n = {n}), got "
+                       f"{req.best_of}.")
+        if req.stream and req.best_of > n:
+            raise _bad("best_of", "best_of > n cannot be streamed: the best choices are "
+                       "known only at the end.")
+
+
+def _check_chat(req: "ChatCompletionRequest") -> None:
+    if req.max_completion_tokens is not None and req.max_completion_tokens <= 0:
+        raise _bad("max_completion_tokens", "max_completion_tokens must be at least 1, "
+                   f"got {req.max_completion_tokens}.")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise _bad("top_logprobs", "top_logprobs requires logprobs: true.")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise _bad("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                       f"{req.top_logprobs}.")
+    _only_neutral(req, tools=(None, []), tool_choice=(None, "none"),
+                  parallel_tool_calls=(None, True, False))
+    if req.response_format not in (None, {"type": "text"}):
+        raise _bad("response_format", "Only response_format {\"type\": \"text\"} is "
+                   "supported.", "unsupported_value")
+
+
+def logit_bias(req: SamplingFields) -> dict[int, float]:
+    """`logit_bias` with integer keys (400 for a key that is not a token id or a bias
+    outside [-100, 100]); ids beyond the vocabulary are the backend's 400."""
+    out = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit():
+            raise _bad("logit_bias", f"logit_bias keys must be token ids, got {key!r}.")
+        if not -100.0 <= value <= 100.0:
+            raise _bad("logit_bias", f"logit_bias values must be in [-100, 100], got {value} "
+                       f"for token {key}.")
+        out[int(key)] = float(value)
+    return out
 
 
 def _only_neutral(req: Any, **allowed: tuple) -> None:
@@ -260,14 +321,32 @@ def _message_text(m: ChatMessageIn, i: int) -> str:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
-    """SamplingParams of a decoded request; OpenAI defaults: temperature 1, top_p 1."""
+    """SamplingParams of a decoded request (OpenAI defaults: temperature 1, top_p 1);
+    `n` is the number of choices to run per prompt (`best_of` when given)."""
+    logprobs, prompt_logprobs = None, None
+    runs = req.n or 1
+    if isinstance(req, CompletionRequest):
+        logprobs = req.logprobs
+        runs = req.best_of or runs
+        if runs > (req.n or 1) and logprobs is None:
+            logprobs = 0  # best_of ranks choices by their cumulative logprob
+        if req.echo and req.logprobs is not None:
+            prompt_logprobs = req.logprobs
+    elif isinstance(req, ChatCompletionRequest) and req.logprobs:
+        logprobs = req.top_logprobs or 0
     try:
         return SamplingParams(
+            n=runs,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
             stop_token_ids=tuple(req.stop_token_ids or ()),
-            max_tokens=max_tokens, seed=req.seed, ignore_eos=bool(req.ignore_eos))
+            max_tokens=max_tokens, seed=req.seed, ignore_eos=bool(req.ignore_eos),
+            min_tokens=req.min_tokens or 0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias(req), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise _bad(str(e).split(" ", 1)[0], str(e)) from None

@@ -66,8 +66,10 @@ def test_decoding_is_strict_and_names_the_param():
     assert _decode_error(b'{"model":"m","prompt":"x","seed":1.5}').param == "seed"
     assert _decode_error(b'{"model":"m","prompt":"x","stream":"yes"}').param == "stream"
     assert _decode_error(b'{"model":"m","prompt":"x","stop":["a","b","c","d","e"]}').param == "stop"
-    assert _decode_error(b'{"model":"m","prompt":"x","echo":true}').param == "echo"
-    assert _decode_error(b'{"model":"m","prompt":"x","logprobs":2}').param == "logprobs"
+    assert _decode_error(b'{"model":"m","prompt":"x","suffix":"y"}').param == "suffix"
+    assert _decode_error(b'{"model":"m","prompt":"x","logprobs":-1}').param == "logprobs"
+    assert _decode_error(b'{"model":"m","prompt":"x","max_tokens":0}').param == "max_tokens"
+    assert _decode_error(b'{"model":"m","prompt":"x","n":2,"best_of":1}').param == "best_of"
     assert _decode_error(b'{"model":"m","prompt":"x","top_p":0}').param == "top_p"
     assert _decode_error(b'{"model":"m","prompt":"x","temperature":2.5}').param == "temperature"
     assert _decode_error(b'{"model":"m","prompt":"x","stream_options":{"foo":1}}').param \
