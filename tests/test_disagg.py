@@ -15,6 +15,7 @@ import ray
 
 from phalanx import LLM, SamplingParams
 
+from indexed_outputs import assert_same_reports, generate_reported, sampled_cases
 from test_hf_oracle import hf_greedy, make_prompts
 
 MAX_NEW = 8
@@ -38,6 +39,25 @@ def _generate(llm, prompts):
                                                            sampling_params=params)]
 
 
+@pytest.fixture(scope="module")
+def sampled(tiny_model, oracle):
+    """Requests with every sampling field and the single engine's answers to them."""
+    prompts, params = sampled_cases(oracle[0][4:], 2 * MAX_NEW)
+    llm = LLM(tiny_model, max_num_seqs=8, num_pages=200)
+    return prompts, params, generate_reported(llm, prompts, params)
+
+
+def _generate_with_sampled(llm, prompts, sampled):
+    """Greedy tokens of `prompts`; the sampled requests beside them must equal the single
+    engine's (tokens, logprobs, prompt logprobs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    extra_prompts, extra_params, want = sampled
+    got = generate_reported(llm, list(prompts) + extra_prompts,
+                            [params] * len(prompts) + extra_params)
+    assert_same_reports(got[len(prompts):], want, extra_params)
+    return [tokens for tokens, _, _ in got[:len(prompts)]]
+
+
 @pytest.mark.parametrize("layout", [
     dict(prefill_tp=2, decode_dp=2, page_size=4),
     dict(prefill_tp=4, decode_dp=2, page_size=4),  # 4 > 2 KV heads: replicated on prefill
@@ -58,13 +78,13 @@ def test_disaggregated_matches_transformers(tiny_model, oracle, layout):
         llm.close()
 
 
-def test_prefill_rank_killed_mid_transfer(tiny_model, oracle):
+def test_prefill_rank_killed_mid_transfer(tiny_model, oracle, sampled):
     prompts, expected = oracle
     llm = LLM(tiny_model, prefill_tp=2, decode_dp=2, page_size=4, **KW)
     try:
         victim = llm.cluster.prefill[0].actors[1]
         ray.get(victim.arm_fault.remote("kv_send", 30))  # dies after 30 layer batches
-        got = _generate(llm, prompts)
+        got = _generate_with_sampled(llm, prompts, sampled)
         for i, (a, b) in enumerate(zip(got, expected)):
             assert a == b, f"prompt {i}"
         stats = llm.cluster.stats()
@@ -105,16 +125,17 @@ def test_cli_disaggregated_layout(tiny_model, capsys):
     assert disagg["token_ids"] == single["token_ids"] and len(single["token_ids"]) == 6
 
 
-def test_decode_rank_killed_mid_all_to_all(tiny_model, oracle):
+def test_decode_rank_killed_mid_all_to_all(tiny_model, oracle, sampled):
     """The decode group loses a rank inside an MoE all-to-all: it is re-formed (epoch 2)
     and every request resumes from prompt + the tokens already delivered: the caller gets
-    each token once and the same tokens as without the fault."""
+    each token once and the same tokens as without the fault (requests using every
+    sampling field: the single engine's tokens and logprobs)."""
     prompts, expected = oracle
     llm = LLM(tiny_model, prefill_tp=1, decode_dp=2, page_size=4, **KW)
     try:
         victim = llm.cluster.decode.actors[1]
         ray.get(victim.arm_fault.remote("moe_dispatch", 25))  # a few decode steps in
-        got = _generate(llm, prompts)
+        got = _generate_with_sampled(llm, prompts, sampled)
         for i, (a, b) in enumerate(zip(got, expected)):
             assert a == b, f"prompt {i}"
         stats = llm.cluster.stats()

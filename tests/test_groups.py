@@ -22,7 +22,7 @@ from phalanx.actors.rank.spec import RankSpec, shard_for
 from phalanx.models.loader import read_model_config
 from phalanx.models.qwen3_moe import CausalLM
 
-from indexed_outputs import generate_indexed
+from indexed_outputs import assert_same_reports, generate_reported, sampled_cases
 from test_hf_oracle import hf_greedy, make_prompts
 
 MAX_NEW = 10
@@ -37,6 +37,14 @@ def _ray(local_ray):
 def oracle(tiny_model):
     prompts = make_prompts(2048, seed=5)
     return prompts, hf_greedy(tiny_model, prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_model, oracle):
+    """Requests with every sampling field and the single engine's answers to them."""
+    prompts, params = sampled_cases(oracle[0][5:], 2 * MAX_NEW)
+    llm = LLM(tiny_model, max_num_seqs=8, num_pages=200)
+    return prompts, params, generate_reported(llm, prompts, params)
 
 
 def _uneven(dp: int, n: int) -> list[Placement]:
@@ -158,27 +166,34 @@ def test_rank_killed_mid_all_to_all_fails_fast(tiny_model, exchange):
         llm.close()
 
 
-def check_one_recovery(llm: LLM, point: str, count: int, prompts, expected) -> None:
+def check_one_recovery(llm: LLM, point: str, count: int, prompts, expected, sampled=None) -> None:
     """Rank 1 exits at the `count`-th pass through `point`; greedy generation still gives
-    `expected`, each token once, after exactly one re-formation (epoch 2)."""
+    `expected`, each token once, after exactly one re-formation (epoch 2). `sampled`
+    (prompts, params, the single engine's reports): run beside the greedy requests, their
+    tokens, logprobs and prompt logprobs equal the single engine's."""
     ray.get(llm.cluster.supervisor.actors[1].arm_fault.remote(point, count))
     params = SamplingParams(temperature=0.0, max_tokens=len(expected[0]), ignore_eos=True)
-    for i, tokens in enumerate(generate_indexed(llm, prompts, params)):
+    extra_prompts, extra_params, want = sampled or ([], [], [])
+    got = generate_reported(llm, list(prompts) + extra_prompts,
+                            [params] * len(prompts) + extra_params)
+    for i, (tokens, _, _) in enumerate(got[:len(prompts)]):
         assert tokens == expected[i], f"prompt {i}"
+    assert_same_reports(got[len(prompts):], want, extra_params)
     assert llm.cluster.recoveries == 1 and llm.cluster.epoch == 2
 
 
 @pytest.mark.parametrize("tp, dp, point, count", [(1, 2, "moe_dispatch", 25), (2, 1, "step", 6)],
                          ids=["dp2-mid-all-to-all", "tp2-mid-step"])
-def test_rank_killed_group_recovers(tiny_model, oracle, tp, dp, point, count):
+def test_rank_killed_group_recovers(tiny_model, oracle, sampled, tp, dp, point, count):
     """A rank dies mid-generation: the group is re-formed under epoch 2 and every request
     resumes from prompt + the tokens already delivered, so the caller gets each token
-    once and the same tokens as transformers."""
+    once and the same tokens as transformers; requests using every sampling field get
+    the single engine's tokens and logprobs."""
     prompts, expected = oracle
     llm = LLM(tiny_model, tp=tp, dp=dp, max_num_seqs=8, max_num_batched_tokens=96, page_size=4,
               num_pages=120, collective_timeout_s=5)
     try:
-        check_one_recovery(llm, point, count, prompts, expected)
+        check_one_recovery(llm, point, count, prompts, expected, sampled)
     finally:
         llm.close()
 
