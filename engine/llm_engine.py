@@ -21,6 +21,7 @@ from ..models.parallel import ExpertParallel, ModelComm
 from ..models.qwen3_moe import CausalLM
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
+from .grammars import Grammars
 from .model_runner import (BatchInputs, ModelRunner, PendingTokens, StepSamples,
                            allocate_kv_cache, num_pages_for_memory, torch_dtype)
 from .outputs import StepOutput
@@ -54,6 +55,8 @@ class LLMEngine:
                                   cuda_graph_max_batch=0 if config.enforce_eager
                                   else min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs),
                                   eos_token_ids=tuple(config.model.eos_token_ids))
+        self.runner.grammars = Grammars(config.model_path, config.model.vocab_size,
+                                        config.model.eos_token_ids)
         self.scheduler = Scheduler(self.pool, config.scheduler.max_num_seqs,
                                    config.scheduler.max_num_batched_tokens, config.max_model_len,
                                    config.model.eos_token_ids)
@@ -76,11 +79,25 @@ class LLMEngine:
         if params.seed is None and not params.greedy:
             params = params.with_seed(self._seed_rng.getrandbits(63))
         seq = Sequence(request_id, tokens, params, next(self._arrivals))
+        self._attach_grammar(seq)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         log.debug("request_added", request_id=request_id, prompt_tokens=len(tokens),
                   max_tokens=params.max_tokens, greedy=params.greedy)
         return seq
+
+    def warm_grammars(self) -> None:
+        """Start loading what structured output needs (in the background)."""
+        self.runner.grammars.warm()
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        """The matcher of a request with structured output, fed the output it already has
+        (a resumed request's prompt tail, a prefilled request's first token)."""
+        p = seq.params
+        if p.structured is None:
+            return
+        base = seq.prompt_token_ids[len(seq.prompt_token_ids) - p.output_base:] if p.output_base else []
+        seq.matcher = self.runner.grammars.matcher(p.structured, base + seq.output_token_ids)
 
     def validate_prompt(self, prompt_token_ids: Seq[int], params: SamplingParams) -> list[int]:
         return check_prompt(prompt_token_ids, params, self.config, self.num_pages)
@@ -123,6 +140,7 @@ class LLMEngine:
         tokens = self.validate_prompt(prompt_token_ids, params)
         seq = Sequence(request_id, tokens, params, next(self._arrivals))
         seq.output_token_ids.append(int(first_token))
+        self._attach_grammar(seq)
         self.scheduler.admit_prefilled(seq)
         self.sequences[request_id] = seq
         return seq

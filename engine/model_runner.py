@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..config import CacheConfig
+from ..log import get_logger
 from ..kernels.attention import AttentionMetadata
 from ..models.qwen3_moe import CausalLM, KVCache
 from ..models.stages import interleave
@@ -23,6 +24,8 @@ from .logprobs import TokenLogprob, token_logprobs
 from .sampler import sample_batch
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+log = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -170,6 +173,7 @@ class ModelRunner:
                  eos_token_ids: tuple[int, ...] = ()) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids  # barred from rows short of their min_tokens
+        self.grammars = None  # engine/grammars.Grammars once a request has structured output
         self.caches = caches
         self.page_size = page_size
         self.device = device
@@ -334,6 +338,12 @@ class ModelRunner:
         """One token for each sequence whose step reached its end, with the logprobs
         its request asked for; the prompt logprobs of this step's prompt rows."""
         out = StepSamples({})
+        # Grammar masks first: on a GPU the forward is still running meanwhile.
+        constrained = [i for i, s in enumerate(inputs.sampled) if s.matcher is not None]
+        allowed = None
+        if constrained:
+            allowed = (constrained, self.grammars.allowed(
+                [inputs.sampled[i].matcher for i in constrained], logits.device))
         if inputs.prompt_rows:
             out.prompt_logprobs = prompt_logprobs(inputs.prompt_rows, logits)
             logits = logits[inputs.sample_rows]
@@ -342,7 +352,12 @@ class ModelRunner:
         rows = [RowHistory(s.params, s.prompt_token_ids, s.output_token_ids)
                 for s in inputs.sampled]
         result = sample_batch(logits, rows, [s.num_tokens for s in inputs.sampled],
-                              self.eos_token_ids)
+                              self.eos_token_ids, allowed)
+        for i in constrained:
+            seq = inputs.sampled[i]
+            error = self.grammars.advance(seq.matcher, result.tokens[i])
+            if error is not None:
+                log.warning("grammar_rejected_token", request_id=seq.request_id, error=error)
         out.tokens = {s.request_id: t for s, t in zip(inputs.sampled, result.tokens)}
         out.logprobs = {s.request_id: lp for s, lp in zip(inputs.sampled, result.logprobs)
                         if lp is not None}

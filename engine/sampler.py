@@ -99,10 +99,22 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return _filter(logits.float()[None], [p])[0]
 
 
+def _constrain(x: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of `x` keep only their `allowed` tokens; a row whose processors left
+    none of them (min_tokens barring the EOS a finished grammar needs) falls back to the
+    allowed tokens alone."""
+    sub = x[rows].masked_fill(~allowed, float("-inf"))
+    empty = torch.isneginf(sub).all(dim=1, keepdim=True)
+    x[rows] = torch.where(empty, torch.zeros_like(sub).masked_fill(~allowed, float("-inf")), sub)
+    return x
+
+
 def sample_batch(logits: torch.Tensor, rows: Sequence[RowHistory], positions: Sequence[int],
-                 eos_token_ids: Sequence[int] = ()) -> SampleResult:
+                 eos_token_ids: Sequence[int] = (),
+                 allowed: Optional[tuple[list[int], torch.Tensor]] = None) -> SampleResult:
     """One token per row of `logits` (`[B, vocab]`); `positions[i]`: the index the new
-    token takes in its sequence (prompt included). Raises ValueError on a shape mismatch
+    token takes in its sequence (prompt included); `allowed`: (rows, `[len(rows), vocab]`
+    bool) the tokens a grammar allows those rows. Raises ValueError on a shape mismatch
     or a sampled row without a seed."""
     if logits.shape[0] != len(rows) or len(rows) != len(positions):
         raise ValueError(f"{logits.shape[0]} rows, {len(rows)} params, {len(positions)} positions")
@@ -111,7 +123,10 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[RowHistory], positions: Se
         return SampleResult([], [])
     if all(p.plain_greedy for p in params):
         return SampleResult(torch.argmax(logits, dim=-1).tolist(), [None] * len(params))
-    x = _filter(process_logits(logits.float().clone(), rows, eos_token_ids), params)
+    x = process_logits(logits.float().clone(), rows, eos_token_ids)
+    if allowed is not None and allowed[0]:
+        x = _constrain(x, *allowed)
+    x = _filter(x, params)
     tokens = torch.argmax(x, dim=1)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+from .structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's top_logprobs limit)
 MAX_CHOICES = 128  # n (OpenAI's limit)
 
@@ -28,6 +30,8 @@ class SamplingParams:
     (after every step above; a greedy row's at temperature 1; filtered tokens -inf);
     `prompt_logprobs`: the same for every prompt token after the first (such a request does
     not reuse cached prefix pages: every position is computed).
+    `structured`: the output must match it (a JSON schema, a regex, ...): tokens it does
+    not allow are removed after the processors; its end allows only EOS.
 
     `n`: choices per prompt, expanded by `LLM` and the server into `n` requests, choice i
     seeded with `seed + i` (an unseeded request draws one seed for all); the engine runs
@@ -56,6 +60,7 @@ class SamplingParams:
     logit_bias: LogitBias = ()  # {token id: bias}; stored as sorted (id, bias) pairs
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    structured: Optional[StructuredOutput] = None
     output_base: int = 0
 
     def __post_init__(self) -> None:
@@ -92,6 +97,8 @@ class SamplingParams:
             if value is not None:
                 _check_int(name, value, 0, MAX_LOGPROBS)
         _check_int("output_base", self.output_base, 0)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:
@@ -106,7 +113,8 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits with nothing to report: the arg-max is the whole job."""
-        return self.greedy and not self.shapes_logits and self.logprobs is None
+        return (self.greedy and not self.shapes_logits and self.logprobs is None
+                and self.structured is None)
 
     def with_seed(self, seed: int) -> "SamplingParams":
         return dataclasses.replace(self, seed=seed)

@@ -31,7 +31,7 @@ class Sequence:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "arrival",
                  "status", "finish_reason", "num_computed_tokens", "pages", "page_hashes",
                  "num_registered_pages", "num_cached_tokens", "num_preemptions",
-                 "transfer_key", "hold_kv", "prompt_logprobs")
+                 "transfer_key", "hold_kv", "prompt_logprobs", "matcher")
 
     def __init__(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                  arrival: int) -> None:
@@ -51,6 +51,7 @@ class Sequence:
         self.transfer_key = 0  # > 0: its KV streams to a decode rank (plan row key)
         self.hold_kv = False  # keep the pages after finishing until `release_held`
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1.. scored so far
+        self.matcher = None  # the grammar state of a request with structured output
 
     @property
     def num_tokens(self) -> int:

@@ -48,7 +48,7 @@ class EngineBackend(ThreadedBackend):
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.tokenizer = tokenizer
-        self._start(EngineLoop(lambda: LLMEngine(config), self))
+        self._start(EngineLoop(lambda: _warmed(LLMEngine(config)), self))
 
     @classmethod
     def from_model_dir(cls, model: Optional[str | os.PathLike] = None, *,
@@ -98,3 +98,8 @@ class EngineBackend(ThreadedBackend):
 
     def on_failure(self, error: BaseException) -> None:
         self._end_all(lambda: RuntimeError(f"engine failed: {error!r}"))
+
+
+def _warmed(engine: LLMEngine) -> LLMEngine:
+    engine.warm_grammars()
+    return engine

@@ -62,6 +62,7 @@ class _Plan:
     prompt_param: str  # "prompt" or "messages": where a refused prompt came from
     n: int = 1
     keep_output: bool = True  # False: echo with max_tokens 0 (the prompt only)
+    constraint_param: Optional[str] = None  # the field of the output constraint, if any
 
 
 # Prompt text (characters) past which a request is tokenized on the tokenizer thread, not
@@ -235,7 +236,8 @@ class GenerationHandlers:
                               param="n", code="invalid_value")
         return _Plan(env, prompts, params, proto.stop_strings(req),
                      bool(req.stream), bool(req.stream and opts and opts.include_usage), fmt,
-                     prompt_param, req.n or 1)
+                     prompt_param, req.n or 1,
+                     constraint_param=proto.structured_output(req)[1])
 
     # -- running -----------------------------------------------------------------------
     @asynccontextmanager
@@ -258,6 +260,8 @@ class GenerationHandlers:
                     await admit_all([r for r in runs if r.index % per])
             except ValueError as e:  # the backend refused it (contract: before any token)
                 param = plan.prompt_param if str(e).startswith("prompt") else None
+                if str(e).startswith("structured output"):
+                    param = plan.constraint_param
                 raise OpenAIError(400, str(e), param=param, code="invalid_value") from None
             self.metrics.count_prompt(sum(len(p) for p in plan.prompts))
             yield runs

@@ -13,9 +13,11 @@ returned; not with `stream`), `presence_penalty`, `frequency_penalty`, `logit_bi
 (token id -> bias in [-100, 100]), `logprobs` (completions: an int in [0, 20]; chat: a
 bool, with `top_logprobs` in [0, 20]), `echo` (completions; with `logprobs`, the prompt's
 tokens are scored too, and `max_tokens: 0` returns only the prompt: lm-evaluation-harness'
-loglikelihood request).
+loglikelihood request), `response_format` (`json_object`, `json_schema`: constrained
+decoding with llguidance, on both routes).
 
 Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off), `min_p` (float in [0, 1]),
+`structured_outputs` / `guided_json|regex|choice|grammar` (an output constraint),
 `repetition_penalty` (float in (0, 2]), `min_tokens` (EOS and stop tokens barred until
 that many tokens are out), `stop_token_ids` (ids that end the choice, finish reason
 "stop"), `ignore_eos` (bool) and `return_token_ids` (bool: each choice, and each stream
@@ -32,12 +34,13 @@ from typing import Any, Optional, Type, TypeVar, Union
 import msgspec
 
 from ..engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
+from ..engine.structured_output import StructuredOutput
 from .errors import OpenAIError
 
 __all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart",
            "ChatMessageIn", "ChatCompletionRequest", "decode_request", "completion_prompts",
            "chat_messages", "stop_strings", "sampling_params", "MAX_PROMPTS", "decode_struct",
-           "logit_bias"]
+           "logit_bias", "structured_output"]
 
 MAX_PROMPTS = 256  # prompts per /v1/completions request
 MAX_BEST_OF = 20
@@ -70,6 +73,12 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     user: Optional[str] = None
     repetition_penalty: Optional[float] = None  # extension
     min_tokens: Optional[int] = None  # extension
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None  # extension
+    guided_json: Union[dict[str, Any], str, None] = None  # extension (vLLM's older names)
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     ignore_eos: Optional[bool] = None  # extension
     return_token_ids: Optional[bool] = None  # extension
     min_p: Optional[float] = None  # extension
@@ -111,7 +120,6 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     tools: Optional[list[Any]] = None
     tool_choice: Any = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
@@ -194,6 +202,7 @@ def _check_common(req: SamplingFields) -> None:
     if req.min_tokens is not None and req.min_tokens < 0:
         raise _bad("min_tokens", f"min_tokens must be >= 0, got {req.min_tokens}.")
     logit_bias(req)
+    structured_output(req)
     stop_strings(req)
     if isinstance(req, CompletionRequest):
         _check_completion(req)
@@ -227,9 +236,69 @@ def _check_chat(req: "ChatCompletionRequest") -> None:
                        f"{req.top_logprobs}.")
     _only_neutral(req, tools=(None, []), tool_choice=(None, "none"),
                   parallel_tool_calls=(None, True, False))
-    if req.response_format not in (None, {"type": "text"}):
-        raise _bad("response_format", "Only response_format {\"type\": \"text\"} is "
-                   "supported.", "unsupported_value")
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def structured_output(req: SamplingFields) -> tuple[Optional[StructuredOutput], Optional[str]]:
+    """(the request's output constraint, the field it came from): `response_format`
+    (`json_object`, `json_schema`), vLLM's `structured_outputs` (`json`, `regex`, `choice`,
+    `grammar` in Lark or GBNF, `json_object`) or its older `guided_*` fields; at most one.
+    400 naming the field for a malformed one."""
+    given = [name for name in ("response_format", "structured_outputs", *_GUIDED)
+             if getattr(req, name) is not None and getattr(req, name) != {"type": "text"}]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise _bad(given[1], f"Give one output constraint, not {' and '.join(given)}.")
+    name = given[0]
+    value = getattr(req, name)
+    try:
+        if name == "response_format":
+            return _response_format(value), name
+        if name == "structured_outputs":
+            options = {k: v for k, v in value.items() if v not in (None, False)}
+            if len(options) != 1:
+                raise ValueError("structured_outputs must set exactly one of json, regex, "
+                                 "choice, grammar, json_object")
+            ((key, option),) = options.items()
+            return _vllm_constraint(key, option), name
+        return _vllm_constraint(name.removeprefix("guided_"), value), name
+    except (ValueError, TypeError) as e:
+        raise _bad(name, f"{name}: {e}") from None
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput:
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
+            raise ValueError("json_schema must be {\"name\": ..., \"schema\": {...}}")
+        schema = spec.get("schema", spec.get("json_schema"))
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema.schema must be a JSON object")
+        return StructuredOutput.json_schema(schema)
+    raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _vllm_constraint(key: str, option: Any) -> StructuredOutput:
+    if key == "json":
+        return StructuredOutput.json_schema(option)
+    if key == "json_object":
+        return StructuredOutput("json_object")
+    if key == "regex" and isinstance(option, str):
+        return StructuredOutput("regex", option)
+    if key == "choice" and isinstance(option, list):
+        return StructuredOutput.choice(option)
+    if key == "grammar" and isinstance(option, str):
+        if "::=" in option:  # GBNF (llama.cpp / xgrammar EBNF): llguidance converts it
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+            option = gbnf_to_lark(option)
+        return StructuredOutput("lark", option)
+    raise ValueError(f"unknown or malformed constraint {key!r}")
 
 
 def logit_bias(req: SamplingFields) -> dict[int, float]:
@@ -347,6 +416,7 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=logit_bias(req), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logit_bias=logit_bias(req), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured=structured_output(req)[0])
     except ValueError as e:
         raise _bad(str(e).split(" ", 1)[0], str(e)) from None

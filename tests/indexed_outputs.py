@@ -28,7 +28,12 @@ def sampled_cases(prompts, max_tokens: int):
     """Requests that use every sampling field (seeded draws, penalties, bias, min_tokens,
     logprobs, prompt logprobs): (prompts, params) to run beside greedy ones."""
     from phalanx import SamplingParams
+    from phalanx.engine.structured_output import StructuredOutput
 
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9999},
+                                               "s": {"type": "string", "maxLength": 5}},
+              "required": ["n", "s"], "additionalProperties": False}
     params = [
         SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=max_tokens,
                        ignore_eos=True, frequency_penalty=0.7, presence_penalty=0.3,
@@ -37,6 +42,8 @@ def sampled_cases(prompts, max_tokens: int):
                        logit_bias={5: 3.0, 9: -2.0}, min_tokens=max_tokens, ignore_eos=True),
         SamplingParams(temperature=1.2, top_k=20, seed=11, max_tokens=max_tokens,
                        min_tokens=2, logprobs=1, prompt_logprobs=0),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=3 * max_tokens, logprobs=0,
+                       structured=StructuredOutput.json_schema(schema)),
     ]
     return [list(prompts[i % len(prompts)]) for i in range(len(params))], params
 

@@ -94,6 +94,7 @@ class Lockstep:
                                              placement[1]), before_dispatch=self.fault_point)
         self.use_exchange(ep)
         self.engine = LLMEngine(config, shard, self.comm, ep)
+        self.engine.warm_grammars()
         self.use_graphs(ep)
 
     def use_exchange(self, ep: Optional[ExpertParallel]) -> None:
