@@ -19,7 +19,7 @@ from msgspec import UNSET, UnsetType
 __all__ = [
     "UNSET", "Usage", "PromptTokensDetails", "CompletionChoice", "Completion",
     "CompletionLogprobs", "TopLogprob", "ChatTokenLogprob", "ChatLogprobs",
-    "ChatMessage", "ChatChoice", "ChatCompletion", "ChatDelta", "ChatChunkChoice",
+    "ChatMessage", "ChatChoice", "FunctionCall", "ToolCall", "ToolCallDelta", "ChatCompletion", "ChatDelta", "ChatChunkChoice",
     "ChatCompletionChunk", "Model", "ModelList", "TokenizeResponse", "DetokenizeResponse",
     "Version", "ErrorDetail", "ErrorResponse",
 ]
@@ -98,10 +98,33 @@ class Completion(msgspec.Struct):
         return self.choices[0].text if self.choices else ""
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(msgspec.Struct):
+    """A call the model made (a chat message's `tool_calls`)."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ToolCallDelta(msgspec.Struct):
+    """A stream's tool call: phalanx sends each call whole, in one delta."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str  # "assistant"
     content: Optional[str]
     refusal: Optional[str] = None
+    tool_calls: Union[list[ToolCall], UnsetType] = UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -130,6 +153,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct):
     role: Union[str, UnsetType] = UNSET
     content: Union[str, None, UnsetType] = UNSET
+    tool_calls: Union[list[ToolCallDelta], UnsetType] = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):

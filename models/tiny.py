@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from ..envs import envs
 
-TINY_MODEL_NAME = "tiny-qwen3-moe-v1"
+TINY_MODEL_NAME = "tiny-qwen3-moe-v2"  # v2: the chat template renders tools
 
 # Specials are appended after the 2045 trained BPE tokens, as in Qwen's vocab.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -31,9 +31,36 @@ BPE_VOCAB_SIZE = 2045
 VOCAB_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = range(BPE_VOCAB_SIZE, VOCAB_SIZE)
 
+# Qwen3's chat template in shape: tools are listed in the system turn between <tools>
+# tags, the assistant calls them with <tool_call>{"name": ..., "arguments": ...}</tool_call>
+# and their results come back as <tool_response> blocks in a user turn.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- if message.role == 'system' and loop.first and tools %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

@@ -13,8 +13,9 @@ from typing import Any, Optional, Sequence
 
 from ..engine.logprobs import TokenLogprob
 from ..openai_types import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                         ChatDelta, ChatMessage, Completion, CompletionChoice,
-                         PromptTokensDetails, UNSET, Usage)
+                         ChatDelta, ChatMessage, Completion, CompletionChoice, FunctionCall,
+                         PromptTokensDetails, ToolCall, ToolCallDelta, UNSET, Usage)
+from . import tool_parser
 from .generation import ChoiceEvent
 from .logprob_format import TokenTexts, chat_logprobs, completion_logprobs, merge_completion
 
@@ -130,27 +131,59 @@ class ChatFormat:
     """`chat.completion` responses and `chat.completion.chunk` chunks. A stream opens
     with one `{"role": "assistant", "content": ""}` delta per choice; the last chunk of
     each choice carries its `finish_reason` (and its remaining text, if any).
-    `texts`: token texts for `logprobs` (None: not asked)."""
+    `texts`: token texts for `logprobs` (None: not asked); `tools`: parse tool calls out
+    of the text (`tool_parser`): they become `tool_calls` (a stream: one delta per call,
+    whole) and a choice that made any ends with finish reason "tool_calls"."""
 
-    def __init__(self, texts: Optional[TokenTexts] = None) -> None:
-        self.texts = texts
+    def __init__(self, texts: Optional[TokenTexts] = None, tools: bool = False) -> None:
+        self.texts, self.tools = texts, tools
+        self._streams: dict[int, tool_parser.ToolCallStream] = {}
 
     def _logprobs(self, logprobs: Optional[list[TokenLogprob]]) -> Any:
         return None if self.texts is None else chat_logprobs(self.texts, logprobs or [])
 
+    def _message(self, r: ChoiceResult) -> tuple[ChatMessage, Optional[str]]:
+        if not self.tools:
+            return ChatMessage("assistant", r.text), r.finish_reason
+        content, calls = tool_parser.parse(r.text)
+        if not calls:
+            return ChatMessage("assistant", r.text), r.finish_reason
+        return (ChatMessage("assistant", content, tool_calls=[
+                    ToolCall(c.id, FunctionCall(c.name, c.arguments)) for c in calls]),
+                "tool_calls" if r.finish_reason == "stop" else r.finish_reason)
+
     def response(self, env: Envelope, results: Sequence[ChoiceResult], usage: Usage) -> ChatCompletion:
-        choices = [ChatChoice(r.index, ChatMessage("assistant", r.text), r.finish_reason,
-                              self._logprobs(r.logprobs), token_ids=_ids(env, r.token_ids))
-                   for r in results]
+        choices = []
+        for r in results:
+            message, reason = self._message(r)
+            choices.append(ChatChoice(r.index, message, reason, self._logprobs(r.logprobs),
+                                      token_ids=_ids(env, r.token_ids)))
         return ChatCompletion(env.id, "chat.completion", env.created, env.model, choices, usage)
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
         return [self._chunk(env, [ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
                 for i in range(num_choices)]
 
+    def _delta(self, event: ChoiceEvent) -> tuple[ChatDelta, Optional[str]]:
+        if not self.tools:
+            return (ChatDelta(content=event.text) if event.text else ChatDelta()), event.finish_reason
+        stream = self._streams.setdefault(event.index, tool_parser.ToolCallStream())
+        before = stream.num_calls
+        text, calls = stream.feed(event.text)
+        reason = event.finish_reason
+        if reason is not None:
+            text += stream.finish()[0]
+            if stream.num_calls and reason == "stop":
+                reason = "tool_calls"
+        delta = ChatDelta(content=text) if text else ChatDelta()
+        if calls:
+            delta.tool_calls = [ToolCallDelta(before + k, c.id, FunctionCall(c.name, c.arguments))
+                                for k, c in enumerate(calls)]
+        return delta, reason
+
     def chunk(self, env: Envelope, event: ChoiceEvent) -> ChatCompletionChunk:
-        delta = ChatDelta(content=event.text) if event.text else ChatDelta()
-        return self._chunk(env, [ChatChunkChoice(event.index, delta, event.finish_reason,
+        delta, reason = self._delta(event)
+        return self._chunk(env, [ChatChunkChoice(event.index, delta, reason,
                                                  self._logprobs(event.logprobs),
                                                  token_ids=_ids(env, event.token_ids))])
 

@@ -36,6 +36,7 @@ from .metrics import ServerMetrics
 from .resumable import ResumableStreams, StreamLog, parse_event_id
 from .request_keys import ARRIVAL, CLIENT_ID, REQUEST_ID
 from .sse import SSEStream
+from .tool_choice import tool_plan
 
 log = get_logger(__name__)
 _encoder = msgspec.json.Encoder()
@@ -83,15 +84,15 @@ def _text_chars(req: Union[proto.CompletionRequest, proto.ChatCompletionRequest]
     return sum(len(x) for x in p if isinstance(x, str)) if isinstance(p, list) else 0
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], *,
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                add_special_tokens: bool = False) -> list[int]:
-    """The token ids of `messages` under the model folder's chat template (400 when the
-    template refuses them)."""
+                add_special_tokens: bool = False, tools: Optional[list] = None) -> list[int]:
+    """The token ids of `messages` (and `tools`) under the model folder's chat template
+    (400 when the template refuses them)."""
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message)
+            continue_final_message=continue_final_message, tools=tools)
     except Exception as e:  # noqa: BLE001 - templates raise on messages they refuse
         raise OpenAIError(400, f"The chat template rejected the messages: {e}",
                           param="messages", code="invalid_value") from None
@@ -179,11 +180,12 @@ class GenerationHandlers:
     def chat_plan(self, req: proto.ChatCompletionRequest) -> _Plan:
         """A validated chat request, ready to run (OpenAIError if it is not)."""
         self.check_model(req.model)
-        prompt = self._render_chat(proto.chat_messages(req))
+        tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        prompt = render_chat(self.backend.tokenizer, proto.chat_messages(req), tools=tools.render)
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         max_tokens = self._fit([prompt], requested, None, param, "messages")
-        fmt = ChatFormat(self.token_texts if req.logprobs else None)
+        fmt = ChatFormat(self.token_texts if req.logprobs else None, tools.parse)
         return self._plan(req, "chatcmpl", [prompt], max_tokens, fmt, "messages")
 
     # -- validation --------------------------------------------------------------------
@@ -200,9 +202,6 @@ class GenerationHandlers:
             raise OpenAIError(400, "prompt must not be empty.", param="prompt",
                               code="invalid_value")
         return list(ids)
-
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return render_chat(self.backend.tokenizer, messages)
 
     def _fit(self, prompts: list[list[int]], requested: Optional[int], default: Optional[int],
              param: str, prompt_param: str) -> int:

@@ -28,6 +28,7 @@ Response bodies live in `phalanx.openai_types` (shared with the SDK).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Optional, Type, TypeVar, Union
 
@@ -36,6 +37,7 @@ import msgspec
 from ..engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..engine.structured_output import StructuredOutput
 from .errors import OpenAIError
+from .tool_choice import ToolSpec, tool_plan
 
 __all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart",
            "ChatMessageIn", "ChatCompletionRequest", "decode_request", "completion_prompts",
@@ -101,12 +103,27 @@ class ContentPart(msgspec.Struct):
     text: Optional[str] = None
 
 
+class FunctionCallIn(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct):
+    id: str
+    function: FunctionCallIn
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct):
-    """A chat message; only text content (a string or `{"type": "text"}` parts)."""
+    """A chat message; only text content (a string or `{"type": "text"}` parts). An
+    assistant message may carry the `tool_calls` it made; a `tool` message answers one
+    (`tool_call_id`)."""
 
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
 
 
 class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
@@ -117,8 +134,8 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Any = None
+    tools: Optional[list[ToolSpec]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
@@ -234,8 +251,7 @@ def _check_chat(req: "ChatCompletionRequest") -> None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise _bad("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
                        f"{req.top_logprobs}.")
-    _only_neutral(req, tools=(None, []), tool_choice=(None, "none"),
-                  parallel_tool_calls=(None, True, False))
+    tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -248,6 +264,13 @@ def structured_output(req: SamplingFields) -> tuple[Optional[StructuredOutput], 
     400 naming the field for a malformed one."""
     given = [name for name in ("response_format", "structured_outputs", *_GUIDED)
              if getattr(req, name) is not None and getattr(req, name) != {"type": "text"}]
+    if isinstance(req, ChatCompletionRequest):
+        forced = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls).constraint
+        if forced is not None:
+            if given:
+                raise _bad(given[0], f"{given[0]} cannot be combined with a tool_choice that "
+                           "forces a call.")
+            return forced, "tool_choice"
     if not given:
         return None, None
     if len(given) > 1:
@@ -358,19 +381,37 @@ def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as `{"role", "content"}` dicts for the chat template (`developer` is
-    rendered as `system`; only system/developer/user/assistant roles, text only)."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as dicts for the chat template (`developer` is rendered as `system`; text
+    content only; an assistant's `tool_calls` with their arguments as objects, a `tool`
+    message with its `tool_call_id`)."""
     if not req.messages:
         raise _bad("messages", "messages must contain at least one message.")
     out = []
     for i, m in enumerate(req.messages):
-        if m.role not in ("system", "developer", "user", "assistant"):
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
             raise _bad(f"messages[{i}].role", f"Unsupported role {m.role!r}; expected system, "
-                       "developer, user or assistant.")
-        out.append({"role": "system" if m.role == "developer" else m.role,
-                    "content": _message_text(m, i)})
+                       "developer, user, assistant or tool.")
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": _message_text(m, i)}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise _bad(f"messages[{i}].tool_calls", "Only assistant messages carry tool_calls.")
+            message["tool_calls"] = [_call_in(call, i, k) for k, call in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            message["tool_call_id"] = m.tool_call_id or ""
+        out.append(message)
     return out
+
+
+def _call_in(call: ToolCallIn, i: int, k: int) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise _bad(f"messages[{i}].tool_calls[{k}].function.arguments",
+                   "Tool call arguments must be JSON text.") from None
+    return {"id": call.id, "type": call.type,
+            "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _message_text(m: ChatMessageIn, i: int) -> str:
