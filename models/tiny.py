@@ -309,7 +309,7 @@ def build_tiny_model(folder: str | os.PathLike, seed: int = 0) -> Path:
 
 
 def default_model_dir() -> Path:
-    """The cached tiny model folder ``<PHALANX_CACHE_DIR>/tiny-qwen3-moe-v1``.
+    """The cached tiny model folder ``<PHALANX_CACHE_DIR>/tiny-qwen3-moe-v2``.
 
     Built on first use into a temporary sibling folder then renamed into place,
     so concurrent processes never observe a half-written model folder.

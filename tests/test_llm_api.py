@@ -117,7 +117,7 @@ def test_default_model_and_cli(tmp_path):
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(data["token_ids"]) <= 6 and data["prompt_token_ids"]
-    assert (tmp_path / "cache" / "tiny-qwen3-moe-v1" / "config.json").is_file()
+    assert (tmp_path / "cache" / "tiny-qwen3-moe-v2" / "config.json").is_file()
 
     res = subprocess.run(cmd[:-1], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip(), res.stderr

@@ -303,8 +303,8 @@ def test_envs_defaults_and_overrides(monkeypatch, tmp_path):
 def test_default_model_dir_builds_once(monkeypatch, tmp_path, tiny_dir):
     monkeypatch.setenv("PHALANX_CACHE_DIR", str(tmp_path / "cache"))
     folder = tiny.default_model_dir()
-    assert folder == tmp_path / "cache" / "tiny-qwen3-moe-v1"
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny-qwen3-moe-v1"]  # no temp left
+    assert folder == tmp_path / "cache" / "tiny-qwen3-moe-v2"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tiny-qwen3-moe-v2"]  # no temp left
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (folder / name).read_bytes() == (tiny_dir / name).read_bytes()
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
