@@ -54,7 +54,7 @@ def test_bench_chaos_drills_the_peer_exchange_group(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(bench)
     monkeypatch.setenv("OUT", str(tmp_path))
     import chaos as bench_chaos  # bench/chaos.py (the package is phalanx.chaos)
-    assert bench_chaos.main(["--layouts", "dp2-peer", "--duration", "30", "--every", "8"]) == 0
+    assert bench_chaos.main(["--layouts", "dp2-peer", "--duration", "20", "--every", "5"]) == 0
     (row,) = json.loads((tmp_path / "chaos.json").read_text())["rows"]
     assert row["passed"] and row["faults"] >= 3 and row["recoveries_seen"] >= 1, row
 

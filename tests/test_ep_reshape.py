@@ -71,7 +71,7 @@ async def test_cost_model_moves_two_groups_to_one_and_back_mid_stream(tiny_model
     vocab = read_model_config(tiny_model).vocab_size
     rng = random.Random(3)
     long = streamed_requests(2, vocab, 600, rng)
-    burst = streamed_requests(40, vocab, 48, rng)
+    burst = streamed_requests(28, vocab, 40, rng)
     references = _reference(tiny_model, long + burst)
     costs = tmp_path / "costs.json"
     costs.write_text(crossover_tables().to_json())
