@@ -344,7 +344,8 @@ class DisaggClient(DisaggPlacement, DisaggRecovery, DisaggViews):
         req.first = StepOutput(req.request_id, list(o.new_token_ids), final, reason,
                                o.num_cached_tokens, self.decodes.by_key[req.dkey].epoch,
                                index=req.base, logprobs=o.logprobs,
-                               prompt_logprobs=o.prompt_logprobs)
+                               prompt_logprobs=o.prompt_logprobs, queued_s=o.queued_s,
+                               prefill_s=o.prefill_s)
         if len(req.emitted) == req.base:  # a re-prefill samples the same token: emit it once
             req.emitted.extend(req.first.new_token_ids)
             self._out.append(req.first)

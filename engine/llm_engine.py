@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import time
 from typing import Optional, Sequence as Seq
 
 import torch
@@ -221,7 +222,12 @@ class LLMEngine:
     def schedule(self) -> Optional[tuple[ScheduledBatch, BatchInputs]]:
         """The next batch and its prepared inputs, or None when nothing is runnable."""
         batch = self.scheduler.schedule()
-        return (batch, self.runner.prepare(batch)) if batch else None
+        if not batch:
+            return None
+        now = time.monotonic()
+        for seq, _ in batch.items:
+            seq.scheduled_at = seq.scheduled_at or now
+        return batch, self.runner.prepare(batch)
 
     def execute(self, inputs: BatchInputs, layer_done=None, microbatches: int = 1):
         """The batch's forward (the model's logits for its sampled rows); `layer_done(i)`
@@ -265,8 +271,12 @@ class LLMEngine:
             lp = sampled.logprobs.get(rid)
             if lp is not None:
                 out.logprobs = [lp]
-            if seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
-                out.prompt_logprobs = [None, *seq.prompt_logprobs]
+            if len(seq.output_token_ids) == 1:
+                now = time.monotonic()
+                out.queued_s = max(seq.scheduled_at - seq.added_at, 0.0)
+                out.prefill_s = max(now - seq.scheduled_at, 0.0)
+                if seq.params.prompt_logprobs is not None:
+                    out.prompt_logprobs = [None, *seq.prompt_logprobs]
             if done is None:
                 outputs.append(out)
                 continue

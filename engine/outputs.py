@@ -23,6 +23,10 @@ class StepOutput:
     # With the first token of a request asking for them: one per prompt token (None for
     # the first, which nothing scores).
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    # With the first token: seconds queued (added to first scheduled) and prefilling
+    # (first scheduled to first token) on the engine that produced it (-1: not known).
+    queued_s: float = -1.0
+    prefill_s: float = -1.0
 
 
 @dataclass(slots=True)

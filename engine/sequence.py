@@ -8,6 +8,7 @@ a step that reaches `num_tokens` samples one more token.
 from __future__ import annotations
 
 import enum
+import time
 from typing import Optional, Sequence as Seq
 
 from .block_pool import hash_pages
@@ -31,7 +32,8 @@ class Sequence:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "params", "arrival",
                  "status", "finish_reason", "num_computed_tokens", "pages", "page_hashes",
                  "num_registered_pages", "num_cached_tokens", "num_preemptions",
-                 "transfer_key", "hold_kv", "prompt_logprobs", "matcher")
+                 "transfer_key", "hold_kv", "prompt_logprobs", "matcher", "added_at",
+                 "scheduled_at")
 
     def __init__(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                  arrival: int) -> None:
@@ -52,6 +54,8 @@ class Sequence:
         self.hold_kv = False  # keep the pages after finishing until `release_held`
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1.. scored so far
         self.matcher = None  # the grammar state of a request with structured output
+        self.added_at = time.monotonic()
+        self.scheduled_at = 0.0  # when a step first included it (0: not yet)
 
     @property
     def num_tokens(self) -> int:

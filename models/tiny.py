@@ -290,7 +290,11 @@ def write_random_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     shapes = checkpoint_shapes(hf_config)
-    tensors = {name: _draw(name, shapes[name], gen, lm_head_scale) for name in sorted(shapes)}
+    from tqdm.auto import tqdm
+
+    names = tqdm(sorted(shapes), desc="Building the tiny model", unit="tensor", disable=None,
+                 leave=False)
+    tensors = {name: _draw(name, shapes[name], gen, lm_head_scale) for name in names}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     _write_json(folder / "config.json", hf_config)
     return folder

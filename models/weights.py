@@ -74,9 +74,13 @@ def _load_layer(layer: DecoderLayer, ckpt: Checkpoint, i: int, model: CausalLM) 
 @torch.no_grad()
 def load_weights(model: CausalLM, ckpt: Checkpoint) -> None:
     """Copy the shard's weights from `ckpt` into `model` (shapes checked)."""
+    from tqdm.auto import tqdm
+
     v = model.vocab
     _copy(model.embed_tokens, _rows(ckpt, "model.embed_tokens.weight", v), "model.embed_tokens")
-    for i, layer in enumerate(model.layers):
+    # A bar on a terminal only (disable=None): logs and tests stay clean.
+    for i, layer in enumerate(tqdm(model.layers, desc="Loading weights", unit="layer",
+                                   disable=None, leave=False)):
         _load_layer(layer, ckpt, i, model)
     _copy(model.norm, ckpt.load("model.norm.weight"), "model.norm")
     if not model.cfg.tie_word_embeddings:

@@ -44,15 +44,19 @@ class TokenDelta:
     num_cached_tokens: int = 0
     logprobs: Optional[list[TokenLogprob]] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    queued_s: float = -1.0  # with index 0: the engine's queue and prefill seconds (-1: unknown)
+    prefill_s: float = -1.0
 
     def merged(self, later: "TokenDelta") -> "TokenDelta":
         """This delta followed by the contiguous `later` one, as one delta."""
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = (self.logprobs or []) + (later.logprobs or [])
+        first = self if self.prefill_s >= 0 else later
         return TokenDelta(self.index, self.token_ids + later.token_ids, later.finished,
                           later.finish_reason, later.num_cached_tokens, logprobs,
-                          self.prompt_logprobs or later.prompt_logprobs)
+                          self.prompt_logprobs or later.prompt_logprobs, first.queued_s,
+                          first.prefill_s)
 
 
 class ServingBackend(abc.ABC):

@@ -254,12 +254,15 @@ class ClusterDriver(OwnerThread):
         start = fresh[0][0] if fresh else rec.next_index
         tokens = [t for _, t in fresh]
         logprobs, prompt = _reported(out, at, fresh)
+        first = bool(fresh) and fresh[0][0] == 0
+        timings = (out.queued_s, out.prefill_s) if first else (-1.0, -1.0)
         if not rec.done:
-            return TokenDelta(start, tokens, logprobs=logprobs, prompt_logprobs=prompt)
+            return TokenDelta(start, tokens, logprobs=logprobs, prompt_logprobs=prompt,
+                              queued_s=timings[0], prefill_s=timings[1])
         del self._live[rid]
         self._end(rid, rec)
         return TokenDelta(start, tokens, True, rec.finish_reason or "stop", live.cached,
-                          logprobs, prompt)
+                          logprobs, prompt, *timings)
 
     def _abort_all(self) -> None:
         for rid in list(self._live):

@@ -79,7 +79,8 @@ class EngineBackend(ThreadedBackend):
             out: StepOutput = backlog.popleft()
             delta = delta.merged(TokenDelta(emitted, list(out.new_token_ids), out.finished,
                                             out.finish_reason, out.num_cached_tokens,
-                                            out.logprobs, out.prompt_logprobs))
+                                            out.logprobs, out.prompt_logprobs, out.queued_s,
+                                            out.prefill_s))
             if out.finished:
                 break
         return delta

@@ -102,6 +102,8 @@ class ChoiceRun:
     def _consume(self, delta: TokenDelta) -> Optional[ChoiceEvent]:
         if delta.prompt_logprobs is not None:
             self._prompt_lps = delta.prompt_logprobs
+        if delta.prefill_s >= 0:
+            self.metrics.engine_times(delta.queued_s, delta.prefill_s)
         if not self.keep_output:
             delta = TokenDelta(delta.index, [], delta.finished, "length",
                                delta.num_cached_tokens)

@@ -7,9 +7,10 @@ Two families of names:
   `prompt_tokens`, `generation_tokens`, `request_success{finished_reason}`,
   `num_preemptions`, `prefix_cache_queries`, `prefix_cache_hits` (counters, `_total`);
   `time_to_first_token_seconds`, `inter_token_latency_seconds`,
-  `e2e_request_latency_seconds`, `request_decode_time_seconds` (first to last token),
-  `request_prompt_tokens`, `request_generation_tokens` (histograms). Not yet: queue and
-  prefill time histograms (the backends report no per-request schedule times);
+  `e2e_request_latency_seconds`, `request_queue_time_seconds` and
+  `request_prefill_time_seconds` (as the engine that produced the first token measured
+  them), `request_decode_time_seconds` (first to last token), `request_prompt_tokens`,
+  `request_generation_tokens` (histograms);
 - phalanx's own, `phalanx_*`: HTTP requests by route and status, the recovery and layout
   gauges, `phalanx:recoveries_total` beside the `phalanx_recoveries` gauge, micro-batching.
 
@@ -114,6 +115,12 @@ class ServerMetrics:
                              _LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Generation request latency, arrival to last token", _E2E_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "A choice's wait in its engine's queue before its first step",
+                                    _E2E_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "A choice's first step to its first token (the prefill)",
+                                      _E2E_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
                                      "A choice's first to last generated token", _E2E_BUCKETS)
         self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens of a choice",
@@ -164,6 +171,11 @@ class ServerMetrics:
             per_token = since_last_s / n
             for _ in range(min(n, 64)):
                 self.itl.observe(per_token)
+
+    def engine_times(self, queued_s: float, prefill_s: float) -> None:
+        """A choice's queue and prefill time as its engine measured them."""
+        self.queue_time.observe(queued_s)
+        self.prefill_time.observe(prefill_s)
 
     def finished(self, reason: str, prompt_tokens: int, generated: int,
                  decode_s: float) -> None:

@@ -19,7 +19,8 @@ VLLM_FAMILIES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage
                  "prefix_cache_queries", "prefix_cache_hits", "time_to_first_token_seconds",
                  "inter_token_latency_seconds", "e2e_request_latency_seconds",
                  "request_decode_time_seconds", "request_prompt_tokens",
-                 "request_generation_tokens")
+                 "request_generation_tokens", "request_queue_time_seconds",
+                 "request_prefill_time_seconds")
 
 
 def _samples(text: str) -> dict[tuple, float]:
@@ -65,6 +66,9 @@ async def test_a_served_request_in_vllms_names(server):
     assert got[("phalanx:request_generation_tokens_count", label)] == 2
     assert got[("phalanx:request_generation_tokens_sum", label)] == 10
     assert got[("phalanx:request_decode_time_seconds_count", label)] == 2
+    assert got[("phalanx:request_queue_time_seconds_count", label)] == 2
+    assert got[("phalanx:request_prefill_time_seconds_count", label)] == 2
+    assert got[("phalanx:request_prefill_time_seconds_sum", label)] > 0
     queries = got[("phalanx:prefix_cache_queries_total", label)]
     hits = got[("phalanx:prefix_cache_hits_total", label)]
     assert queries > 0 and 0 < hits <= queries
