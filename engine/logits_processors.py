@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .sampling_params import SamplingParams
@@ -38,9 +39,11 @@ class RowHistory:
         head = list(self.prompt_ids[len(self.prompt_ids) - base:]) if base else []
         return head + list(self.output_ids)
 
-    def prompt(self) -> list[int]:
+    def prompt(self):
+        """The prompt without a resumed request's earlier output (a list, or a numpy
+        array when `prompt_ids` is one: the engine passes each prompt's cached array)."""
         base = self.params.output_base
-        return list(self.prompt_ids[:len(self.prompt_ids) - base] if base else self.prompt_ids)
+        return self.prompt_ids[:len(self.prompt_ids) - base] if base else self.prompt_ids
 
 
 def process_logits(x: torch.Tensor, rows: Sequence[RowHistory],
@@ -74,34 +77,37 @@ def _bar_stops(x: torch.Tensor, rows: Sequence[RowHistory], eos: Sequence[int]) 
         x[idx[:, 0], idx[:, 1]] = float("-inf")
 
 
-def _counts(rows: Sequence[RowHistory], which: Sequence[int], tokens_of, vocab: int,
-            device: torch.device) -> torch.Tensor:
-    """`[len(which), vocab]` counts of each row's tokens (`tokens_of(row)`)."""
-    lists = [tokens_of(rows[i]) for i in which]
-    counts = torch.zeros(len(which), vocab, dtype=torch.float32, device=device)
-    flat = [t for ts in lists for t in ts]
-    if flat:
-        row_of = torch.repeat_interleave(torch.arange(len(which)),
-                                         torch.tensor([len(ts) for ts in lists]))
-        idx = torch.stack([row_of, torch.tensor(flat)]).to(device)
-        counts.index_put_((idx[0], idx[1]), torch.ones(len(flat), device=device), accumulate=True)
-    return counts
+def _token_rows(lists: Sequence[Sequence[int]], rows: Sequence[int]) -> np.ndarray:
+    """`[2, N]` (row, token) pairs of every token of `lists[k]` in row `rows[k]`."""
+    arrays = [np.asarray(ts, dtype=np.int64) for ts in lists]
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    return np.stack([np.repeat(np.asarray(rows, dtype=np.int64), lengths), tokens])
 
 
 def _penalize(x: torch.Tensor, rows: Sequence[RowHistory]) -> None:
-    vocab, device = x.shape[1], x.device
-    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if rep:
-        seen = _counts(rows, rep, lambda r: r.prompt() + r.outputs(), vocab, device) > 0
-        r_pen = torch.tensor([rows[i].params.repetition_penalty for i in rep],
-                             dtype=x.dtype, device=device)[:, None]
-        sub = x[rep]
-        shaped = torch.where(sub > 0, sub / r_pen, sub * r_pen)
-        x[rep] = torch.where(seen, shaped, sub)
-    freq = [i for i, r in enumerate(rows)
-            if r.params.frequency_penalty or r.params.presence_penalty]
-    if freq:
-        counts = _counts(rows, freq, RowHistory.outputs, vocab, device)
-        f = torch.tensor([rows[i].params.frequency_penalty for i in freq], device=device)[:, None]
-        p = torch.tensor([rows[i].params.presence_penalty for i in freq], device=device)[:, None]
-        x[freq] -= f * counts + p * (counts > 0).to(x.dtype)
+    """Every penalty of every row in a few whole-batch operations: one `[B, vocab]` count
+    of output tokens, one mark of prompt tokens (rows with a repetition penalty)."""
+    which = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
+             or r.params.frequency_penalty or r.params.presence_penalty]
+    if not which:
+        return
+    device = x.device
+    repeat = [i for i in which if rows[i].params.repetition_penalty != 1.0]
+    outputs = _token_rows([rows[i].outputs() for i in which], which)
+    prompts = _token_rows([rows[i].prompt() for i in repeat], repeat)
+    pairs = torch.from_numpy(np.concatenate([outputs, prompts], axis=1)).to(device)
+    n_out = outputs.shape[1]
+    counts = torch.zeros_like(x)
+    counts.index_put_((pairs[0, :n_out], pairs[1, :n_out]),
+                      torch.ones(n_out, device=device), accumulate=True)
+    params = torch.tensor([[r.params.repetition_penalty, r.params.frequency_penalty,
+                            r.params.presence_penalty] for r in rows],
+                          dtype=x.dtype, device=device)
+    rep, freq, pres = params[:, 0:1], params[:, 1:2], params[:, 2:3]
+    if repeat:
+        seen = counts > 0
+        seen[pairs[0, n_out:], pairs[1, n_out:]] = True
+        seen &= rep != 1.0
+        x.copy_(torch.where(seen, torch.where(x > 0, x / rep, x * rep), x))
+    x.sub_(freq * counts + pres * (counts > 0).to(x.dtype))

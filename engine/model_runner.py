@@ -349,7 +349,8 @@ class ModelRunner:
             logits = logits[inputs.sample_rows]
         if not inputs.sampled:
             return out
-        rows = [RowHistory(s.params, s.prompt_token_ids, s.output_token_ids)
+        rows = [RowHistory(s.params, s.prompt_array() if s.params.repetition_penalty != 1.0
+                           else s.prompt_token_ids, s.output_token_ids)
                 for s in inputs.sampled]
         result = sample_batch(logits, rows, [s.num_tokens for s in inputs.sampled],
                               self.eos_token_ids, allowed)

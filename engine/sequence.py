@@ -11,6 +11,8 @@ import enum
 import time
 from typing import Optional, Sequence as Seq
 
+import numpy as np
+
 from .block_pool import hash_pages
 from .sampling_params import SamplingParams
 
@@ -33,7 +35,7 @@ class Sequence:
                  "status", "finish_reason", "num_computed_tokens", "pages", "page_hashes",
                  "num_registered_pages", "num_cached_tokens", "num_preemptions",
                  "transfer_key", "hold_kv", "prompt_logprobs", "matcher", "added_at",
-                 "scheduled_at")
+                 "scheduled_at", "_prompt_array")
 
     def __init__(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
                  arrival: int) -> None:
@@ -56,6 +58,7 @@ class Sequence:
         self.matcher = None  # the grammar state of a request with structured output
         self.added_at = time.monotonic()
         self.scheduled_at = 0.0  # when a step first included it (0: not yet)
+        self._prompt_array = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +71,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def prompt_array(self):
+        """The prompt as an int64 numpy array (made once: the prompt never changes)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        return self._prompt_array
 
     def token_id(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -123,3 +123,48 @@ def test_model_shaped_kernels_launch_in_every_dtype(dtype):
         err = _rel(fused_experts(x, weights, ids, w13, w2),
                    fused_experts_ref(x, weights, ids, w13, w2))
         assert err < tol, (tokens, err)
+
+
+def test_batched_sampler_draws_alike_on_gpu_and_cpu():
+    """The counter-hash draws, penalties, bias, min_tokens and logprobs give the CPU's
+    tokens on the GPU (a recovery may move a request between devices)."""
+    from phalanx.engine.logits_processors import RowHistory
+    from phalanx.engine.sampler import sample_batch
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 151936, generator=g) * 3
+    rows = [RowHistory(SamplingParams(temperature=0.3 + 0.05 * i, top_k=(0, 50)[i % 2],
+                                      top_p=(1.0, 0.9)[i % 3 == 0], seed=i, logprobs=3,
+                                      frequency_penalty=0.5, repetition_penalty=1.1,
+                                      logit_bias={7: 2.0}, min_tokens=3),
+                       list(range(i, i + 20)), list(range(100, 100 + i % 5)))
+            for i in range(64)]
+    positions = list(range(20, 84))
+    cpu = sample_batch(logits, rows, positions, (2,))
+    gpu = sample_batch(logits.cuda(), rows, positions, (2,))
+    assert gpu.tokens == cpu.tokens
+    for a, b in zip(cpu.logprobs, gpu.logprobs):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_structured_output_and_logprobs_on_gpu(tiny_model):
+    import json
+
+    from phalanx.engine.structured_output import StructuredOutput
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 999},
+                                               "s": {"enum": ["x", "y"]}},
+              "required": ["n", "s"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=60, logprobs=2, prompt_logprobs=1,
+                            structured=StructuredOutput.json_schema(schema))
+    kw = dict(max_num_seqs=8, page_size=4, num_pages=200)
+    prompts = make_prompts(2048, seed=12)[:6]
+    cpu = LLM(tiny_model, device="cpu", **kw).generate(prompt_token_ids=prompts, sampling_params=params)
+    gpu = LLM(tiny_model, device="cuda", dtype="float32", **kw).generate(
+        prompt_token_ids=prompts, sampling_params=params)
+    for a, b in zip(cpu, gpu):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert set(json.loads(b.outputs[0].text)) == {"n", "s"}
+        assert [x.logprob for x in a.outputs[0].logprobs] == \
+            pytest.approx([x.logprob for x in b.outputs[0].logprobs], abs=1e-3)

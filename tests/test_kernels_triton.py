@@ -63,6 +63,24 @@ def check_add_rms_norm(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_exponential_race(g: torch.Generator) -> float:
+    """The fused race draws exactly the reference's tokens (the same noise, hashed in
+    registers); returned as the share of rows that differ (must be 0)."""
+    from phalanx.kernels.sampling import exponential_race, exponential_race_ref
+
+    differ = rows = 0
+    for b, v in [(1, 7), (5, 3000), (9, 40000)]:  # 40000: several chunks per row
+        probs = torch.softmax(torch.randn(b, v, generator=g) * 3, dim=1)
+        probs[0, : v // 2] = 0.0  # filtered tokens never win
+        probs[0] /= probs[0].sum()
+        seeds = torch.randint(0, 2**62, (b,), generator=g)
+        got, want = exponential_race(probs, seeds), exponential_race_ref(probs, seeds)
+        assert int(got[0]) >= v // 2
+        differ += int((got != want).sum())
+        rows += b
+    return differ / rows
+
+
 def check_silu_and_mul(g: torch.Generator) -> float:
     from phalanx.kernels.activation import silu_and_mul, silu_and_mul_ref
 
