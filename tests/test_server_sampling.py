@@ -191,3 +191,13 @@ async def test_the_filtered_tokens_logprob_is_finite_json(server):
     for top in data["choices"][0]["logprobs"]["top_logprobs"]:
         values = sorted(top.values(), reverse=True)
         assert all(math.isfinite(v) for v in values) and values[-1] == -9999.0
+
+
+async def test_n_choices_share_the_prompts_pages(client, offline):
+    prompt = " ".join(f"word{i}" for i in range(60))
+    pages = len(_ids(offline, prompt)) // 16  # full pages of the backend's 16-token pages
+    out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=3,
+                                          temperature=1.0, seed=1)
+    # The first choice computed the prompt; the other two found its full pages cached.
+    assert pages >= 2
+    assert out.usage.prompt_tokens_details.cached_tokens >= 2 * (pages - 1) * 16
