@@ -210,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_message(e: BaseException) -> str:
+    """What to tell the user: an error raised inside a rank actor reaches us as Ray's
+    task error (its text is the remote traceback): its cause's message instead."""
+    cause = getattr(e, "cause", None)
+    while type(e).__name__.startswith("RayTaskError") and isinstance(cause, BaseException):
+        e, cause = cause, getattr(cause, "cause", None)
+    return str(e)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -224,10 +233,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .chaos.cli import run_chaos
             return run_chaos(args)
     except (ValueError, OSError) as e:  # OSError: e.g. the port is taken
-        print(f"phalanx: error: {e}", file=sys.stderr)
+        print(f"phalanx: error: {_user_message(e)}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # e.g. GroupFailure: a rank died; named with its epoch
-        print(f"phalanx: error: {e}", file=sys.stderr)
+        print(f"phalanx: error: {_user_message(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: what was built is closed on the way out
         print("\nphalanx: interrupted", file=sys.stderr)

@@ -74,3 +74,17 @@ def test_ctrl_c_in_generate_is_one_line_and_status_130(tiny_model):
         proc.kill()
     assert proc.returncode == 130, err.decode()[-2000:]
     assert b"Traceback" not in err and err.strip().endswith(b"phalanx: interrupted"), err[-2000:]
+
+
+def test_an_error_inside_a_rank_is_one_line_without_the_remote_traceback():
+    from ray.exceptions import RayTaskError
+
+    from phalanx.cli import _user_message
+
+    cause = ValueError("model.layers.1.mlp.experts w13: checkpoint shape (8, 128, 128) != "
+                       "expected (8, 144, 128)")
+    remote = RayTaskError("DecodeRank.start", "Traceback (most recent call last):\n  File ...",
+                          cause).as_instanceof_cause()
+    assert isinstance(remote, ValueError) and "Traceback" in str(remote)
+    assert _user_message(remote) == str(cause)
+    assert _user_message(OSError("port 8000 is taken")) == "port 8000 is taken"
