@@ -201,3 +201,41 @@ async def test_n_choices_share_the_prompts_pages(client, offline):
     # The first choice computed the prompt; the other two found its full pages cached.
     assert pages >= 2
     assert out.usage.prompt_tokens_details.cached_tokens >= 2 * (pages - 1) * 16
+
+
+FIELDS = [
+    dict(n=2, seed=4),
+    dict(seed=5, presence_penalty=0.8, frequency_penalty=0.5, logit_bias={"17": 5},
+         extra_body={"repetition_penalty": 1.2, "min_tokens": 3, "top_k": 40, "min_p": 0.05}),
+    dict(seed=6, response_format={"type": "json_object"}, max_tokens=60),
+    dict(seed=7, stop=["e"], extra_body={"stop_token_ids": [5, 6]}),
+]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("fields", FIELDS, ids=["n", "penalties", "json", "stops"])
+async def test_every_field_streams_what_it_answers_whole(client, route, fields):
+    """Each field through the openai client on both routes: the streamed choices' text
+    equals the whole answer's (same seed), and each choice's finish reason too."""
+    kw = {"model": MODEL, "max_tokens": 12, "temperature": 0.9, **fields,
+          "extra_body": dict(fields.get("extra_body", {}))}
+    if route == "completions":
+        if "response_format" in kw:  # not a parameter of the client's completions.create
+            kw["extra_body"]["response_format"] = kw.pop("response_format")
+        create, text_of = client.completions.create, (lambda c: c.text)
+        kw["prompt"] = PROMPT
+    else:
+        create, text_of = client.chat.completions.create, (lambda c: c.message.content)
+        kw["messages"] = [{"role": "user", "content": PROMPT}]
+    whole = await create(**kw)
+    texts, reasons = {}, {}
+    async for chunk in await create(**kw, stream=True):
+        for c in chunk.choices:
+            piece = c.text if route == "completions" else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            reasons[c.index] = c.finish_reason or reasons.get(c.index)
+    assert [texts[i] for i in sorted(texts)] == [text_of(c) for c in whole.choices]
+    assert [reasons[i] for i in sorted(reasons)] == [c.finish_reason for c in whole.choices]
+    if "response_format" in fields:
+        assert all(isinstance(json.loads(text_of(c)), dict) for c in whole.choices
+                   if c.finish_reason == "stop")
