@@ -86,8 +86,10 @@ def _top_k_top_p_sorted(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -
 def _top_k_top_p_candidates(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
                             largest_k: int) -> Optional[torch.Tensor]:
     """`_top_k_top_p_sorted` from each row's `CANDIDATES` best tokens (a partial top-k
-    instead of a full sort: ~4x less on a 152k vocabulary). None when that is not exact
-    for some row: its top-p prefix, or a tie at its k-th value, reaches past them."""
+    instead of a full sort: ~4x less on a 152k vocabulary). A row for which that is not
+    exact (its top-p prefix, or a tie at its k-th value, reaches past the candidates) is
+    done by the full sort alone, so a row's result never depends on the other rows. None
+    when the vocabulary is not larger than the candidates."""
     vocab = x.shape[1]
     cand = max(CANDIDATES, largest_k)
     if cand >= vocab:
@@ -101,11 +103,13 @@ def _top_k_top_p_candidates(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tenso
     drop = (torch.cumsum(probs, dim=1) - probs) >= top_p
     exact = (torch.isinf(top_p) | (probs.sum(dim=1, keepdim=True) >= top_p)) \
         & (~topped | (vals[:, -1:] != kth) | torch.isneginf(kth))
-    if not bool(exact.all()):
-        return None
     keep = torch.zeros_like(x, dtype=torch.bool).scatter(1, idx, ~drop & ~torch.isneginf(vals))
     keep |= ~(topped | ~torch.isinf(top_p))  # rows with neither filter keep everything
-    return x.masked_fill(~keep, float("-inf"))
+    out = x.masked_fill(~keep, float("-inf"))
+    slow = torch.nonzero(~exact[:, 0]).flatten()
+    if slow.numel():
+        out[slow] = _top_k_top_p_sorted(x[slow], k[slow], top_p[slow])
+    return out
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
