@@ -28,7 +28,6 @@ Response bodies live in `phalanx.openai_types` (shared with the SDK).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Optional, Type, TypeVar, Union
 
@@ -37,6 +36,8 @@ import msgspec
 from ..engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..engine.structured_output import StructuredOutput
 from .errors import OpenAIError
+from .chat_messages import chat_messages
+from .output_constraint import constraint_of
 from .tool_choice import ToolSpec, tool_plan
 
 __all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart",
@@ -278,50 +279,9 @@ def structured_output(req: SamplingFields) -> tuple[Optional[StructuredOutput], 
     name = given[0]
     value = getattr(req, name)
     try:
-        if name == "response_format":
-            return _response_format(value), name
-        if name == "structured_outputs":
-            options = {k: v for k, v in value.items() if v not in (None, False)}
-            if len(options) != 1:
-                raise ValueError("structured_outputs must set exactly one of json, regex, "
-                                 "choice, grammar, json_object")
-            ((key, option),) = options.items()
-            return _vllm_constraint(key, option), name
-        return _vllm_constraint(name.removeprefix("guided_"), value), name
+        return constraint_of(name, value), name
     except (ValueError, TypeError) as e:
         raise _bad(name, f"{name}: {e}") from None
-
-
-def _response_format(value: dict[str, Any]) -> StructuredOutput:
-    kind = value.get("type")
-    if kind == "json_object":
-        return StructuredOutput("json_object")
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec and "json_schema" not in spec:
-            raise ValueError("json_schema must be {\"name\": ..., \"schema\": {...}}")
-        schema = spec.get("schema", spec.get("json_schema"))
-        if not isinstance(schema, dict):
-            raise ValueError("json_schema.schema must be a JSON object")
-        return StructuredOutput.json_schema(schema)
-    raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
-
-
-def _vllm_constraint(key: str, option: Any) -> StructuredOutput:
-    if key == "json":
-        return StructuredOutput.json_schema(option)
-    if key == "json_object":
-        return StructuredOutput("json_object")
-    if key == "regex" and isinstance(option, str):
-        return StructuredOutput("regex", option)
-    if key == "choice" and isinstance(option, list):
-        return StructuredOutput.choice(option)
-    if key == "grammar" and isinstance(option, str):
-        if "::=" in option:  # GBNF (llama.cpp / xgrammar EBNF): llguidance converts it
-            from llguidance.gbnf_to_lark import gbnf_to_lark
-            option = gbnf_to_lark(option)
-        return StructuredOutput("lark", option)
-    raise ValueError(f"unknown or malformed constraint {key!r}")
 
 
 def logit_bias(req: SamplingFields) -> dict[int, float]:
@@ -379,55 +339,6 @@ def completion_prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
 
 def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
-
-
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as dicts for the chat template (`developer` is rendered as `system`; text
-    content only; an assistant's `tool_calls` with their arguments as objects, a `tool`
-    message with its `tool_call_id`)."""
-    if not req.messages:
-        raise _bad("messages", "messages must contain at least one message.")
-    out = []
-    for i, m in enumerate(req.messages):
-        if m.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise _bad(f"messages[{i}].role", f"Unsupported role {m.role!r}; expected system, "
-                       "developer, user, assistant or tool.")
-        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                   "content": _message_text(m, i)}
-        if m.tool_calls:
-            if m.role != "assistant":
-                raise _bad(f"messages[{i}].tool_calls", "Only assistant messages carry tool_calls.")
-            message["tool_calls"] = [_call_in(call, i, k) for k, call in enumerate(m.tool_calls)]
-        if m.role == "tool":
-            message["tool_call_id"] = m.tool_call_id or ""
-        out.append(message)
-    return out
-
-
-def _call_in(call: ToolCallIn, i: int, k: int) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        raise _bad(f"messages[{i}].tool_calls[{k}].function.arguments",
-                   "Tool call arguments must be JSON text.") from None
-    return {"id": call.id, "type": call.type,
-            "function": {"name": call.function.name, "arguments": arguments}}
-
-
-def _message_text(m: ChatMessageIn, i: int) -> str:
-    if m.content is None:
-        if m.role != "assistant":
-            raise _bad(f"messages[{i}].content", f"messages[{i}].content is required.")
-        return ""
-    if isinstance(m.content, str):
-        return m.content
-    parts = []
-    for j, part in enumerate(m.content):
-        if part.type != "text" or part.text is None:
-            raise _bad(f"messages[{i}].content[{j}]", "Only text content parts are supported.",
-                       "unsupported_value")
-        parts.append(part.text)
-    return "".join(parts)
 
 
 def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
