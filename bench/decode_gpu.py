@@ -151,7 +151,7 @@ def graph_breakdown(engine: LLMEngine, batch: int, profile: bool) -> dict:
     """GPU time of one decode step (graph replay alone) and, optionally, its kernels."""
     graphs = engine.runner.graphs
     size = next(s for s in graphs.sizes if s >= batch)
-    graph = graphs.graphs[size]
+    graph = graphs.graphs[size, False]
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

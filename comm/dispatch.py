@@ -18,7 +18,10 @@ exchange can instead go through two :class:`~phalanx.comm.peer_exchange.PeerExch
 channels (:meth:`EPDispatcher.use_peer_exchanges`: symmetric memory, NVSHMEM on GPU):
 each block carries only its pairs (the receiver marks the rest as padding from the
 counts that travel with the flags), nothing waits on the host, and a step whose rows
-exceed the channels' capacity goes through ``GroupComm`` as before.
+exceed the channels' capacity goes through ``GroupComm`` as before. With two pairs of
+channels (two lanes), a step's two micro-batches each exchange through their own pair
+(`lane` selects it; `engine/lanes.py` runs the lanes on two streams), so each pair's
+exchanges stay in one order on one stream, as a channel requires.
 """
 
 from __future__ import annotations
@@ -104,20 +107,36 @@ class EPDispatcher:
         self._on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         # padded exchange: the most tokens any rank passes to `moe` this step (None: exact)
         self.step_tokens: int | None = None
-        self._peer: tuple[PeerExchange, PeerExchange] | None = None
+        self._peer: tuple[tuple[PeerExchange, PeerExchange], ...] | None = None  # per lane
+        self.lane = 0  # the pair of peer channels this micro-batch's exchanges use
         # two-batch overlap: the exchanges of `moe_stages` run on `_worker` (set per step)
         self.overlap = False
         self._worker: ExchangeWorker | None = None
 
-    def use_peer_exchanges(self, dispatch: PeerExchange, combine: PeerExchange) -> None:
-        """Send the padded exchange's rows through `dispatch` (width H + the pair
-        metadata) and `combine` (width H) whenever a step fits their `max_rows`."""
-        for ex in (dispatch, combine):
+    def use_peer_exchanges(self, *channels: PeerExchange) -> None:
+        """Send the padded exchange's rows through peer channels whenever a step fits
+        their `max_rows`: (dispatch, combine) for each lane, one or two lanes; dispatch
+        rows are H wide plus the pair metadata, combine rows H."""
+        if len(channels) not in (2, 4):
+            raise ValueError(f"need a (dispatch, combine) pair per lane, 1 or 2 lanes; "
+                             f"got {len(channels)} channels")
+        for ex in channels:
             if (ex.rank, ex.world_size) != (self.comm.rank, self.comm.world_size):
                 raise ValueError(f"exchange of rank {ex.rank}/{ex.world_size} for dispatcher "
                                  f"of rank {self.comm.rank}/{self.comm.world_size}")
-        self._peer = (dispatch, combine)
-        self._constants(dispatch.device)  # copied now, not inside the first step
+        self._peer = tuple(zip(channels[0::2], channels[1::2]))
+        self._constants(channels[0].device)  # copied now, not inside the first step
+
+    @property
+    def peer_lanes(self) -> int:
+        """How many micro-batches can exchange through peer channels at once (0: none)."""
+        return 0 if self._peer is None else len(self._peer)
+
+    def peer_fits(self, top_k: int) -> bool:
+        """Whether this step's padded exchange (`step_tokens`, `top_k` rows a token) fits
+        the peer channels."""
+        return (self._peer is not None and self.step_tokens is not None
+                and self.step_tokens * top_k <= min(ex.max_rows for ex in self._peer[0]))
 
     @contextlib.contextmanager
     def rehearsal(self) -> Iterator[None]:
@@ -130,10 +149,12 @@ class EPDispatcher:
         if real is None:
             yield
             return
-        world = LocalWorld(self.comm.world_size, real[0].device).rank(self.comm.rank)
-        self._peer = tuple(PeerExchange(world, name, ex.max_rows, ex.width, ex.dtype,
-                                        max_spins=1, load_kernels=False)
-                           for name, ex in zip(("dispatch", "combine"), real))
+        world = LocalWorld(self.comm.world_size, real[0][0].device).rank(self.comm.rank)
+        self._peer = tuple(
+            tuple(PeerExchange(world, f"{name}{lane}", ex.max_rows, ex.width, ex.dtype,
+                               max_spins=1, load_kernels=False)
+                  for name, ex in zip(("dispatch", "combine"), pair))
+            for lane, pair in enumerate(real))
         try:
             yield
         finally:
@@ -169,7 +190,7 @@ class EPDispatcher:
         capacity = None if self.step_tokens is None else self.step_tokens * topk_ids.shape[1]
         peer = self._peer
         if capacity is not None and peer is not None and not self.overlap \
-                and capacity <= min(ex.max_rows for ex in peer):
+                and capacity <= min(ex.max_rows for ex in peer[self.lane]):
             return self._moe_peer(x, topk_weights, topk_ids, compute, capacity)
         stages = self.moe_stages(x, topk_weights, topk_ids, compute)
         try:
@@ -281,7 +302,7 @@ class EPDispatcher:
         k, world = topk_ids.shape[1], self.comm.world_size
         order, rows, send, bounds = self._padded_rows(x, topk_weights, topk_ids, capacity)
         no_expert = self._constants(x.device)[2].view(x.dtype)
-        dispatch, combine = self._peer
+        dispatch, combine = self._peer[self.lane]
         counts = bounds[1:] - bounds[:-1]  # pairs per destination (bincount would sync)
         padded = torch.empty((world * capacity, send.shape[1]), dtype=x.dtype, device=x.device)
         padded[rows] = send

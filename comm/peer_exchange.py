@@ -224,15 +224,19 @@ def new_abort_word(device: torch.device) -> torch.Tensor:
 
 
 def open_moe_channels(comm, device: torch.device, tokens: int, top_k: int, hidden: int,
-                      dtype: torch.dtype, epoch: int, deadline_s: float
-                      ) -> tuple[PeerMemory, tuple[PeerExchange, PeerExchange]]:
+                      dtype: torch.dtype, epoch: int, deadline_s: float, lanes: int = 1
+                      ) -> tuple[PeerMemory, tuple[PeerExchange, ...]]:
     """Collective over `comm`'s world: its symmetric memory on `device` and the MoE
-    layer's two channels for steps of up to `tokens` tokens per rank: dispatch (rows of
-    `hidden` plus the pair's 16 bytes of metadata) and combine (rows of `hidden`)."""
+    layer's channels for steps of up to `tokens` tokens per rank, a pair per lane (one
+    per micro-batch that exchanges at the same time): dispatch (rows of `hidden` plus the
+    pair's 16 bytes of metadata) and combine (rows of `hidden`), in that order."""
+    if lanes not in (1, 2):
+        raise ValueError(f"lanes must be 1 or 2, got {lanes}")
     peers = open_peer_memory(comm, device)
-    rows, word = tokens * top_k, new_abort_word(device)  # one abort ends both
-    channels = tuple(PeerExchange(peers, name, rows, width, dtype, epoch=epoch,
-                                  deadline_s=deadline_s, abort_word=word)
+    rows, word = tokens * top_k, new_abort_word(device)  # one abort ends every channel
+    channels = tuple(PeerExchange(peers, f"{name}{'' if lane == 0 else lane}", rows, width,
+                                  dtype, epoch=epoch, deadline_s=deadline_s, abort_word=word)
+                     for lane in range(lanes)
                      for name, width in (("dispatch", hidden + 16 // dtype.itemsize),
                                          ("combine", hidden)))
     return peers, channels

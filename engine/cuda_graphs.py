@@ -4,6 +4,11 @@ A decode-only batch of `b` sequences runs the graph captured for the smallest si
 `g >= b`. Inputs live in static device buffers; rows `[b, g)` are padding: their token
 is 0, their KV write is skipped (slot -1) and they attend to one token of page 0, so
 their (discarded) output never depends on, or disturbs, the real rows.
+
+With `lanes` (engine/lanes.py) every size from 2 also has a split graph: rows `[0, g//2)`
+and `[g//2, g)` run as two micro-batches on the lanes' streams (forked from the capture
+stream and joined back), each lane's MoE exchanges through its own channels with a
+capacity of its own rows; same buffers, same rows, same logits as the whole graph.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from ..kernels.attention import AttentionMetadata
 from ..models.qwen3_moe import CausalLM, KVCache
+from .lanes import Lanes
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -32,8 +38,10 @@ class DecodeGraphs:
     """Captured decode forwards (logits included) over static input buffers."""
 
     def __init__(self, model: CausalLM, caches: list[KVCache], max_batch: int,
-                 max_model_len: int, page_size: int, device: torch.device) -> None:
+                 max_model_len: int, page_size: int, device: torch.device,
+                 lanes: Optional[Lanes] = None) -> None:
         self.model = model
+        self.lanes = lanes
         self.caches = caches
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_batch)
@@ -45,47 +53,68 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_pages), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # (size, split) -> graph and its logits; split graphs only with lanes, sizes >= 2
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, lo: int, hi: int) -> AttentionMetadata:
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[:hi - lo + 1], seq_lens=self.seq_lens[lo:hi],
+            block_tables=self.block_tables[lo:hi], slot_mapping=self.slot_mapping[lo:hi],
             max_query_len=1, max_seq_len=self.max_model_len)
 
-    def _forward(self, size: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.caches, self._meta(size))
+    def _rows(self, lo: int, hi: int, sized: Callable[[int], None]) -> torch.Tensor:
+        sized(hi - lo)
+        return self.model(self.input_ids[lo:hi], self.positions[lo:hi], self.caches,
+                          self._meta(lo, hi))
+
+    def _forward(self, size: int, split: bool, sized: Callable[[int], None]) -> torch.Tensor:
+        if not split:
+            hidden = self._rows(0, size, sized)
+        else:
+            half = size // 2
+            hidden = torch.cat(self.lanes.run([lambda: self._rows(0, half, sized),
+                                               lambda: self._rows(half, size, sized)]))
         return self.model.compute_logits(hidden)
+
+    @property
+    def split_sizes(self) -> list[int]:
+        """The sizes that also run as two micro-batches (with lanes)."""
+        return [s for s in self.sizes if s >= 2] if self.lanes is not None else []
+
+    def can_split(self, size: int) -> bool:
+        return (size, True) in self.graphs
 
     @torch.inference_mode()
     def capture(self, rehearsal: Callable[[], ContextManager] = contextlib.nullcontext,
                 sized: Callable[[int], None] = lambda size: None) -> None:
-        """Capture every size, largest first, sharing one memory pool.
+        """Capture every size (whole, then split), largest first, sharing one memory pool.
 
         The largest and the smallest size run first (twice) outside capture, within
         `rehearsal()`: that compiles every kernel the graphs use (some paths depend on
         the batch size, e.g. the MoE small path) and creates the buffers they keep
         across launches, which must not come from the graphs' shared pool (see
-        kernels/gpu/arrivals.py). A DP×EP group rehearses with stand-in exchanges, so
-        capturing needs no peer. `sized(size)` runs before each forward of `size` (the
-        group's exchange capacity per size)."""
+        kernels/gpu/arrivals.py; each lane has its own). A DP×EP group rehearses with
+        stand-in exchanges, so capturing needs no peer. `sized(rows)` runs before each
+        forward of that many rows (the group's exchange capacity per size or lane)."""
+        kinds = [(size, False) for size in reversed(self.sizes)]
+        kinds += [(size, True) for size in reversed(self.split_sizes)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), rehearsal():
             for _ in range(2):
-                for size in sorted({self.sizes[-1], self.sizes[0]}, reverse=True):
-                    sized(size)
-                    self._forward(size)
+                for split in sorted({split for _, split in kinds}):
+                    sizes = [size for size, s in kinds if s == split]
+                    for size in sorted({sizes[0], sizes[-1]}, reverse=True):
+                        self._forward(size, split, sized)
         torch.cuda.current_stream().wait_stream(stream)
         pool = None
-        for size in reversed(self.sizes):
+        for key in kinds:
             graph = torch.cuda.CUDAGraph()
-            sized(size)
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
+                self.logits[key] = self._forward(*key, sized)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
     def fits(self, batch: int) -> bool:
@@ -97,33 +126,34 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             seq_lens: torch.Tensor, block_tables: torch.Tensor,
-            size: Optional[int] = None) -> torch.Tensor:
+            size: Optional[int] = None, split: bool = False) -> torch.Tensor:
         """Replay for a decode batch given as (pinned) host tensors; logits `[b, vocab]`.
         size: the captured size to replay (default the smallest that fits; a DP×EP
-        group replays the size its ranks agreed on)."""
+        group replays the size its ranks agreed on); split: its two-micro-batch graph."""
         b = input_ids.shape[0]
         size = self.size_for(b) if size is None else size
-        if size not in self.graphs or size < b:
-            raise ValueError(f"no captured size {size} for a batch of {b}")
+        if (size, split) not in self.graphs or size < b:
+            raise ValueError(f"no captured size {size}{' split' if split else ''} "
+                             f"for a batch of {b}")
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
         self.slot_mapping[:b].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
         self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
-        return self._replay(b, size)
+        return self._replay(b, size, split)
 
-    def run_idle(self, size: int) -> None:
+    def run_idle(self, size: int, split: bool = False) -> None:
         """Replay `size` with padding rows only: an idle rank's part in a DP×EP group's
         step (its exchanges; the logits are thrown away)."""
-        if size not in self.graphs:
-            raise ValueError(f"no captured size {size}")
-        self._replay(0, size)
+        if (size, split) not in self.graphs:
+            raise ValueError(f"no captured size {size}{' split' if split else ''}")
+        self._replay(0, size, split)
 
-    def _replay(self, b: int, size: int) -> torch.Tensor:
+    def _replay(self, b: int, size: int, split: bool) -> torch.Tensor:
         if size > b:
             self.input_ids[b:size].zero_()
             self.slot_mapping[b:size].fill_(-1)
             self.seq_lens[b:size].fill_(1)
             self.block_tables[b:size, 0].zero_()
-        self.graphs[size].replay()
-        return self.logits[size][:b]
+        self.graphs[size, split].replay()
+        return self.logits[size, split][:b]

@@ -16,7 +16,7 @@ from ..config import CacheConfig
 from ..log import get_logger
 from ..kernels.attention import AttentionMetadata
 from ..models.qwen3_moe import CausalLM, KVCache
-from ..models.stages import interleave
+from ..models.stages import interleave, run_to_end
 from .cuda_graphs import DecodeGraphs
 from .microbatches import micro_batches
 from .logits_processors import RowHistory
@@ -181,6 +181,7 @@ class ModelRunner:
         self._steps = 0
         self.graphs = None
         self.auto_graphs = True  # False: replay only the size `forward` is told (groups)
+        self.lanes = None  # engine/lanes.Lanes: two micro-batches over two pairs of peer channels
         if device.type == "cuda" and cuda_graph_max_batch > 0:
             self.graphs = DecodeGraphs(model, caches, cuda_graph_max_batch, max_model_len,
                                        page_size, device)
@@ -293,11 +294,15 @@ class ModelRunner:
     def _run_eager(self, inputs: BatchInputs, layer_done=None, microbatches: int = 1) -> torch.Tensor:
         dev = {k: v.to(self.device, non_blocking=True) for k, v in inputs.host.items()
                if k != "row_keys"}
-        if microbatches == 2:  # two-batch overlap: the micro-batches' stages interleaved
+        if microbatches == 2:  # two-batch overlap
             parts = micro_batches(dev, inputs.host)
-            hidden = interleave([self.model.dummy_stages() if p is None
-                                 else self.model.stages(p[0], p[1], self.caches, p[2])
-                                 for p in parts])
+            stages = [(lambda: self.model.dummy_stages()) if p is None
+                      else (lambda p=p: self.model.stages(p[0], p[1], self.caches, p[2]))
+                      for p in parts]
+            if self.lanes is not None and self.lanes.ready():  # each on its lane
+                hidden = self.lanes.run([lambda s=s: run_to_end(s()) for s in stages])
+            else:  # the stages interleaved, exchanges on the exchange thread
+                hidden = interleave([s() for s in stages])
             hidden = torch.cat([h for h, p in zip(hidden, parts) if p is not None])
         else:
             meta = AttentionMetadata(
@@ -316,15 +321,17 @@ class ModelRunner:
         `graph_size`: replay that captured size (a decode batch that fits it); without
         it a decode batch replays the smallest size that fits, unless `auto_graphs` is
         off (a DP×EP group, whose ranks must replay alike: the group decides).
-        `microbatches=2`: an eager step as two micro-batches whose MoE exchanges overlap
-        the other's compute (`engine/microbatches.py`; the group decides, every rank alike)."""
+        `microbatches=2`: the step as two micro-batches whose MoE exchanges overlap the
+        other's compute (eager: `engine/microbatches.py`; with `graph_size`, that size's
+        split graph; the group decides, every rank alike)."""
         if microbatches not in (1, 2):
             raise ValueError(f"microbatches must be 1 or 2, got {microbatches}")
         if microbatches == 2:
-            if graph_size is not None or layer_done is not None:
-                raise ValueError("two micro-batches run eager, without a layer hook")
-            return self._run_eager(inputs, microbatches=2)
-        if (graph_size is None and self.auto_graphs and layer_done is None
+            if layer_done is not None:
+                raise ValueError("two micro-batches run without a layer hook")
+            if graph_size is None:
+                return self._run_eager(inputs, microbatches=2)
+        elif (graph_size is None and self.auto_graphs and layer_done is None
                 and self.graphs is not None and inputs.decode_only
                 and self.graphs.fits(inputs.num_logits)):
             graph_size = self.graphs.size_for(inputs.num_logits)
@@ -332,7 +339,17 @@ class ModelRunner:
             return self._run_eager(inputs, layer_done)
         h = inputs.host
         return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],
-                               h["seq_lens"], h["block_tables"], graph_size)
+                               h["seq_lens"], h["block_tables"], graph_size,
+                               split=microbatches == 2)
+
+    @torch.inference_mode()
+    def dummy_forward(self, microbatches: int = 1) -> None:
+        """An idle rank's part in a DP×EP group's eager step: the MoE exchanges of
+        `microbatches` empty micro-batches, on their lanes where the step has them."""
+        if microbatches == 2 and self.lanes is not None and self.lanes.ready():
+            self.lanes.run([lambda: run_to_end(self.model.dummy_stages())] * 2)
+        else:
+            self.model.dummy_forward(microbatches)
 
     def sample(self, inputs: BatchInputs, logits: torch.Tensor) -> StepSamples:
         """One token for each sequence whose step reached its end, with the logprobs

@@ -80,20 +80,27 @@ def test_two_gpu_layouts_equal_cpu(tiny_model, cpu_tokens, tp, dp, exchange, eag
         llm.close()
 
 
-@pytest.mark.parametrize("exchange", ["exact", "padded"])
-def test_two_micro_batches_on_gpu_equal_cpu(tiny_model, cpu_tokens, exchange):
-    """Two-batch overlap on GPU (every step eager, every one split): each rank's MoE
-    exchanges run on its exchange thread's own CUDA stream, ordered by events against
-    the other micro-batch's kernels; the tokens are the CPU engine's."""
+@pytest.mark.parametrize("exchange, eager", [
+    ("exact", True), ("padded", True), ("peer", True), ("peer", False)],
+    ids=["exact", "padded", "peer-eager", "peer-graphs"])
+def test_two_micro_batches_on_gpu_equal_cpu(tiny_model, cpu_tokens, exchange, eager):
+    """Two-batch overlap on GPU (every step split): exact/padded, every step eager: each
+    rank's MoE exchanges run on its exchange thread's own CUDA stream, ordered by events
+    against the other micro-batch's kernels; peer: the decode steps' micro-batches on two
+    lanes (a stream and a pair of channels each), launched eagerly or replayed as the
+    split CUDA graphs; the tokens are the CPU engine's."""
     prompts, expected = cpu_tokens
     llm = LLM(tiny_model, dp=2, device="cuda", dtype="float32", collective_timeout_s=30,
-              ep_exchange=exchange, enforce_eager=True, microbatch="on", **KW)
+              ep_exchange=exchange, enforce_eager=eager, microbatch="on", **KW)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert [o.outputs[0].token_ids for o in outs] == expected
         stats = llm.cluster.leader_stats()["decode"]
         assert all(s["microbatch_split_steps"] > 0 for s in stats), stats
+        if exchange == "peer":
+            assert all(min(s["peer_exchanges_by_lane"]) > 0 for s in stats), stats
+            assert all((s.get("graph_split_replays", 0) > 0) != eager for s in stats), stats
     finally:
         llm.close()
 

@@ -28,8 +28,10 @@ def reference(tiny_model) -> list[list[int]]:
     return _tokens(LLM(tiny_model, **ENGINE))
 
 
-@pytest.mark.parametrize("ep_exchange", ["exact", "padded"])
+@pytest.mark.parametrize("ep_exchange", ["exact", "padded", "peer"])
 def test_two_micro_batches_give_the_same_tokens(tiny_model, reference, ep_exchange):
+    """peer: decode steps fit the peer channels, each micro-batch through its own lane's
+    pair (engine/lanes.py); prefill chunks do not, and go over the exchange thread."""
     llm = LLM(tiny_model, dp=2, microbatch="on", ep_exchange=ep_exchange, **ENGINE)
     try:
         got = _tokens(llm)
@@ -39,6 +41,8 @@ def test_two_micro_batches_give_the_same_tokens(tiny_model, reference, ep_exchan
     assert got == reference
     assert all(s["microbatch_split_steps"] > 0 for s in stats), stats
     assert all(s["microbatch_split_steps"] <= s["microbatch_steps"] for s in stats)
+    if ep_exchange == "peer":
+        assert all(min(s["peer_exchanges_by_lane"]) > 0 for s in stats), stats
 
 
 def test_off_never_splits_and_adaptive_measures_both(tiny_model, reference):
@@ -56,12 +60,16 @@ def test_off_never_splits_and_adaptive_measures_both(tiny_model, reference):
         assert all(check(s) for s in stats), (name, stats)
 
 
-def test_rank_killed_inside_a_micro_batched_all_to_all_recovers(tiny_model, reference):
+@pytest.mark.parametrize("ep_exchange", ["exact", "peer"])
+def test_rank_killed_inside_a_micro_batched_all_to_all_recovers(tiny_model, reference,
+                                                                ep_exchange):
     """Rank 1 exits inside an MoE dispatch of a split step: the group re-forms under
-    epoch 2 and every request resumes with the same tokens, each delivered once."""
+    epoch 2 and every request resumes with the same tokens, each delivered once (peer:
+    the survivor's lane waits end at the deadline)."""
     import ray
 
-    llm = LLM(tiny_model, dp=2, microbatch="on", collective_timeout_s=5.0, **ENGINE)
+    llm = LLM(tiny_model, dp=2, microbatch="on", collective_timeout_s=5.0,
+              ep_exchange=ep_exchange, **ENGINE)
     try:
         ray.get(llm.cluster.supervisor.actors[1].arm_fault.remote("moe_dispatch", 40))
         got = generate_indexed(llm, PROMPTS, PARAMS)

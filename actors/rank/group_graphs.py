@@ -31,12 +31,15 @@ class GroupGraphs:
 
     def __init__(self, engine: LLMEngine, dispatcher: EPDispatcher,
                  exchanges: Sequence[PeerExchange], fault_point: Callable[[str], None]) -> None:
+        """exchanges: the peer channels, (dispatch, combine) per lane; with two lanes
+        (the runner's `lanes`) the split graphs are captured too."""
         cfg = engine.config
         runner = engine.runner
         self._runner, self._exchanges, self._fault_point = runner, tuple(exchanges), fault_point
         self.graphs = DecodeGraphs(engine.model, runner.caches,
                                    min(cfg.cuda_graph_max_batch, cfg.scheduler.max_num_seqs),
-                                   cfg.max_model_len, cfg.cache.page_size, runner.device)
+                                   cfg.max_model_len, cfg.cache.page_size, runner.device,
+                                   lanes=runner.lanes)
 
         def sized(size: int) -> None:
             dispatcher.step_tokens = size
@@ -45,6 +48,7 @@ class GroupGraphs:
         runner.graphs, runner.auto_graphs = self.graphs, False  # the group decides
         self.moe_layers = cfg.model.num_moe_layers
         self.replays = 0
+        self.split_replays = 0
 
     @staticmethod
     def wanted(config, tp: int, exchanges: Sequence[PeerExchange]) -> bool:
@@ -60,19 +64,27 @@ class GroupGraphs:
             return None
         return self.graphs.size_for(max(tokens, 1))
 
-    def replay(self, inputs, size: int) -> Optional[torch.Tensor]:
-        """Replay `size` for this rank's decode batch (`inputs`; None: idle) and bound
-        its exchanges like eager ones (settle them before reading the logits); the
-        logits, or None when idle. The chaos drills' dispatch fault point is passed once
-        per MoE layer, before the replay."""
-        for _ in range(self.moe_layers):
+    def can_split(self, size: int) -> bool:
+        """Whether `size` has a two-micro-batch graph."""
+        return self.graphs.can_split(size)
+
+    def replay(self, inputs, size: int, split: bool = False) -> Optional[torch.Tensor]:
+        """Replay `size` (split: as two micro-batches) for this rank's decode batch
+        (`inputs`; None: idle) and bound its exchanges like eager ones (settle them
+        before reading the logits); the logits, or None when idle. The chaos drills'
+        dispatch fault point is passed once per MoE layer and micro-batch, before the
+        replay."""
+        lanes = 2 if split else 1
+        for _ in range(self.moe_layers * lanes):
             self._fault_point("moe_dispatch")
         if inputs is None:
-            self.graphs.run_idle(size)
+            self.graphs.run_idle(size, split)
             logits = None
         else:
-            logits = self._runner.forward(inputs, graph_size=size)
-        for ex in self._exchanges:
+            logits = self._runner.forward(inputs, graph_size=size,
+                                          microbatches=lanes)
+        for ex in self._exchanges[:2 * lanes]:  # (dispatch, combine) of each lane used
             ex.graph_replayed(self.moe_layers)
         self.replays += 1
+        self.split_replays += split
         return logits

@@ -27,6 +27,7 @@ import torch
 from ...comm.dispatch import EPDispatcher
 from ...comm.group_comm import GroupComm
 from ...comm.peer_exchange import PeerExchange, open_moe_channels
+from ...engine.lanes import Lanes
 from ...engine.llm_engine import LLMEngine
 from ...engine.outputs import StepOutput
 from ...log import get_logger
@@ -56,9 +57,8 @@ class Lockstep:
         self.steps = 0
         self._padded: Optional[EPDispatcher] = None  # its padded exchange is sized per step
         self._dispatcher: Optional[EPDispatcher] = None  # told per step whether to overlap
-        self.microbatch = MicrobatchControl(
-            spec.config.parallel.microbatch, spec.world_size,
-            enabled=spec.dp > 1 and spec.config.parallel.ep_exchange != "peer")
+        self.microbatch = MicrobatchControl(spec.config.parallel.microbatch, spec.world_size,
+                                            enabled=spec.dp > 1)
         self._exchanges: tuple[PeerExchange, ...] = ()  # ep_exchange "peer": its channels
         self._peers = None
         self.graphs: Optional[GroupGraphs] = None  # the group's decode steps, captured
@@ -108,9 +108,13 @@ class Lockstep:
             self._exchanges = self._open_peer_exchanges(ep.dispatcher)
 
     def use_graphs(self, ep: Optional[ExpertParallel]) -> None:
-        """Capture the group's decode steps where `GroupGraphs.wanted` (the spec's config
-        not eager; after the engine and the exchanges exist)."""
+        """The runner's lanes where the peer channels have two (micro-batches over the
+        peer exchange), then capture the group's decode steps where `GroupGraphs.wanted`
+        (the spec's config not eager; after the engine and the exchanges exist)."""
         s = self.spec
+        if ep is not None and ep.dispatcher.peer_lanes == 2:
+            self.engine.runner.lanes = Lanes(ep.dispatcher, s.config.model.num_experts_per_tok,
+                                             self._exchanges[0].device)
         if ep is not None and GroupGraphs.wanted(s.config, s.tp, self._exchanges):
             self.graphs = GroupGraphs(self.engine, ep.dispatcher, self._exchanges,
                                       self.fault_point)
@@ -119,7 +123,8 @@ class Lockstep:
 
     def _open_peer_exchanges(self, dispatcher: EPDispatcher) -> tuple[PeerExchange, ...]:
         """The dispatch and combine channels, sized for decode steps: up to
-        `max_num_seqs` tokens per DP rank (split over its TP ranks), top-k rows each."""
+        `max_num_seqs` tokens per DP rank (split over its TP ranks), top-k rows each; a
+        second pair (lane) for two micro-batches unless the micro-batch policy is off."""
         s, cfg = self.spec, self.spec.config
         device = torch.device(cfg.device)
         if device.type == "cuda":
@@ -127,7 +132,8 @@ class Lockstep:
         self._peers, channels = open_moe_channels(
             self.comm, device, -(-cfg.scheduler.max_num_seqs // s.tp),
             cfg.model.num_experts_per_tok, cfg.model.hidden_size,
-            getattr(torch, cfg.torch_dtype_name), s.epoch, s.deadline_s)
+            getattr(torch, cfg.torch_dtype_name), s.epoch, s.deadline_s,
+            lanes=2 if self.microbatch.enabled and cfg.parallel.microbatch.policy != "off" else 1)
         dispatcher.use_peer_exchanges(*channels)
         return channels
 
@@ -149,17 +155,19 @@ class Lockstep:
             return status, []
         size = None if self.graphs is None else self.graphs.size(tokens, eager)
         hook = None if inputs is None else role.layer_hook(inputs)
-        n = 1 if hook is not None else self.microbatch.decide(tokens, bool(eager), size is not None)
+        splittable = hook is None and (size is None or self.graphs.can_split(size))
+        n = self.microbatch.decide(tokens, bool(eager), splittable)
         self.microbatch.start()
         if size is not None:
-            logits = self.graphs.replay(inputs, size)
+            logits = self.graphs.replay(inputs, size, split=n == 2)
         elif self._padded is not None:  # the most rows any rank's MoE layers dispatch
             self._padded.step_tokens = -(-tokens // s.tp)
-        if self._dispatcher is not None:
-            self._dispatcher.overlap = n == 2
+        if self._dispatcher is not None:  # two micro-batches not on lanes: exchange thread
+            lanes = engine.runner.lanes
+            self._dispatcher.overlap = n == 2 and not (lanes is not None and lanes.ready())
         if inputs is None:
             if size is None:
-                engine.model.dummy_forward(n)
+                engine.runner.dummy_forward(n)
             self._settle_exchanges()
             self.microbatch.finish(tokens, bool(eager), n)
             return status, []
@@ -209,6 +217,9 @@ class Lockstep:
         out = {"steps": self.steps, **self.microbatch.stats()}
         if self._exchanges:
             out["peer_exchanges"] = sum(ex.exchanges for ex in self._exchanges)
+            out["peer_exchanges_by_lane"] = [sum(ex.exchanges for ex in self._exchanges[i:i + 2])
+                                             for i in range(0, len(self._exchanges), 2)]
         if self.graphs is not None:
             out["graph_replays"] = self.graphs.replays
+            out["graph_split_replays"] = self.graphs.split_replays
         return out

@@ -6,12 +6,12 @@ previous step's time, the slowest rank's (each rank sends its own in the step's
 agreement, which takes the maximum). Same inputs in the same order on every rank, so every
 rank splits the same way without another message (ARCHITECTURE §3).
 
-Micro-batching applies to eager steps over the `GroupComm` exchanges (`ep_exchange`
-"exact" or "padded"), on CPU and on GPU (the exchanges on a stream of their own,
-`comm/exchange_worker.py`); a step that replays a captured graph (one set of graphs, of
-one batch) and a step over the peer channels (they hold one exchange in flight) run one
-batch. Stats: steps split, and per token-count bucket the
-mean step time of each choice as this rank measured it.
+Micro-batching applies to every exchange: eager steps over `GroupComm` ("exact",
+"padded"; on GPU the exchanges on a stream of their own, `comm/exchange_worker.py`),
+steps over the peer channels (each micro-batch on its lane, `engine/lanes.py`) and the
+group's captured decode graphs (their split set); a step that cannot split (a graph size
+of one row) runs one batch. Stats: steps split, and per token-count bucket the mean step
+time of each choice as this rank measured it.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ class MicrobatchControl:
             self.policy.observe(shape, n, agreed_last_us / 1e6)
             self._pending = None
 
-    def decide(self, tokens: int, eager: bool, graphed: bool) -> int:
-        """1 or 2 micro-batches for the step the group agreed on."""
-        if not self.enabled or graphed:
+    def decide(self, tokens: int, eager: bool, splittable: bool = True) -> int:
+        """1 or 2 micro-batches for the step the group agreed on (1 where it cannot split)."""
+        if not self.enabled or not splittable:
             return 1
         return self.policy.decide(StepShape(tokens, eager, self.ep_width))
 

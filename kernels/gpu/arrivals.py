@@ -8,8 +8,10 @@ reads the parts past L1 and writes the output, then stores 0 back. So the counte
 all zero between launches, and a CUDA graph replays against the same buffer without a
 memset node.
 
-One zeroed int32 buffer per (user, device), grown on demand; the users run on one
-stream, one launch at a time. A buffer must not be created while a CUDA graph is being
+One zeroed int32 buffer per (user, device, lane), grown on demand; the users of one lane
+run on one stream, one launch at a time. Lanes (`lane_scope`) are a step's micro-batches
+on streams of their own (engine/lanes.py): their launches may run at once, so each lane
+counts in its own buffer. A buffer must not be created while a CUDA graph is being
 captured: it would come from the graph's private memory pool, which the graphs captured
 earlier reuse for their own activations, so their replays would overwrite the counters
 (measured: garbage tokens at batch 1 after larger batches ran). The decode graphs run
@@ -18,14 +20,30 @@ every captured path once before capturing, which creates the buffers.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 
-_buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+_buffers: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+_lane: contextvars.ContextVar[int] = contextvars.ContextVar("arrival_lane", default=0)
+
+
+@contextlib.contextmanager
+def lane_scope(lane: int) -> Iterator[None]:
+    """Within: launches take the counters of `lane` (the host launches one lane at a time)."""
+    token = _lane.set(lane)
+    try:
+        yield
+    finally:
+        _lane.reset(token)
 
 
 def arrival_counts(user: str, n: int, device: torch.device) -> torch.Tensor:
-    """At least `n` zeroed int32 counters reserved for `user` on `device`."""
-    key = (user, torch.device(device))
+    """At least `n` zeroed int32 counters reserved for `user` on `device` in the current
+    lane."""
+    key = (user, torch.device(device), _lane.get())
     buf = _buffers.get(key)
     if buf is None or buf.numel() < n:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
