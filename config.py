@@ -369,6 +369,9 @@ class EngineConfig:
     # Launch the next decode step before returning the current step's tokens, so the
     # host's bookkeeping runs while the device computes (same tokens either way).
     overlap_steps: bool = True
+    # Serve synthetic requests before ready so no kernel compiles afterwards (GPU, one
+    # rank alone; engine/warmup.py).
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         limit = self.model.max_position_embeddings
@@ -381,6 +384,8 @@ class EngineConfig:
         _require(self.cuda_graph_max_batch >= 0, "cuda_graph_max_batch", "must be >= 0")
         _require(isinstance(self.overlap_steps, bool), "overlap_steps",
                  f"must be True or False, got {self.overlap_steps!r}")
+        _require(isinstance(self.warmup, bool), "warmup",
+                 f"must be True or False, got {self.warmup!r}")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -158,6 +158,7 @@ class LLM:
                                          ray_address)
         elif tp * dp == 1:
             self.engine = LLMEngine(self.config)
+            self.engine.warm_up()  # GPU: nothing compiles once requests come
         else:
             from .actors.cluster_builder import build_cluster
             self.cluster = build_cluster(self.config, None, ray_address)

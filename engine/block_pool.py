@@ -131,6 +131,17 @@ class BlockPool:
                 if self.page_hash[p] is None:
                     self._free.move_to_end(p, last=False)
 
+    def forget_cached(self) -> None:
+        """With no page in use: drop every cached page and the counters (the warm-up's
+        requests leave nothing a router or an operator would see)."""
+        if any(self.ref_counts):
+            raise RuntimeError("forget_cached with pages in use")
+        self.page_hash = [None] * self.num_pages
+        self.cached.clear()
+        self._free = OrderedDict((p, None) for p in range(self.num_pages))
+        self.query_tokens = self.hit_tokens = self.evictions = 0
+        self._evicted.clear()
+
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens

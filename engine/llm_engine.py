@@ -22,6 +22,7 @@ from ..models.parallel import ExpertParallel, ModelComm
 from ..models.qwen3_moe import CausalLM
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
+from .compile_watch import compile_watch
 from .grammars import Grammars
 from .model_runner import (BatchInputs, ModelRunner, PendingTokens, StepSamples,
                            allocate_kv_cache, num_pages_for_memory, torch_dtype)
@@ -30,6 +31,7 @@ from .prompt_check import check_prompt
 from .sampling_params import SamplingParams
 from .scheduler import FinishedSequence, ScheduledBatch, Scheduler
 from .sequence import Sequence
+from .warmup import WarmupReport, run_warmup, warmup_rounds
 
 log = get_logger(__name__)
 
@@ -65,6 +67,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self.overlap = config.overlap_steps
+        self._grouped = comm is not None or ep is not None
+        self._compiles = compile_watch() if self.device.type == "cuda" else None
+        self._compiles_at_ready: Optional[int] = None  # set once warmed up
         self._ahead: Optional[tuple[ScheduledBatch, BatchInputs, torch.Tensor]] = None  # launched, not sampled
 
     # -- admission -------------------------------------------------------------------
@@ -86,6 +91,32 @@ class LLMEngine:
         log.debug("request_added", request_id=request_id, prompt_tokens=len(tokens),
                   max_tokens=params.max_tokens, greedy=params.greedy)
         return seq
+
+    def warm_up(self) -> Optional[WarmupReport]:
+        """Before serving, on a GPU and alone (no peers to step with): serve the warm-up
+        plan (`engine/warmup.py`) so no kernel compiles once requests come; None where
+        there is nothing to warm (CPU, `warmup` off, a rank of a group)."""
+        cfg = self.config
+        if self.device.type != "cuda" or not cfg.warmup or self._grouped:
+            return None
+        graphs = self.runner.graphs
+        report = run_warmup(self, warmup_rounds(
+            cfg.model.vocab_size, cfg.max_model_len, cfg.scheduler.max_num_seqs,
+            cfg.scheduler.max_num_batched_tokens, graphs.sizes[-1] if graphs else 0,
+            self.num_pages * self.pool.page_size))
+        self._compiles_at_ready = self._compiles.total
+        log.info("warmed_up", rounds=report.rounds, requests=report.requests,
+                 steps=report.steps, seconds=round(report.seconds, 2),
+                 kernel_compiles=self._compiles.total)
+        return report
+
+    def forget_history(self) -> None:
+        """Idle: forget every request served so far (cached pages, counters)."""
+        if self.has_unfinished():
+            raise RuntimeError("forget_history with requests in flight")
+        self.sequences.clear()
+        self.pool.forget_cached()
+        self.scheduler.num_preemptions = 0
 
     def warm_grammars(self) -> None:
         """Start loading what structured output needs (in the background)."""
@@ -302,4 +333,15 @@ class LLMEngine:
             "prefix_hit_tokens": self.pool.hit_tokens,
             "prefix_query_tokens": self.pool.query_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
+            **self._compile_stats(),
         }
+
+    def _compile_stats(self) -> dict[str, int]:
+        """`kernel_compiles` (this process, since start) and, once warmed up,
+        `kernel_compiles_after_ready` (none is the goal)."""
+        if self._compiles is None or not self._compiles.available:
+            return {}
+        out = {"kernel_compiles": self._compiles.total}
+        if self._compiles_at_ready is not None:
+            out["kernel_compiles_after_ready"] = self._compiles.total - self._compiles_at_ready
+        return out

@@ -177,6 +177,7 @@ class ModelRunner:
         self.caches = caches
         self.page_size = page_size
         self.device = device
+        self._max_pages = -(-max_model_len // page_size) if max_model_len else 1 << 30
         self._stagings = [HostStaging(pin=device.type == "cuda") for _ in range(2)]
         self._steps = 0
         self.graphs = None
@@ -197,6 +198,9 @@ class ModelRunner:
         starts = np.zeros(len(batch.items) + 1, dtype=np.int32)
         seq_lens = np.empty(len(batch.items), dtype=np.int32)
         max_pages = max(len(seq.pages) for seq, _ in batch.items)
+        # the width rounded up to 16 pages (within the longest sequence's): the kernels'
+        # row stride then falls in one of Triton's specialisation classes, not three
+        max_pages = max(max_pages, min(-(-max_pages // 16) * 16, self._max_pages))
         tables = np.zeros((len(batch.items), max_pages), dtype=np.int32)
         row_keys = np.zeros(len(batch.items), dtype=np.int64)
         logits_idx, sampled, sample_rows, prompt_rows = [], [], [], []

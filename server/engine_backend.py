@@ -102,5 +102,7 @@ class EngineBackend(ThreadedBackend):
 
 
 def _warmed(engine: LLMEngine) -> LLMEngine:
+    """Grammars loading in the background; on a GPU, every kernel compiled (warm-up)."""
     engine.warm_grammars()
+    engine.warm_up()
     return engine

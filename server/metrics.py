@@ -62,6 +62,10 @@ _GAUGES = {
                             "Decode step the layout runs at (wall time per step while busy)"),
     "microbatch_share": ("phalanx_microbatch_share",
                          "Share of DP×EP steps run as two overlapped micro-batches"),
+    "kernel_compiles_after_ready": ("phalanx_kernel_compiles_after_ready",
+                                    "Triton kernel variants compiled after the engine was "
+                                    "ready (each cost a request its compile time; 0 is the "
+                                    "goal)"),
     "router_prefix_hit_estimate": ("phalanx_router_prefix_hit_estimate",
                                    "Fraction of routed prompt tokens the chosen target held, "
                                    "by the router's prefix tree"),

@@ -168,3 +168,40 @@ def test_structured_output_and_logprobs_on_gpu(tiny_model):
         assert set(json.loads(b.outputs[0].text)) == {"n", "s"}
         assert [x.logprob for x in a.outputs[0].logprobs] == \
             pytest.approx([x.logprob for x in b.outputs[0].logprobs], abs=1e-3)
+
+
+def test_nothing_compiles_after_ready(tiny_model):
+    """The warm-up (engine/warmup.py) served before ready: a random workload it never
+    saw (lengths, prefix hits and extensions, batch sizes, sampling paths) compiles no
+    Triton kernel afterwards, in both dtypes the tiny model serves."""
+    import random
+
+    from phalanx.engine.compile_watch import compile_watch
+
+    rng = random.Random(7)
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(tiny_model, device="cuda", dtype=dtype, max_num_seqs=48,
+                  max_num_batched_tokens=256)
+        stats = llm.engine.stats()
+        assert stats["kernel_compiles"] > 0 and stats["kernel_compiles_after_ready"] == 0
+        before = dict(compile_watch().by_kernel)
+        vocab = llm.engine.config.model.vocab_size
+        prompts = [[rng.randrange(8, vocab - 8) for _ in range(rng.randrange(1, 800))]
+                   for _ in range(24)]
+        prompts += [p + [rng.randrange(8, vocab - 8) for _ in range(rng.randrange(1, 90))]
+                    for p in prompts[:8]]
+        params = [SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]),
+                                 top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 0, 30]),
+                                 logprobs=rng.choice([None, None, 3]), seed=i,
+                                 max_tokens=rng.randrange(1, 40), ignore_eos=True)
+                  for i in range(len(prompts))]
+        for lo, hi in ((0, 1), (1, 5), (5, 32), (0, 32)):  # alone, small and large batches
+            llm.generate(prompt_token_ids=prompts[lo:hi], sampling_params=params[lo:hi])
+        after = llm.engine.stats()["kernel_compiles_after_ready"]
+        new = {k: v - before.get(k, 0) for k, v in compile_watch().by_kernel.items()
+               if v != before.get(k, 0)}
+        llm.close()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        assert after == 0, (dtype, new)

@@ -30,6 +30,11 @@ Roundings follow the reference (each linear's output, ``silu(gate)``, ``silu * u
 and ``h * w`` rounded to ``x.dtype``); only the final sum differs (float32, one
 rounding, instead of ``index_add_`` in ``x.dtype`` expert by expert). Local expert
 ids outside ``[0, E)`` are treated as not held (the reference raises).
+
+The pair count ``P`` and ``max_blocks`` follow the step's token count, so the kernels do
+not specialise on them (``do_not_specialize``): otherwise each would compile again for
+every combination of their values being 1, a multiple of 16 or neither, which a
+serving engine's warm-up (engine/warmup.py) could only cover by trying them all.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ SMALL_MAX_PAIRS = 32
 SMALL_MODE = "dot"  # moe_decode accumulation mode used by the dispatch ("dot" | "gemv")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _gate_up_kernel(
     x_ptr, w_ptr, inter_ptr, sorted_ptr, bexp_ptr,
     P, K_TOP, HID, I, E, sx_t, sw_e, sw_n, si_r,
@@ -99,7 +104,7 @@ def _gate_up_kernel(
              mask=rm[:, None] & nm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _down_kernel(
     inter_ptr, w_ptr, pair_out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
     P, HID, I, E, si_r, sw_e, sw_n, so_r,
@@ -147,7 +152,7 @@ def _combine_kernel(pair_out_ptr, ids_ptr, out_ptr, HID, K_TOP, E, BLOCK: tl.con
     tl.store(out_ptr + t * HID + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HID)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
     # Program e: counts[e] = number of pairs whose local expert is e.
     e = tl.program_id(0)
@@ -159,7 +164,7 @@ def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, tl.sum(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "max_blocks"])
 def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, bexp_ptr, P, E, max_blocks,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
     # Program e < E: expert e's run starts at pad_start[e] = sum of the padded counts of
