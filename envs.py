@@ -24,10 +24,19 @@ class Envs:
     cache_dir: PHALANX_CACHE_DIR, default ``~/.cache/phalanx`` (``~`` expanded).
     log_level: PHALANX_LOG_LEVEL, default ``"WARNING"``; upper-cased, must be a
         standard ``logging`` level name.
+    triton_cache_dir: TRITON_CACHE_DIR when the user set it (Triton's own variable,
+        read here so it stays the one place), else None: phalanx then keeps Triton's
+        compiled kernels under ``cache_dir / "triton"`` (`triton_cache_path`).
     """
 
     cache_dir: Path
     log_level: str
+    triton_cache_dir: Path | None = None
+
+    @property
+    def triton_cache_path(self) -> Path:
+        """Where Triton keeps compiled kernels: a restart loads them instead of compiling."""
+        return self.triton_cache_dir or self.cache_dir / "triton"
 
 
 def _parse_cache_dir(raw: str | None) -> Path:
@@ -49,6 +58,8 @@ def _parse_log_level(raw: str | None) -> str:
 _REGISTRY: dict[str, tuple[str, Callable[[str | None], object]]] = {
     "cache_dir": ("PHALANX_CACHE_DIR", _parse_cache_dir),
     "log_level": ("PHALANX_LOG_LEVEL", _parse_log_level),
+    "triton_cache_dir": ("TRITON_CACHE_DIR",
+                         lambda raw: Path(raw).expanduser() if raw and raw.strip() else None),
 }
 
 

@@ -294,7 +294,11 @@ def test_envs_defaults_and_overrides(monkeypatch, tmp_path):
     assert envs().log_level == "WARNING"
     monkeypatch.setenv("PHALANX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PHALANX_LOG_LEVEL", "debug")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert envs().cache_dir == tmp_path and envs().log_level == "DEBUG"
+    assert envs().triton_cache_path == tmp_path / "triton"  # compiled kernels kept with ours
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert envs().triton_cache_path == tmp_path / "mine"  # the user's choice wins
     monkeypatch.setenv("PHALANX_LOG_LEVEL", "LOUD")
     with pytest.raises(ValueError, match="PHALANX_LOG_LEVEL"):
         envs()
