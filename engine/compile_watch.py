@@ -6,6 +6,10 @@ hook already there) counts every in-memory compilation: a kernel variant's first
 in the process, whether its binary came from Triton's disk cache or was built. Without
 Triton (or with a Triton that has no such hook) nothing is counted and `available` is
 False.
+
+`keep_compiled_kernels` points Triton's kernel cache at phalanx's
+(`Envs.triton_cache_path`: PHALANX_CACHE_DIR/triton unless TRITON_CACHE_DIR is set), so a
+restarted server loads its compiled kernels instead of building them again.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import threading
 from collections import Counter
 from typing import Optional
 
-__all__ = ["CompileWatch", "compile_watch"]
+__all__ = ["CompileWatch", "compile_watch", "keep_compiled_kernels"]
 
 
 class CompileWatch:
@@ -55,3 +59,15 @@ def compile_watch() -> CompileWatch:
         _watch = CompileWatch()
         _watch._install()
     return _watch
+
+
+def keep_compiled_kernels() -> None:
+    """Triton's kernel cache under phalanx's cache folder (before anything compiles; a
+    no-op without Triton)."""
+    try:
+        import triton
+        cache = triton.knobs.cache
+    except (ImportError, AttributeError):
+        return
+    from ..envs import envs
+    cache.dir = str(envs().triton_cache_path)

@@ -22,7 +22,7 @@ from ..models.parallel import ExpertParallel, ModelComm
 from ..models.qwen3_moe import CausalLM
 from ..models.shard import ModelShard
 from .block_pool import BlockPool
-from .compile_watch import compile_watch
+from .compile_watch import compile_watch, keep_compiled_kernels
 from .grammars import Grammars
 from .model_runner import (BatchInputs, ModelRunner, PendingTokens, StepSamples,
                            allocate_kv_cache, num_pages_for_memory, torch_dtype)
@@ -46,6 +46,8 @@ class LLMEngine:
         shard (benchmarks), otherwise loaded from the folder."""
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            keep_compiled_kernels()
         dtype = torch_dtype(config.torch_dtype_name)
         self.model = model if model is not None else load_model(
             config.model_path, config.model, shard, self.device, dtype, comm, ep)

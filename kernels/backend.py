@@ -28,18 +28,12 @@ _forced: bool | None = None
 
 @functools.cache
 def triton_available() -> bool:
-    """True iff ``import triton`` works (cached after the first call). The first call
-    points Triton's kernel cache at phalanx's (`Envs.triton_cache_path`), before any
-    kernel compiles, so a restarted server loads its kernels instead of compiling them."""
+    """True iff ``import triton`` works (cached after the first call)."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except Exception:  # ImportError, or a broken install without a driver
         return False
-    from ..envs import envs
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        knobs.cache.dir = str(envs().triton_cache_path)
     return True
 
 

@@ -27,6 +27,7 @@ import torch
 from ...comm.dispatch import EPDispatcher
 from ...comm.group_comm import GroupComm
 from ...comm.peer_exchange import PeerExchange, open_moe_channels
+from ...engine.compile_watch import keep_compiled_kernels
 from ...engine.lanes import Lanes
 from ...engine.llm_engine import LLMEngine
 from ...engine.outputs import StepOutput
@@ -80,6 +81,7 @@ class Lockstep:
                 index = gpu_index()
             torch.cuda.set_device(index if index is not None else s.rank % torch.cuda.device_count())
             config = dataclasses.replace(config, enforce_eager=True)
+            keep_compiled_kernels()  # before the peer channels compile theirs
         self.comm = GroupComm.init(s.rank, s.world_size, s.tp, s.init_method, s.epoch,
                                    s.deadline_s, device=config.device)
         sch = config.scheduler

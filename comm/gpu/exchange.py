@@ -27,10 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...kernels.backend import triton_available
 from ...kernels.gpu.compiled_launch import CompiledLaunches
-
-triton_available()  # Triton's kernel cache under phalanx's, before anything compiles
 
 ROWS = 16          # rows per put program
 BLOCK_W = 256      # elements per row tile
