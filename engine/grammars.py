@@ -18,7 +18,10 @@ from typing import Optional
 
 import torch
 
+from ..log import get_logger
 from .structured_output import StructuredOutput
+
+log = get_logger(__name__)
 
 __all__ = ["Grammars"]
 
@@ -37,7 +40,14 @@ class Grammars:
     def warm(self) -> None:
         """Load the tokenizer on a background thread now: a rank of a group must not stall
         its peers for it when its first constrained request arrives."""
-        threading.Thread(target=self._ll_tokenizer, name="phalanx-grammars", daemon=True).start()
+        threading.Thread(target=self._warm, name="phalanx-grammars", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self._ll_tokenizer()
+        except Exception as e:  # said once here; a constrained request gets it as its error
+            log.warning("structured_output_unavailable", error=str(e))
+
 
     def _ll_tokenizer(self):
         """llguidance's tokenizer, from the folder's `tokenizer.json` (Rust, no
@@ -49,8 +59,12 @@ class Grammars:
                 eos = list(self.eos_token_ids) or None
                 path = Path(self.model_path) / "tokenizer.json"
                 if path.is_file():
-                    self._tokenizer = llguidance.LLTokenizer(str(path), n_vocab=self.vocab_size,
-                                                             eos_token=eos)
+                    try:
+                        self._tokenizer = llguidance.LLTokenizer(
+                            str(path), n_vocab=self.vocab_size, eos_token=eos)
+                    except ValueError as e:
+                        raise ValueError(f"structured output: the model's tokenizer.json is "
+                                         f"not one llguidance reads ({e})") from None
                 else:
                     import llguidance.hf
                     from transformers import AutoTokenizer

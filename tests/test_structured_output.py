@@ -161,3 +161,23 @@ def test_a_resumed_constrained_request_continues_alike(tiny_model):
         tokens, resumed, _ = resume_from(prompt, params, ids[:cut])
         (rest,) = llm.generate(prompt_token_ids=[tokens], sampling_params=resumed)
         assert ids[:cut] + rest.outputs[0].token_ids == ids
+
+
+def test_a_tokenizer_llguidance_cannot_read_fails_constrained_requests_clearly(tmp_path):
+    """The background load logs one line (no thread traceback); a constrained request
+    then gets a ValueError naming the cause, which admission turns into a 400."""
+    import time
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from phalanx.engine.grammars import Grammars
+
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(50)}, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # a decoder llguidance does not know
+    tok.save(str(tmp_path / "tokenizer.json"))
+    grammars = Grammars(str(tmp_path), 50, [0])
+    grammars.warm()
+    time.sleep(0.5)
+    with pytest.raises(ValueError, match="structured output: the model's tokenizer.json"):
+        grammars.matcher(StructuredOutput("json_object"))
