@@ -33,6 +33,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=0, help="KV pages (0: sized automatically)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: the projections as block-scaled FP8, quantized on load")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Ray actors)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks; experts spread over all")
     p.add_argument("--collective-timeout", type=float, default=30.0,
@@ -128,6 +130,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16, help="KV page size (decode side)")
     p.add_argument("--num-pages", type=int, default=0, help="KV pages per rank (0: sized automatically)")
     p.add_argument("--max-model-len", type=int, default=0, help="context length (0: the model's)")
+    p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: the projections as block-scaled FP8, quantized on load (an FP8 "
+                        "checkpoint loads as FP8 without it)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds any collective or KV transfer may take before a group fails")
@@ -155,7 +160,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, tp=args.tp, dp=args.dp, page_size=args.page_size, num_pages=args.num_pages,
               device=args.device, collective_timeout_s=args.collective_timeout,
               max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
-              replace_timeout_s=args.replace_timeout,
+              replace_timeout_s=args.replace_timeout, quantization=args.quantization,
               ep_exchange=args.ep_exchange, **layout_kwargs(args))
     try:
         return _run_generate(llm, args, params)

@@ -372,6 +372,9 @@ class EngineConfig:
     # Serve synthetic requests before ready so no kernel compiles afterwards (GPU, one
     # rank alone; engine/warmup.py).
     warmup: bool = True
+    # "fp8": quantize a bf16/float32 checkpoint's projections to block-scaled FP8 on load
+    # (kernels/fp8.py; an FP8 checkpoint loads as FP8 whatever this says). None: as stored.
+    quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         limit = self.model.max_position_embeddings
@@ -386,6 +389,8 @@ class EngineConfig:
                  f"must be True or False, got {self.overlap_steps!r}")
         _require(isinstance(self.warmup, bool), "warmup",
                  f"must be True or False, got {self.warmup!r}")
+        _require(self.quantization in (None, "fp8"), "quantization",
+                 f"{self.quantization!r} is not None or 'fp8'")
 
     @property
     def torch_dtype_name(self) -> str:

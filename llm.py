@@ -19,6 +19,8 @@ from .engine.llm_engine import LLMEngine
 from .engine.choices import ChoiceRun
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
+from .models.checkpoint import Checkpoint
+from .models.fp8_weights import check_fp8_tp, is_fp8_checkpoint
 from .models.loader import read_model_config
 from .policies.ep_width import ep_width_policy_names
 from .policies.microbatch import microbatch_policy_names
@@ -49,7 +51,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES, ep_policy: str = "fixed",
                   ep_groups: int = 1, ep_costs: str = "",
                   ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
-                  microbatch_options: Optional[Mapping] = None) -> EngineConfig:
+                  microbatch_options: Optional[Mapping] = None,
+                  quantization: Optional[str] = None) -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
     model). ValueError naming the argument for a folder that is not a model or a bad
     value."""
@@ -69,6 +72,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
         model_cfg = read_model_config(path)
     except FileNotFoundError as e:
         raise ValueError(f"model: {e}") from None
+    if quantization == "fp8" or is_fp8_checkpoint(Checkpoint(path).hf_config):
+        check_fp8_tp(model_cfg, tp)
     return EngineConfig(
         model_path=path, model=model_cfg,
         cache=CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -83,7 +88,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                                 recovery_window_s=recovery_window_s,
                                 replace_timeout_s=replace_timeout_s, ep_exchange=ep_exchange,
                                 ep_width=ep_width, microbatch=micro),
-        device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager)
+        device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
+        quantization=quantization)
 
 
 def disagg_config(prefill_tp: Optional[int], decode_dp: Optional[int], decode_tp: Optional[int],
@@ -115,7 +121,8 @@ class LLM:
                  kv_in_place_min_bytes: int = KV_IN_PLACE_MIN_BYTES, ep_policy: str = "fixed",
                  ep_groups: int = 1, ep_costs: str = "",
                  ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
-                 microbatch_options: Optional[Mapping] = None) -> None:
+                 microbatch_options: Optional[Mapping] = None,
+                 quantization: Optional[str] = None) -> None:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
@@ -134,7 +141,8 @@ class LLM:
         `microbatch`: whether a DP×EP step runs as two overlapped micro-batches (a
         registered "microbatch" policy: "off", "on", "threshold", "adaptive");
         `microbatch_options`: the rest of `MicrobatchConfig` (`min_tokens`, `samples`,
-        `probe`)."""
+        `probe`). `quantization`: "fp8" quantizes the checkpoint's projections to
+        block-scaled FP8 on load (an FP8 checkpoint loads as FP8 anyway)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
@@ -145,7 +153,8 @@ class LLM:
             recovery_window_s=recovery_window_s, replace_timeout_s=replace_timeout_s,
             ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes,
             ep_policy=ep_policy, ep_groups=ep_groups, ep_costs=ep_costs, ep_options=ep_options,
-            microbatch=microbatch, microbatch_options=microbatch_options)
+            microbatch=microbatch, microbatch_options=microbatch_options,
+            quantization=quantization)
         self.engine: Optional[LLMEngine] = None
         self.cluster = None  # a multi-rank layout's client (actors.cluster.ClusterClient)
         disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)
@@ -154,8 +163,12 @@ class LLM:
                 raise ValueError("tp/dp: give either tp/dp (colocated) or the prefill_*/decode_* "
                                  "layout (disaggregated), not both")
             from .actors.cluster_builder import build_cluster
-            self.cluster = build_cluster(self.config, disagg_config(*disagg, collective_timeout_s),
-                                         ray_address)
+            layout = disagg_config(*disagg, collective_timeout_s)
+            fp8 = is_fp8_checkpoint(Checkpoint(self.config.model_path).hf_config)
+            if quantization == "fp8" or fp8:
+                check_fp8_tp(self.config.model, layout.prefill_tp, "prefill_tp")
+                check_fp8_tp(self.config.model, layout.decode_tp, "decode_tp")
+            self.cluster = build_cluster(self.config, layout, ray_address)
         elif tp * dp == 1:
             self.engine = LLMEngine(self.config)
             self.engine.warm_up()  # GPU: nothing compiles once requests come

@@ -50,7 +50,8 @@ class LLMEngine:
             keep_compiled_kernels()
         dtype = torch_dtype(config.torch_dtype_name)
         self.model = model if model is not None else load_model(
-            config.model_path, config.model, shard, self.device, dtype, comm, ep)
+            config.model_path, config.model, shard, self.device, dtype, comm, ep,
+            quantize=config.quantization == "fp8")
         cache = config.cache
         self.num_pages = cache.num_pages or num_pages_for_memory(self.model, cache, dtype, self.device)
         self.pool = BlockPool(self.num_pages, cache.page_size, cache.enable_prefix_caching)

@@ -35,8 +35,10 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
 
 def load_model(path: str | os.PathLike, cfg: ModelConfig, shard: ModelShard,
                device: torch.device, dtype: torch.dtype,
-               comm: Optional[ModelComm] = None, ep: Optional[ExpertParallel] = None) -> CausalLM:
-    """Build the shard's modules and fill them from the checkpoint (only the shard is read)."""
+               comm: Optional[ModelComm] = None, ep: Optional[ExpertParallel] = None,
+               quantize: bool = False) -> CausalLM:
+    """Build the shard's modules and fill them from the checkpoint (only the shard is
+    read); `quantize`: projections to FP8 on load (an FP8 checkpoint is FP8 anyway)."""
     ckpt = Checkpoint(path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -44,5 +46,5 @@ def load_model(path: str | os.PathLike, cfg: ModelConfig, shard: ModelShard,
         model = CausalLM(cfg, shard, comm, ep)
     finally:
         torch.set_default_dtype(prev)
-    load_weights(model, ckpt)
+    load_weights(model, ckpt, quantize)
     return model.to(device).eval()

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..kernels.activation import silu_and_mul
 from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention
+from ..kernels.fp8 import dequantize, fp8_linear
 from ..kernels.moe import fused_experts, make_expert_map, route
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.rope import RotaryEmbedding
@@ -34,6 +35,18 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pools, [pages, kv_heads, 
 
 def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _fp8_scales(module: nn.Module, *weights: str) -> None:
+    """`<weight>_scale` buffers, None until an FP8 weight is loaded (kernels/fp8.py: per
+    row and 128-column block; the weight itself is then float8_e4m3fn)."""
+    for name in weights:
+        module.register_buffer(f"{name}_scale", None)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            scales: Optional[torch.Tensor]) -> torch.Tensor:
+    return F.linear(x, weight, bias) if scales is None else fp8_linear(x, weight, scales, bias)
 
 
 class Attention(nn.Module):
@@ -52,11 +65,12 @@ class Attention(nn.Module):
         self.o_proj = _empty(cfg.hidden_size, q)
         self.q_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
+        _fp8_scales(self, "qkv_proj", "o_proj")
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = _linear(x, self.qkv_proj, self.qkv_bias, self.qkv_proj_scale)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -69,7 +83,7 @@ class Attention(nn.Module):
             out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
         else:
             out = prefill_attention(q, cache[0], cache[1], meta, self.scale)
-        return F.linear(out.reshape(t, q_size), self.o_proj)
+        return _linear(out.reshape(t, q_size), self.o_proj, None, self.o_proj_scale)
 
 
 class DenseMLP(nn.Module):
@@ -79,9 +93,11 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = _empty(2 * intermediate, hidden)
         self.down_proj = _empty(hidden, intermediate)
+        _fp8_scales(self, "gate_up_proj", "down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        h = silu_and_mul(_linear(x, self.gate_up_proj, None, self.gate_up_proj_scale))
+        return _linear(h, self.down_proj, None, self.down_proj_scale)
 
 
 class SparseMoE(nn.Module):
@@ -99,6 +115,7 @@ class SparseMoE(nn.Module):
         self.gate = _empty(cfg.num_experts, cfg.hidden_size)
         self.w13 = _empty(len(local), 2 * cfg.moe_intermediate_size, cfg.hidden_size)
         self.w2 = _empty(len(local), cfg.hidden_size, cfg.moe_intermediate_size)
+        _fp8_scales(self, "w13", "w2")
         full = local == tuple(range(cfg.num_experts))
         self.register_buffer("expert_map", None if full else make_expert_map(cfg.num_experts, local),
                              persistent=False)
@@ -117,7 +134,7 @@ class SparseMoE(nn.Module):
         """`forward` as a stage generator (yields while its EP exchanges are in flight)."""
         weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
         if self.ep is None:
-            out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map)
+            out = fused_experts(x, weights, ids, *self._expert_weights(x.dtype), self.expert_map)
         else:
             out = yield from self._dispatch(x, weights, ids)
         if self.shared is not None:
@@ -139,12 +156,19 @@ class SparseMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted output of each received (token, local expert) row."""
-        return fused_experts(x, weights[:, None], local_ids[:, None], self.w13, self.w2)
+        return fused_experts(x, weights[:, None], local_ids[:, None], *self._expert_weights(x.dtype))
+
+    def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the expert kernels take them: FP8 stacks dequantized (the
+        reference path; the FP8 grouped GEMM will read them as they are)."""
+        if self.w13_scale is None:
+            return self.w13, self.w2
+        return dequantize(self.w13, self.w13_scale, dtype), dequantize(self.w2, self.w2_scale, dtype)
 
     def dummy_stages(self) -> Stages[None]:
         """An idle rank's (or empty micro-batch's) part in the layer's all-to-alls."""
         if self.ep is not None:
-            empty = self.w13.new_empty((0, self.w13.shape[2]))
+            empty = self.gate.new_empty((0, self.gate.shape[1]))  # the model dtype, not FP8
             yield from self.ep.stages(empty, empty.new_empty((0, self.top_k)),
                                       torch.empty((0, self.top_k), dtype=torch.int64,
                                                   device=empty.device), self._experts)

@@ -71,7 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
             device=args.device, seed=args.seed, collective_timeout_s=args.collective_timeout,
             max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
             replace_timeout_s=args.replace_timeout,
-            ep_exchange=args.ep_exchange,
+            ep_exchange=args.ep_exchange, quantization=args.quantization,
             ray_address=args.address)
         _restore(previous)
         _say(_capacity_line(_first_stats(backend), time.monotonic() - started))
