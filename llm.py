@@ -92,6 +92,14 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
         quantization=quantization)
 
 
+def check_fp8_disagg(config: EngineConfig, layout) -> None:
+    """ValueError naming the side whose TP size would cut an FP8 weight's 128-column
+    blocks (`layout`: a `DisaggConfig`; nothing to check unless the weights are FP8)."""
+    if config.quantization == "fp8" or is_fp8_checkpoint(Checkpoint(config.model_path).hf_config):
+        check_fp8_tp(config.model, layout.prefill_tp, "prefill_tp")
+        check_fp8_tp(config.model, layout.decode_tp, "decode_tp")
+
+
 def disagg_config(prefill_tp: Optional[int], decode_dp: Optional[int], decode_tp: Optional[int],
                   prefill_instances: Optional[int], prefill_page_size: Optional[int],
                   transfer_timeout_s: float = 30.0):
@@ -164,10 +172,7 @@ class LLM:
                                  "layout (disaggregated), not both")
             from .actors.cluster_builder import build_cluster
             layout = disagg_config(*disagg, collective_timeout_s)
-            fp8 = is_fp8_checkpoint(Checkpoint(self.config.model_path).hf_config)
-            if quantization == "fp8" or fp8:
-                check_fp8_tp(self.config.model, layout.prefill_tp, "prefill_tp")
-                check_fp8_tp(self.config.model, layout.decode_tp, "decode_tp")
+            check_fp8_disagg(self.config, layout)
             self.cluster = build_cluster(self.config, layout, ray_address)
         elif tp * dp == 1:
             self.engine = LLMEngine(self.config)

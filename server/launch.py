@@ -95,7 +95,7 @@ def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str
     from transformers import AutoTokenizer
 
     from ..actors.cluster_builder import build_cluster
-    from ..llm import disagg_config, engine_config
+    from ..llm import check_fp8_disagg, disagg_config, engine_config
     from .cluster_backend import ClusterBackend
     from .cluster_driver import DriverConfig
 
@@ -107,6 +107,7 @@ def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str
     if any(k in layout for k in _DISAGG_KEYS):
         disagg = disagg_config(*(layout.get(k) for k in _DISAGG_KEYS),
                                config.parallel.collective_timeout_s)
+        check_fp8_disagg(config, disagg)
     if ray.is_initialized():
         say("using the Ray cluster this process is connected to")
     else:

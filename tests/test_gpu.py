@@ -205,3 +205,23 @@ def test_nothing_compiles_after_ready(tiny_model):
         gc.collect()
         torch.cuda.empty_cache()
         assert after == 0, (dtype, new)
+
+
+def test_fp8_checkpoint_on_gpu_equals_cpu(tiny_model, tmp_path):
+    """The tiny model's FP8 checkpoint (bench/fp8_checkpoint.py) on the GPU, CUDA graphs
+    and the warm-up included, gives the CPU's greedy tokens (float32 compute)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    from fp8_checkpoint import write_fp8_checkpoint
+
+    fp8 = write_fp8_checkpoint(tiny_model, tmp_path / "fp8")
+    prompts = make_prompts(2048, seed=13)[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=96, page_size=4, num_pages=300)
+    cpu = LLM(fp8, device="cpu", **kw).generate(prompt_token_ids=prompts, sampling_params=params)
+    gpu_llm = LLM(fp8, device="cuda", dtype="float32", **kw)
+    gpu = gpu_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in gpu] == [o.outputs[0].token_ids for o in cpu]
+    assert gpu_llm.engine.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn
