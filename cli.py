@@ -150,9 +150,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import signal
+
     from .engine.sampling_params import SamplingParams
     from .llm import LLM
     from .server.launch import layout_kwargs
+
+    # SIGINT interrupts even when the shell started us with it ignored (a background
+    # job, as `phalanx serve` also does): `main` reports it and exits 130.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
