@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "FP8", "FP8_MAX", "dequantize", "expand_block_scales", "fp8_linear",
+__all__ = ["BLOCK", "FP8", "FP8_MAX", "check_k_cut", "dequantize", "expand_block_scales", "fp8_linear",
            "quantize_blocks", "quantize_groups", "slice_k_blocks"]
 
 BLOCK = 128
@@ -54,12 +54,17 @@ def expand_block_scales(block_scales: torch.Tensor, n: int) -> torch.Tensor:
     return block_scales.float().repeat_interleave(BLOCK, dim=-2)[..., :n, :].contiguous()
 
 
-def slice_k_blocks(scales: torch.Tensor, k: int, start: int, stop: int) -> torch.Tensor:
-    """Per-row scales of the columns ``[start, stop)`` of a K-wide weight: ValueError
-    unless the cut falls on 128-column blocks (or at K)."""
+def check_k_cut(k: int, start: int, stop: int) -> None:
+    """ValueError unless columns ``[start, stop)`` of a K-wide weight fall on 128-column
+    blocks (or end at K)."""
     if start % BLOCK or (stop % BLOCK and stop != k):
         raise ValueError(f"an FP8 weight's columns can be cut only on {BLOCK}-column blocks: "
                          f"[{start}, {stop}) of {k} (choose a TP size whose shards align)")
+
+
+def slice_k_blocks(scales: torch.Tensor, k: int, start: int, stop: int) -> torch.Tensor:
+    """Per-row scales of the columns ``[start, stop)`` of a K-wide weight (`check_k_cut`)."""
+    check_k_cut(k, start, stop)
     return scales[..., start // BLOCK:_blocks(stop)].contiguous()
 
 

@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from ..kernels.fp8 import BLOCK, FP8, expand_block_scales, quantize_blocks, slice_k_blocks
+from ..kernels.fp8 import (BLOCK, FP8, check_k_cut, expand_block_scales, quantize_blocks,
+                           slice_k_blocks)
 from .checkpoint import Checkpoint
 
 __all__ = ["Fp8Weight", "check_fp8_tp", "is_fp8_checkpoint", "read_fp8", "read_fp8_experts",
@@ -69,7 +70,7 @@ def read_fp8(ckpt: Checkpoint, name: str, rows: Optional[range] = None,
         scales = scales[rows.start % BLOCK:]
         return q.to(FP8), slice_k_blocks(scales, k, cols.start, cols.stop)
     wide = range(rows.start // BLOCK * BLOCK, min(n, -(-rows.stop // BLOCK) * BLOCK))
-    slice_k_blocks(torch.empty(0, -(-k // BLOCK)), k, cols.start, cols.stop)  # alignment
+    check_k_cut(k, cols.start, cols.stop)
     q, blocks = quantize_blocks(_read(ckpt, f"{name}.weight", wide, cols))
     lo = rows.start - wide.start
     return (q[lo:lo + len(rows)].contiguous(),

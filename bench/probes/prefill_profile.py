@@ -100,7 +100,7 @@ def prefill_once(engine, cfg, args, g, tag: str, cuda: bool, host=None) -> float
     return time.perf_counter() - t
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seqs", type=int, default=8)
@@ -108,11 +108,82 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="timed prefills after the warm one")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny dims (2 layers unless --layers)")
     args = ap.parse_args()
-    cuda = not args.dry_run
     if args.dry_run:  # tiny defaults: 2 layers, 2x64
         args.layers, args.seqs, args.length = [int(getattr(args, a)) if f"--{a}" in sys.argv else d
                                                for a, d in (("layers", 2), ("seqs", 2), ("length", 64))]
+    return args
+
+
+def kernel_records(evs, cuda: bool) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every device kernel / memcpy / memset; in a dry
+    run the CPU ops' self time stands in for kernels."""
     from torch.autograd import DeviceType
+    if cuda:
+        return [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in evs
+                if e.device_type == DeviceType.CUDA]
+    return [(e.name, e.time_range.start, e.self_cpu_time_total) for e in evs
+            if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0]
+
+
+def busy_and_span(recs) -> tuple[float, float]:
+    """The union of the kernels' intervals (us) and first start to last end (us)."""
+    busy_us, end = 0.0, -1.0
+    for _, s, d in sorted(recs, key=lambda r: r[1]):
+        busy_us += max(0.0, s + d - max(s, end))
+        end = max(end, s + d)
+    return busy_us, max(s + d for _, s, d in recs) - min(s for _, s, _ in recs)
+
+
+def group_times(recs, evs, cfg, cuda: bool) -> tuple[dict, dict]:
+    """({kernel name: [calls, us]}, {group: us}), cuBLAS GEMMs split by the launching
+    op's shapes."""
+    from torch.autograd import DeviceType
+    by_name: dict[str, list] = {}
+    groups: dict[str, float] = {}
+    for name, _, d in recs:
+        c = by_name.setdefault(name, [0, 0.0])
+        c[0], c[1] = c[0] + 1, c[1] + d
+        groups[group_of(name)] = groups.get(group_of(name), 0.0) + d
+    split: dict[str, float] = {}
+    for e in (e for e in evs if e.device_type == DeviceType.CPU and e.name in MM_OPS):
+        lab = gemm_label(cfg, e.input_shapes)
+        us = sum(k.duration for k in e.kernels if group_of(k.name) == "gemm") if cuda else e.self_cpu_time_total
+        split[lab] = split.get(lab, 0.0) + us
+    if "gemm" in groups:
+        rest = groups.pop("gemm") - sum(split.values())
+        groups.update(split)
+        groups.update({"gemm unmapped": rest} if rest > 1.0 else {})
+    return by_name, groups
+
+
+def print_report(result: dict, host_top: list[str], out: str) -> None:
+    r, rate, flops = result, result["matmul_flops_per_s"], result["prefill_flops"]
+    walls, wall, target_ms = r["walls_ms"], r["wall_ms"], r["target_ms_at_060"]
+    print(f"\n{r['device']}: matmul {rate / 1e12:.1f} TFLOP/s; {r['layers']} layers, "
+          f"{r['seqs']}x{r['length']}; prefill {flops / 1e12:.2f} TFLOP (groups sum "
+          f"{r['group_flops_sum'] / 1e12:.2f}), floor {r['floor_ms']:.2f} ms\nprefill wall ms "
+          f"{', '.join(f'{w:.2f}' for w in walls)} -> median {wall:.2f}: "
+          f"{r['tok_s']:.0f} tok/s, {r['frac']:.3f} of the matmul floor "
+          f"(0.60 needs {target_ms:.2f} ms: cut {wall - target_ms:.2f} ms)")
+    print(f"profiled prefill: wall {r['profiled_wall_ms']:.2f} ms, kernels sum "
+          f"{r['kernel_sum_ms']:.2f} ms, GPU busy {r['gpu_busy_ms']:.2f} ms, first->last kernel "
+          f"{r['kernel_span_ms']:.2f} ms; unprofiled wall - busy = {wall - r['gpu_busy_ms']:.2f} ms")
+    print(f"\nhost functions of one prefill under cProfile (wall {r['host_wall_ms']:.2f} ms): top 12 "
+          f"by self time, then top 12 by cumulative\n{'self ms':>8} {'cum ms':>8} {'calls':>6}  function")
+    print("\n".join(host_top))
+    print(f"\n{'kernel':52} {'calls':>5} {'ms':>8} {'share':>6}  group")
+    for k in r["top_kernels"]:
+        print(f"{k['name'][:52]:52} {k['calls']:5d} {k['ms']:8.3f} {k['share']:6.1%}  {k['group']}")
+    print(f"\n{'group':20} {'ms':>8} {'share':>6} {'TFLOP':>7} {'floor ms':>9} {'achieved':>8}")
+    for g in r["groups"]:
+        fl = f"{g['flops'] / 1e12:7.3f} {g['floor_ms']:9.3f} {g['achieved']:8.2f}" if g["flops"] else ""
+        print(f"{g['group']:20} {g['ms']:8.3f} {g['share']:6.1%} {fl}")
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = not args.dry_run
     from torch.profiler import ProfilerActivity, profile
     rate = decode_gpu.measure_ceilings()["matmul_flops_per_s"] if cuda else 1e11  # dry: nominal
     cfg, engine = build(args)
@@ -128,33 +199,10 @@ def main() -> None:
     host_wall, st = prefill_once(engine, cfg, args, g, "host", cuda, host), pstats.Stats(host).stats
     host_top = [f"{tt * 1e3:8.2f} {ct * 1e3:8.2f} {nc:6d}  {os.path.basename(f)}:{ln}({fn})" for key in (2, 3)
                 for (f, ln, fn), (_, nc, tt, ct, _) in sorted(st.items(), key=lambda kv: -kv[1][key])[:12]]
-    if cuda:  # (name, start us, duration us) of every device kernel / memcpy / memset
-        recs = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in evs
-                if e.device_type == DeviceType.CUDA]
-    else:  # dry run: CPU ops' self time stands in for kernels
-        recs = [(e.name, e.time_range.start, e.self_cpu_time_total) for e in evs
-                if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0]
+    recs = kernel_records(evs, cuda)
     kernel_us = sum(r[2] for r in recs)
-    busy_us, end = 0.0, -1.0
-    for _, s, d in sorted(recs, key=lambda r: r[1]):  # union of kernel intervals
-        busy_us += max(0.0, s + d - max(s, end))
-        end = max(end, s + d)
-    span_us = max(s + d for _, s, d in recs) - min(s for _, s, _ in recs)
-    by_name: dict[str, list] = {}
-    groups: dict[str, float] = {}
-    for name, _, d in recs:
-        c = by_name.setdefault(name, [0, 0.0])
-        c[0], c[1] = c[0] + 1, c[1] + d
-        groups[group_of(name)] = groups.get(group_of(name), 0.0) + d
-    split: dict[str, float] = {}  # cuBLAS GEMM time by the launching op's shapes
-    for e in (e for e in evs if e.device_type == DeviceType.CPU and e.name in MM_OPS):
-        lab = gemm_label(cfg, e.input_shapes)
-        us = sum(k.duration for k in e.kernels if group_of(k.name) == "gemm") if cuda else e.self_cpu_time_total
-        split[lab] = split.get(lab, 0.0) + us
-    if "gemm" in groups:
-        rest = groups.pop("gemm") - sum(split.values())
-        groups.update(split)
-        groups.update({"gemm unmapped": rest} if rest > 1.0 else {})
+    busy_us, span_us = busy_and_span(recs)
+    by_name, groups = group_times(recs, evs, cfg, cuda)
     gfl, rows = group_flops(cfg, args.seqs, args.length), []
     for grp, us in sorted(((k, v) for k, v in groups.items() if v > 0), key=lambda kv: -kv[1]):
         fl = gfl.get(grp)
@@ -173,26 +221,7 @@ def main() -> None:
     out = os.path.join(os.environ.get("OUT", "."), "prefill_profile.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"\n{result['device']}: matmul {rate / 1e12:.1f} TFLOP/s; {args.layers} layers, "
-          f"{args.seqs}x{args.length}; prefill {flops / 1e12:.2f} TFLOP (groups sum "
-          f"{sum(gfl.values()) / 1e12:.2f}), floor {floor_s * 1e3:.2f} ms\nprefill wall ms "
-          f"{', '.join(f'{w * 1e3:.2f}' for w in walls)} -> median {wall * 1e3:.2f}: "
-          f"{result['tok_s']:.0f} tok/s, {floor_s / wall:.3f} of the matmul floor "
-          f"(0.60 needs {target_ms:.2f} ms: cut {wall * 1e3 - target_ms:.2f} ms)")
-    print(f"profiled prefill: wall {prof_wall * 1e3:.2f} ms, kernels sum {kernel_us / 1e3:.2f} ms, "
-          f"GPU busy {busy_us / 1e3:.2f} ms, first->last kernel {span_us / 1e3:.2f} ms; "
-          f"unprofiled wall - busy = {wall * 1e3 - busy_us / 1e3:.2f} ms")
-    print(f"\nhost functions of one prefill under cProfile (wall {host_wall * 1e3:.2f} ms): top 12 by self "
-          f"time, then top 12 by cumulative\n{'self ms':>8} {'cum ms':>8} {'calls':>6}  function")
-    print("\n".join(host_top))
-    print(f"\n{'kernel':52} {'calls':>5} {'ms':>8} {'share':>6}  group")
-    for k in top:
-        print(f"{k['name'][:52]:52} {k['calls']:5d} {k['ms']:8.3f} {k['share']:6.1%}  {k['group']}")
-    print(f"\n{'group':20} {'ms':>8} {'share':>6} {'TFLOP':>7} {'floor ms':>9} {'achieved':>8}")
-    for r in rows:
-        fl = f"{r['flops'] / 1e12:7.3f} {r['floor_ms']:9.3f} {r['achieved']:8.2f}" if r["flops"] else ""
-        print(f"{r['group']:20} {r['ms']:8.3f} {r['share']:6.1%} {fl}")
-    print(f"wrote {out}")
+    print_report(result, host_top, out)
 
 
 if __name__ == "__main__":
