@@ -2,6 +2,7 @@
 and Hugging Face transformers in the same run.
 
     python bench/decode_gpu.py [--layers 48] [--batches 1,16,64,128] [--skip-hf]
+                               [--quantization fp8]
 
 Random bf16 weights (no download). The transformers model is built first; phalanx's
 model shares its weight tensors (the expert layout [E, 2I, H] / [E, H, I] is the same),
@@ -13,6 +14,7 @@ table last and writes JSON to $OUT/decode_gpu.json (or ./decode_gpu.json).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -237,7 +239,7 @@ def phalanx_prefill(engine: LLMEngine, num_seqs: int, length: int) -> float:
     return num_seqs * length / once("timed")
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--batches", default="1,16,64,128")
@@ -246,66 +248,125 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--compare-overlap", action="store_true",
                     help="also run batch 1 and 64 with overlapped steps off (rows 'decode-serial')")
-    args = ap.parse_args()
+    ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                    help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "
+                         "'decode-fp8' / 'prefill-fp8' the FP8 weights (bench/decode_fp8.py)")
+    return ap.parse_args()
+
+
+def decode_rows(engine: LLMEngine, kind: str, batches: list[int], args, bytes_per_s: float,
+                step_bytes, hf_rates: dict, profile: bool = True) -> list[dict]:
+    """One row per batch: tok/s, its floor (`step_bytes(batch, ctx)` over the copy rate)."""
+    rows = []
+    for b in batches:
+        tok_s, detail = phalanx_decode(engine, b, args.ctx, args.steps, profile=profile)
+        floor_s = step_bytes(b, args.ctx + args.steps // 2) / bytes_per_s
+        rows.append(dict(kind=kind, batch=b, tok_s=tok_s, floor_tok_s=b / floor_s,
+                         frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
+                         vs_hf=tok_s / hf_rates[b] if b in hf_rates else None, **detail))
+    return rows
+
+
+def compare_overlap(engine: LLMEngine, batches: list[int], args, ceil: dict, cfg: ModelConfig,
+                    hf_rates: dict, rows: list[dict]) -> list[dict]:
+    """Rows 'decode-serial' (batch 1 and 64, overlapped steps off), tokens checked."""
+    engine.overlap = False
+    serial = decode_rows(engine, "decode-serial", [b for b in batches if b in (1, 64)], args,
+                         ceil["copy_bytes_per_s"], lambda b, c: decode_bytes(cfg, b, c), hf_rates,
+                         profile=False)
+    engine.overlap = True
+    for r in serial:
+        over = next(o for o in rows if o["kind"] == "decode" and o["batch"] == r["batch"])
+        n = min(len(a) for a in r["tokens"] + over["tokens"])
+        r["tokens_equal_overlapped"] = all(a[:n] == b[:n] for a, b in zip(r["tokens"], over["tokens"]))
+        r["distinct_tokens"] = len({t for a in r["tokens"] for t in a})
+        print(f"batch {r['batch']}: overlapped vs serial greedy tokens equal "
+              f"(first {n}): {r['tokens_equal_overlapped']}; distinct tokens {r['distinct_tokens']}")
+    return serial
+
+
+def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: list[dict]) -> list[dict]:
+    """The same batches and prefill over the FP8 weights; tokens against the bf16 twin's."""
+    from decode_fp8 import decode_bytes_fp8, prefill_seconds_fp8, quantize_in_place, token_agreement
+    model = phalanx_model_from_hf(hf, cfg)
+    quantize_in_place(model)
+    engine = make_engine(cfg, model, max(batches))
+    rows = decode_rows(engine, "decode-fp8", batches, args, ceil["copy_bytes_per_s"],
+                       lambda b, c: decode_bytes_fp8(cfg, b, c), {})
+    for r in rows:
+        twin = next(o for o in bf16 if o["kind"] == "decode" and o["batch"] == r["batch"])
+        r["vs_bf16"] = r["tok_s"] / twin["tok_s"]
+        r["agreement"] = token_agreement(r["tokens"], twin["tokens"])
+    pf = phalanx_prefill(engine, 8, 2048)
+    floor = 8 * 2048 / prefill_seconds_fp8(cfg, 8, 2048, ceil)
+    rows.append(dict(kind="prefill-fp8", batch=8, tok_s=pf, floor_tok_s=floor, frac=pf / floor,
+                     hf_tok_s=None, vs_hf=None,
+                     vs_bf16=pf / next(o["tok_s"] for o in bf16 if o["kind"] == "prefill")))
+    del engine, model
+    gc.collect()
+    return rows
+
+
+def print_table(rows: list[dict], ceil: dict, args, num_pages: int) -> None:
+    for r in rows:
+        if "kernels_us" in r:
+            print(f"{r['kind']} batch {r['batch']}: step {r['step_ms']:.2f} ms, graph replay "
+                  f"{r['replay_ms']:.2f} ms; kernels (us/step): "
+                  + ", ".join(f"{k}={v:.0f}" for k, v in r["kernels_us"].items()))
+            print("\n".join(r.get("host_profile", [])))
+        if "agreement" in r:
+            print(f"{r['kind']} batch {r['batch']}: tokens vs the bf16 twin {r['agreement']}")
+    fp8 = f", FP8 matmul {ceil['fp8_matmul_flops_per_s'] / 1e12:.0f}" if "fp8_matmul_flops_per_s" in ceil else ""
+    print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} "
+          f"TFLOP/s{fp8}, {args.layers} layers, ctx {args.ctx}, {num_pages} KV pages (bf16 engine)")
+    print(f"{'what':13} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} "
+          f"{'x HF':>6} {'x bf16':>6} {'step ms':>8} {'GPU ms':>7}")
+    for r in rows:
+        hf_s = f"{r['hf_tok_s']:9.0f}" if r["hf_tok_s"] else f"{'-':>9}"
+        vs = f"{r['vs_hf']:6.1f}" if r["vs_hf"] else f"{'-':>6}"
+        vb = f"{r['vs_bf16']:6.2f}" if r.get("vs_bf16") else f"{'-':>6}"
+        step = f"{r['step_ms']:8.2f} {r['replay_ms']:7.2f}" if "step_ms" in r else ""
+        print(f"{r['kind']:13} {r['batch']:5d} {r['tok_s']:10.0f} {r['floor_tok_s']:12.0f} "
+              f"{r['frac']:9.2f} {hf_s} {vs} {vb} {step}")
+
+
+def main() -> None:
+    args = _parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     hf_cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     cfg = ModelConfig.from_hf(hf_cfg)
     ceil = measure_ceilings()
     hf = build_hf(hf_cfg)
+    if args.quantization == "fp8":
+        from decode_fp8 import fp8_matmul_rate, make_twin_in_place
+        make_twin_in_place(hf)
+        ceil["fp8_matmul_flops_per_s"] = fp8_matmul_rate()
     hf_rates = {}
     if not args.skip_hf:
         for b in (1, 64):
             hf_rates[b] = hf_decode_tok_s(hf, b, args.ctx, steps=8)
         torch.cuda.empty_cache()
     engine = make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches))
-    rows = []
-    for b in batches:
-        tok_s, detail = phalanx_decode(engine, b, args.ctx, args.steps)
-        floor_s = decode_bytes(cfg, b, args.ctx + args.steps // 2) / ceil["copy_bytes_per_s"]
-        rows.append(dict(kind="decode", batch=b, tok_s=tok_s, floor_tok_s=b / floor_s,
-                         frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
-                         vs_hf=tok_s / hf_rates[b] if b in hf_rates else None, **detail))
+    rows = decode_rows(engine, "decode", batches, args, ceil["copy_bytes_per_s"],
+                       lambda b, c: decode_bytes(cfg, b, c), hf_rates)
     if args.compare_overlap:
-        engine.overlap = False
-        for b in (b for b in batches if b in (1, 64)):
-            tok_s, detail = phalanx_decode(engine, b, args.ctx, args.steps, profile=False)
-            floor_s = decode_bytes(cfg, b, args.ctx + args.steps // 2) / ceil["copy_bytes_per_s"]
-            rows.append(dict(kind="decode-serial", batch=b, tok_s=tok_s, floor_tok_s=b / floor_s,
-                             frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
-                             vs_hf=tok_s / hf_rates[b] if b in hf_rates else None, **detail))
-        engine.overlap = True
-        for r in rows:
-            if r["kind"] == "decode-serial":
-                over = next(o for o in rows if o["kind"] == "decode" and o["batch"] == r["batch"])
-                n = min(len(a) for a in r["tokens"] + over["tokens"])
-                r["tokens_equal_overlapped"] = all(a[:n] == b[:n] for a, b in zip(r["tokens"], over["tokens"]))
-                r["distinct_tokens"] = len({t for a in r["tokens"] for t in a})
-                print(f"batch {r['batch']}: overlapped vs serial greedy tokens equal "
-                      f"(first {n}): {r['tokens_equal_overlapped']}; distinct tokens {r['distinct_tokens']}")
+        rows += compare_overlap(engine, batches, args, ceil, cfg, hf_rates, rows)
     pf = phalanx_prefill(engine, 8, 2048)
     pf_floor = 8 * 2048 / (prefill_flops(cfg, 8, 2048) / ceil["matmul_flops_per_s"])
     rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
                      hf_tok_s=None, vs_hf=None))
-    result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=engine.num_pages,
-                  rows=rows, device=torch.cuda.get_device_name())
+    num_pages = engine.num_pages
+    if args.quantization == "fp8":
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        rows += fp8_rows(hf, cfg, batches, args, ceil, rows)
+    result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=num_pages,
+                  quantization=args.quantization, rows=rows, device=torch.cuda.get_device_name())
     out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    for r in rows:
-        if "kernels_us" in r:
-            print(f"batch {r['batch']}: step {r['step_ms']:.2f} ms, graph replay {r['replay_ms']:.2f} ms; "
-                  "kernels (us/step): " + ", ".join(f"{k}={v:.0f}" for k, v in r["kernels_us"].items()))
-            print("\n".join(r.get("host_profile", [])))
-    print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, "
-          f"{args.layers} layers, ctx {args.ctx}, {engine.num_pages} KV pages")
-    print(f"{'what':13} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} "
-          f"{'x HF':>6} {'step ms':>8} {'GPU ms':>7}")
-    for r in rows:
-        hf_s = f"{r['hf_tok_s']:9.0f}" if r["hf_tok_s"] else f"{'-':>9}"
-        vs = f"{r['vs_hf']:6.1f}" if r["vs_hf"] else f"{'-':>6}"
-        step = f"{r['step_ms']:8.2f} {r['replay_ms']:7.2f}" if "step_ms" in r else ""
-        print(f"{r['kind']:13} {r['batch']:5d} {r['tok_s']:10.0f} {r['floor_tok_s']:12.0f} "
-              f"{r['frac']:9.2f} {hf_s} {vs} {step}")
+    print_table(rows, ceil, args, num_pages)
 
 
 if __name__ == "__main__":

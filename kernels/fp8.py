@@ -11,9 +11,10 @@ leading expert dimension on both.
 
 The reference computes with the weights dequantized (``q.float() * s``) in the
 activations' dtype: in float32 that is exactly what a float32 checkpoint holding the
-dequantized weights computes, which the tests use as the oracle. The GPU kernels will
-quantize activations per token and 128-column group on the fly (`quantize_groups`, the
-reference for their interpreter tests).
+dequantized weights computes, which the tests use as the oracle. The Triton kernels
+(`gpu/fp8_linear.py`, `gpu/moe_fp8.py`) dequantize weight tiles in registers the same
+way at decode, and at prefill quantize activations per token and 128-column group
+(`quantize_groups`, the reference for their interpreter tests) for FP8 tensor-core dots.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .backend import use_triton
+
 __all__ = ["BLOCK", "FP8", "FP8_MAX", "check_k_cut", "dequantize", "expand_block_scales", "fp8_linear",
-           "quantize_blocks", "quantize_groups", "slice_k_blocks"]
+           "fp8_linear_ref", "quantize_blocks", "quantize_groups", "slice_k_blocks"]
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -75,10 +78,21 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tor
     return (q.float() * s).to(dtype)
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize(q, scales), bias)`` in ``x.dtype`` (the reference)."""
     return F.linear(x, dequantize(q, scales, x.dtype), bias)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fp8_linear_ref`'s contract; the Triton kernel (`gpu/fp8_linear.py`: FP8
+    activations past 16 rows) when :func:`~phalanx.kernels.backend.use_triton` says so."""
+    if use_triton(x) and x.dim() == 2:
+        from .gpu.fp8_linear import fp8_linear_triton
+
+        return fp8_linear_triton(x, q, scales, bias)
+    return fp8_linear_ref(x, q, scales, bias)
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

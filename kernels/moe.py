@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .activation import silu_and_mul
 from .backend import use_triton
+from .fp8 import dequantize
 
 __all__ = [
     "route",
@@ -134,12 +135,23 @@ def fused_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
     expert_map: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts with weighted top-k combine. See :func:`fused_experts_ref`.
 
+    ``scales``: (w13_scale, w2_scale) when the stacks are FP8 codes (`kernels/fp8.py`,
+    per row and 128-column block); the reference dequantizes them to ``x.dtype``.
     Runs the Triton kernels when :func:`~phalanx.kernels.backend.use_triton` says so
     (sums each token's slots in float32; out-of-range local ids count as not held).
     """
+    if scales is not None:
+        if use_triton(x):
+            from .gpu.moe_fp8 import fused_experts_fp8_triton
+
+            return fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, scales[0], w2, scales[1],
+                                            expert_map)
+        w13, w2 = dequantize(w13, scales[0], x.dtype), dequantize(w2, scales[1], x.dtype)
+        return fused_experts_ref(x, topk_weights, topk_ids, w13, w2, expert_map)
     if use_triton(x):
         from .gpu.moe import fused_experts_triton
 

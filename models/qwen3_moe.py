@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..kernels.activation import silu_and_mul
 from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention
-from ..kernels.fp8 import dequantize, fp8_linear
+from ..kernels.fp8 import fp8_linear
 from ..kernels.moe import fused_experts, make_expert_map, route
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.rope import RotaryEmbedding
@@ -134,7 +134,7 @@ class SparseMoE(nn.Module):
         """`forward` as a stage generator (yields while its EP exchanges are in flight)."""
         weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
         if self.ep is None:
-            out = fused_experts(x, weights, ids, *self._expert_weights(x.dtype), self.expert_map)
+            out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map, self._scales())
         else:
             out = yield from self._dispatch(x, weights, ids)
         if self.shared is not None:
@@ -156,14 +156,12 @@ class SparseMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted output of each received (token, local expert) row."""
-        return fused_experts(x, weights[:, None], local_ids[:, None], *self._expert_weights(x.dtype))
+        return fused_experts(x, weights[:, None], local_ids[:, None], self.w13, self.w2, None,
+                             self._scales())
 
-    def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) as the expert kernels take them: FP8 stacks dequantized (the
-        reference path; the FP8 grouped GEMM will read them as they are)."""
-        if self.w13_scale is None:
-            return self.w13, self.w2
-        return dequantize(self.w13, self.w13_scale, dtype), dequantize(self.w2, self.w2_scale, dtype)
+    def _scales(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(w13_scale, w2_scale) when the stacks are FP8 codes, else None."""
+        return None if self.w13_scale is None else (self.w13_scale, self.w2_scale)
 
     def dummy_stages(self) -> Stages[None]:
         """An idle rank's (or empty micro-batch's) part in the layer's all-to-alls."""

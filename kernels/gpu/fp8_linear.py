@@ -1,0 +1,125 @@
+"""Triton FP8 linear: a block-scaled FP8 weight times bf16/fp16/fp32 activations.
+
+Contract: :func:`phalanx.kernels.fp8.fp8_linear` (``x [M, K]``, weight codes ``q [N, K]``
+``float8_e4m3fn``, per-row scales ``[N, ceil(K/128)]``, optional bias ``[N]`` -> ``[M, N]``
+in ``x.dtype``). Two modes of one kernel, chosen from M and x's dtype:
+
+* ``M > SKINNY_MAX_M`` and bf16/fp16 activations (prefill, big batches): activations quantized per token and
+  128-column group first (`fp8_quant.quantize_groups_triton`, one launch), then FP8
+  tensor-core dots over K blocks of 128: ``acc += dot(a_q, w_q) * a_s[m] * w_s[n]``
+  (both operands' scales are constant over a K block). Differs from the reference by the
+  activations' quantization (about 2**-4 relative per element, averaging out over K).
+* otherwise (decode; float32 compute, which asks for precision): the weight tile is dequantized in registers exactly as
+  the reference dequantizes it (``(q * s)`` rounded to x's dtype) and dotted with the
+  activations as they are: decode is bound by the weight stream, which this halves
+  against bf16; quantizing activations would add a launch and error and save nothing.
+
+No host sync: CUDA-graph capturable. K blocks of 128 match the scales' blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import dot_precision
+from .fp8_quant import GROUP, quantize_groups_triton
+
+__all__ = ["fp8_linear_triton", "fp8_block_dot", "SKINNY_MAX_M"]
+
+SKINNY_MAX_M = 16
+
+
+@triton.jit
+def fp8_block_dot(acc, a, a_s, w, w_s, A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr,
+                  PREC: tl.constexpr):
+    """One 128-wide K block: ``a [BM, BK]`` (fp8 codes with row scales ``a_s [BM]`` when
+    A_FP8, else activations), ``w [BK, BN]`` fp8 codes with column scales ``w_s [BN]``.
+    Without A_FP8 the weight is dequantized as the reference does (``q * s`` rounded to
+    a's dtype), or with SCALE_AFTER the codes (exact in a's dtype) are dotted and the
+    block's sum scaled: fewer conversions, one rounding less than the reference."""
+    if A_FP8:
+        return acc + tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+    if SCALE_AFTER:
+        return acc + tl.dot(a, w.to(a.dtype), input_precision=PREC) * w_s[None, :]
+    wd = (w.to(tl.float32) * w_s[None, :]).to(a.dtype)
+    return tl.dot(a, wd, acc=acc, input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["M"])  # M follows the batch (engine/warmup.py)
+def _fp8_linear_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K,
+    sa_m, sas_m, sw_n, sws_n, sc_m,
+    HAS_BIAS: tl.constexpr, A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n  # programs sharing a band of GROUP_M row blocks (L2 reuse of w)
+    first_m = pid // width * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pm = first_m + (pid % width) % size_m
+    pn = (pid % width) // size_m
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm = rm < M
+    nm = rn < N
+    kk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * sa_m
+    w_rows = w_ptr + rn[None, :].to(tl.int64) * sw_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + kk
+        km = k < K
+        a = tl.load(a_rows + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        w = tl.load(w_rows + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+        w_s = tl.load(ws_ptr + rn.to(tl.int64) * sws_n + kb, mask=nm, other=0.0)
+        a_s = w_s  # unused unless A_FP8
+        if A_FP8:
+            a_s = tl.load(as_ptr + rm.to(tl.int64) * sas_m + kb, mask=mm, other=0.0)
+        acc = fp8_block_dot(acc, a, a_s, w, w_s, A_FP8, SCALE_AFTER, PREC)
+    ty = c_ptr.dtype.element_ty
+    if HAS_BIAS:
+        # the reference adds the bias inside F.linear, in its dtype's GEMM epilogue
+        acc += tl.load(bias_ptr + rn, mask=nm, other=0.0).to(tl.float32)
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * sc_m + rn[None, :], acc.to(ty),
+             mask=mm[:, None] & nm[None, :])
+
+
+def _tiles(m: int, a_fp8: bool) -> dict:
+    """One H200, Qwen3-30B-A3B qkv / o shapes (bench/probes/fp8_tiles.py, bench/NOTES.md):
+    decode tiles of 16 weight rows (the most programs), FP8 dots in 64-row tiles."""
+    if not a_fp8:
+        return dict(BLOCK_M=16, BLOCK_N=16, warps=4, stages=4, SCALE_AFTER=False)
+    if m <= 1024:
+        return dict(BLOCK_M=64, BLOCK_N=64, warps=4, stages=4, SCALE_AFTER=False)
+    return dict(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3, SCALE_AFTER=False)
+
+
+def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                      bias: torch.Tensor | None = None, *, a_fp8: bool | None = None,
+                      config: dict | None = None) -> torch.Tensor:
+    """``F.linear(x, dequantize(q, scales), bias)``; see the module docstring. ``a_fp8``
+    forces the mode (None: FP8 activations iff M > SKINNY_MAX_M and x is not float32);
+    ``config`` overrides tile keys (BLOCK_M, BLOCK_N, warps, stages, SCALE_AFTER)."""
+    m, k = x.shape
+    n = q.shape[0]
+    out = x.new_empty((m, n))
+    if m == 0:
+        return out
+    if a_fp8 is None:
+        a_fp8 = m > SKINNY_MAX_M and x.dtype != torch.float32
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    a, a_s = quantize_groups_triton(x) if a_fp8 else (x, scales)
+    cfg = dict(_tiles(m, a_fp8), **(config or {}))
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _fp8_linear_kernel[grid](
+        a, a_s, q, scales, bias if bias is not None else scales, out, m, n, k,
+        a.stride(0), a_s.stride(0), q.stride(0), scales.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, A_FP8=a_fp8, SCALE_AFTER=cfg["SCALE_AFTER"], PREC=dot_precision(x.dtype),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, GROUP_M=8,
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )
+    return out

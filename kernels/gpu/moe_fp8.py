@@ -1,0 +1,186 @@
+"""Triton MoE experts over block-scaled FP8 weights: the sorted grouped GEMMs of
+:mod:`phalanx.kernels.gpu.moe` with FP8 weight tiles.
+
+Contract: :func:`phalanx.kernels.moe.fused_experts` with ``w13_scale`` / ``w2_scale``
+(the reference dequantizes the stacks, `kernels/fp8.py`). Same steps as the bf16 path
+(align, gate_up with SwiGLU, down scaled by the routing weight, deterministic combine:
+`moe._align` and `moe._combine_kernel` are shared); the GEMMs read ``w13 [E, 2I, H]`` and
+``w2 [E, H, I]`` as ``float8_e4m3fn`` codes with per-row scales ``[E, rows, ceil(K/128)]``
+over K blocks of 128. Two modes, chosen from the rows per expert:
+
+* decode (``BLOCK_M`` 16), and float32 compute: weights dequantized in registers exactly as the reference
+  does, dotted with the activations as they are (bound by the weight stream, which FP8
+  halves); every rounding as in the bf16 kernels;
+* prefill (more rows per expert, bf16/fp16): FP8 tensor-core dots. ``x`` is quantized per token
+  and 128-column group once (`fp8_quant`); gate_up's epilogue quantizes ``silu(g) * u``
+  per row and 128 columns (its N tile is one group), so down reads FP8 too.
+
+No host sync: CUDA-graph capturable; no specialisation on ``P`` (engine/warmup.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import dot_precision
+from .fp8_linear import fp8_block_dot
+from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
+from .moe import _align, _combine_kernel
+
+__all__ = ["fused_experts_fp8_triton"]
+
+
+@triton.jit(do_not_specialize=["P"])
+def _fp8_gate_up_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, is_ptr, sorted_ptr, bexp_ptr,
+    P, K_TOP, HID, I, E, sx_t, sxs_t, sw_e, sw_n, sws_e, sws_n, si_r, sis_r,
+    A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr, FP8_MAX_C: tl.constexpr,
+):
+    # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1); scales [2I, HID/128].
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    if e >= E:
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    rm = pair < P
+    tok = (pair // K_TOP).to(tl.int64)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < I
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tok[:, None] * sx_t
+    w_gate = w_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
+    w_up = w_gate + I * sw_n
+    s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
+    s_up = s_gate + I * sws_n
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(HID, BLOCK_K)):
+        k = kb * BLOCK_K + kk
+        km = k < HID
+        a = tl.load(x_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        a_s = tl.load(xs_ptr + tok * sxs_t + kb, mask=rm, other=0.0) if A_FP8 else rm
+        wm = km[:, None] & nm[None, :]
+        wg = tl.load(w_gate + k[:, None], mask=wm, other=0.0)
+        wu = tl.load(w_up + k[:, None], mask=wm, other=0.0)
+        sg = tl.load(s_gate + kb, mask=nm, other=0.0)
+        su = tl.load(s_up + kb, mask=nm, other=0.0)
+        acc_g = fp8_block_dot(acc_g, a, a_s, wg, sg, A_FP8, SCALE_AFTER, PREC)
+        acc_u = fp8_block_dot(acc_u, a, a_s, wu, su, A_FP8, SCALE_AFTER, PREC)
+    out_rows = inter_ptr + rows[:, None].to(tl.int64) * si_r + n[None, :]
+    if A_FP8:  # BLOCK_N is one 128-column group: quantize silu(g) * u for down
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        q, scale = quantize_group_tile(h, FP8_MAX_C)
+        tl.store(out_rows, q, mask=rm[:, None] & nm[None, :])
+        tl.store(is_ptr + rows.to(tl.int64) * sis_r + nb, scale, mask=rm)
+    else:
+        ty = inter_ptr.dtype.element_ty
+        g = acc_g.to(ty).to(tl.float32)
+        u = acc_u.to(ty).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+        tl.store(out_rows, (s * u).to(ty), mask=rm[:, None] & nm[None, :])
+
+
+@triton.jit(do_not_specialize=["P"])
+def _fp8_down_kernel(
+    inter_ptr, is_ptr, w_ptr, ws_ptr, pair_out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
+    P, HID, I, E, si_r, sis_r, sw_e, sw_n, sws_e, sws_n, so_r,
+    A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # w2[e] is [HID, I]; scales [HID, I/128]. Output row = pair id, scaled by its weight.
+    b = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(bexp_ptr + b).to(tl.int64)
+    if e >= E:
+        return
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    rm = pair < P
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < HID
+    kk = tl.arange(0, BLOCK_K)
+    a_rows = inter_ptr + rows[:, None].to(tl.int64) * si_r
+    w_rows = w_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
+    s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(I, BLOCK_K)):
+        k = kb * BLOCK_K + kk
+        km = k < I
+        a = tl.load(a_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        a_s = tl.load(is_ptr + rows.to(tl.int64) * sis_r + kb, mask=rm, other=0.0) if A_FP8 else rm
+        w = tl.load(w_rows + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+        w_s = tl.load(s_rows + kb, mask=nm, other=0.0)
+        acc = fp8_block_dot(acc, a, a_s, w, w_s, A_FP8, SCALE_AFTER, PREC)
+    ty = pair_out_ptr.dtype.element_ty
+    wt = tl.load(tw_ptr + pair, mask=rm, other=0.0).to(ty).to(tl.float32)
+    h = acc.to(ty).to(tl.float32) * wt[:, None]
+    tl.store(pair_out_ptr + pair[:, None].to(tl.int64) * so_r + n[None, :], h.to(ty),
+             mask=rm[:, None] & nm[None, :])
+
+
+def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
+    """Decode (few rows per expert) and float32 compute: dequantize-in-register tiles;
+    prefill: FP8 dots, gate_up's N tile one 128-column group (it quantizes its output per
+    group). Tiles: the fastest of bench/probes/fp8_tiles.py on one H200 (bench/NOTES.md)."""
+    if num_pairs / max(1, num_experts) <= 16 or dtype == torch.float32:
+        return dict(A_FP8=False, SCALE_AFTER=False, BLOCK_M=16, N1=128, N2=128, warps=4, stages=3)
+    return dict(A_FP8=True, SCALE_AFTER=False, BLOCK_M=64, N1=GROUP, N2=256, warps=8, stages=3)
+
+
+def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale,
+                             expert_map=None, *, a_fp8: bool | None = None,
+                             config: dict | None = None) -> torch.Tensor:
+    """SwiGLU experts over FP8 stacks; see the module docstring. ``a_fp8`` forces the
+    mode (None: from the rows per expert); ``config`` overrides `_config`'s keys."""
+    T, hid = x.shape
+    if T == 0:
+        return x.new_zeros((0, hid))
+    E, two_i, _ = w13.shape
+    inter_dim = two_i // 2
+    k_top = topk_ids.shape[1]
+    P = T * k_top
+    ids = topk_ids.reshape(-1)
+    ids = (expert_map[ids] if expert_map is not None else ids).to(torch.int32)
+    cfg = _config(P, E, x.dtype)
+    if a_fp8 is not None:
+        cfg = dict(cfg, A_FP8=a_fp8, **(dict(N1=GROUP) if a_fp8 else {}))
+    cfg.update(config or {})
+    bm = cfg["BLOCK_M"]
+    sorted_ids, block_expert, max_blocks = _align(ids, E, bm)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    prec = dot_precision(x.dtype)
+    if cfg["A_FP8"]:
+        a, a_s = quantize_groups_triton(x)
+        inter = torch.empty((max_blocks * bm, inter_dim), dtype=w13.dtype, device=x.device)
+        inter_s = torch.empty((max_blocks * bm, triton.cdiv(inter_dim, GROUP)), dtype=torch.float32,
+                              device=x.device)
+    else:
+        a, a_s = x, w13_scale  # a_s unused
+        inter = x.new_empty((max_blocks * bm, inter_dim))
+        inter_s = inter
+    _fp8_gate_up_kernel[(max_blocks, triton.cdiv(inter_dim, cfg["N1"]))](
+        a, a_s, w13, w13_scale, inter, inter_s, sorted_ids, block_expert,
+        P, k_top, hid, inter_dim, E, a.stride(0), a_s.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), inter_s.stride(0),
+        A_FP8=cfg["A_FP8"], SCALE_AFTER=cfg["SCALE_AFTER"], BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=GROUP, PREC=prec, FP8_MAX_C=FP8_MAX,
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )
+    pair_out = x.new_empty((P, hid))
+    weights = topk_weights.reshape(-1).contiguous()
+    _fp8_down_kernel[(max_blocks, triton.cdiv(hid, cfg["N2"]))](
+        inter, inter_s, w2, w2_scale, pair_out, sorted_ids, block_expert, weights,
+        P, hid, inter_dim, E, inter.stride(0), inter_s.stride(0), w2.stride(0), w2.stride(1),
+        w2_scale.stride(0), w2_scale.stride(1), pair_out.stride(0),
+        A_FP8=cfg["A_FP8"], SCALE_AFTER=cfg["SCALE_AFTER"], BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=GROUP, PREC=prec,
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )
+    out = x.new_empty((T, hid))
+    block = min(1024, triton.next_power_of_2(hid))
+    _combine_kernel[(T, triton.cdiv(hid, block))](pair_out, ids, out, hid, k_top, E, BLOCK=block,
+                                                  num_warps=4)
+    return out
