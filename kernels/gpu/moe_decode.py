@@ -61,9 +61,9 @@ def _local_expert(ids_ptr, emap_ptr, p, HAS_MAP: tl.constexpr):
 
 @triton.jit
 def _small_gate_up_kernel(
-    x_ptr, ids_ptr, emap_ptr, w_ptr, inter_ptr,
-    K_TOP, HID, I, E, sx_t, sw_e, sw_n, si_p,
-    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr, ids_ptr, emap_ptr, w_ptr, inter_ptr, ws_ptr,
+    K_TOP, HID, I, E, sx_t, sw_e, sw_n, si_p, sws_e, sws_n,
+    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1), HID contiguous.
@@ -92,6 +92,10 @@ def _small_gate_up_kernel(
             wm = km[:, None] & nm[None, :]
             wg = tl.load(w_gate[None, :] + k[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
             wu = tl.load(w_up[None, :] + k[:, None], mask=wm, other=0.0)
+            if FP8:  # codes -> x's dtype as the reference dequantizes (BLOCK_K = one scale block)
+                s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n + k0 // BLOCK_K
+                wg = _dequant(wg, s_gate, nm, a.dtype)
+                wu = _dequant(wu, s_gate + I * sws_n, nm, a.dtype)
             acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PREC)
             acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PREC)
         g = acc_g.to(ty).to(tl.float32)
@@ -118,25 +122,35 @@ def _small_gate_up_kernel(
 
 
 @triton.jit
-def _row_dot(a_row, w_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+def _dequant(w, s_ptrs, nm, ty):
+    """FP8 codes ``w [BLOCK_K, BLOCK_N]`` times their rows' scales (``s_ptrs [BLOCK_N]``),
+    rounded to ``ty``: `kernels/fp8.dequantize` on one 128-column block."""
+    return (w.to(tl.float32) * tl.load(s_ptrs, mask=nm, other=0.0)[None, :]).to(ty)
+
+
+@triton.jit
+def _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     """"dot" mode down projection of one pair: row 0 of a [ROWS, BLOCK_N] float32 tile
-    is inter[p] @ w2[e][tile rows].T over I in BLOCK_K steps (rows 1.. are zeros)."""
+    is inter[p] @ w2[e][tile rows].T over I in BLOCK_K steps (rows 1.. are zeros). FP8:
+    w2 holds codes, ``s_rows`` the tile rows' scales."""
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + kk
         km = k < I
         a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
         w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+        if FP8:
+            w = _dequant(w, s_rows + k0 // BLOCK_K, nm, a.dtype)
         acc = tl.dot(a, w, acc=acc, input_precision=PREC)
     return acc
 
 
 @triton.jit
 def _small_down_kernel(
-    inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, out_ptr,
-    K_TOP, HID, I, E, si_p, sw_e, sw_n, so_t,
-    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr,
+    inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, out_ptr, ws_ptr,
+    K_TOP, HID, I, E, si_p, sw_e, sw_n, so_t, sws_e, sws_n,
+    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     # w2[e] is [HID, I], I contiguous. out[t, tile] = sum over local slots, in slot order,
@@ -161,7 +175,8 @@ def _small_down_kernel(
             w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n  # [BLOCK_N] row starts
             a_row = inter_ptr + p * si_p
             if DOT:
-                acc = _row_dot(a_row, w_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC)
+                s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
+                acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
                 acc_t += (acc.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32)
             else:
                 acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -181,9 +196,9 @@ def _small_down_kernel(
 
 @triton.jit
 def _small_down_pair_kernel(
-    inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, pair_out_ptr, out_ptr, arrived_ptr,
-    HID, I, E, K_TOP, si_p, sw_e, sw_n, so_p,
-    HAS_MAP: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr,
+    inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, pair_out_ptr, out_ptr, arrived_ptr, ws_ptr,
+    HID, I, E, K_TOP, si_p, sw_e, sw_n, so_p, sws_e, sws_n,
+    HAS_MAP: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr, FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     # "dot" mode with the slots spread over programs: pair_out[p, tile] =
@@ -203,7 +218,8 @@ def _small_down_pair_kernel(
         wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
         w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
         a_row = inter_ptr + p * si_p
-        acc = _row_dot(a_row, w_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC)
+        s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
+        acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
         h = (acc.to(ty).to(tl.float32) * wt).to(ty)
         tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
     if MERGE:
@@ -261,17 +277,22 @@ def small_config(mode: str) -> dict:
 
 
 def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
-                               mode: str = "dot", cfg: dict | None = None) -> torch.Tensor:
+                               mode: str = "dot", cfg: dict | None = None,
+                               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Small-batch SwiGLU experts with weighted top-k combine; see ``fused_experts_ref``.
 
     Same arguments as ``fused_experts_triton``; ``mode`` is one of ``SMALL_MODES``,
     ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages). Any T
     works (the work grows as T * k: meant for T * k <= ``SMALL_MAX_PAIRS``). Local expert
     ids outside ``[0, E)`` count as not held. Two kernel launches (three with the "dot"
-    mode's ``split`` and ``merge=False``), no host sync.
+    mode's ``split`` and ``merge=False``), no host sync. ``scales``: (w13_scale, w2_scale)
+    when the stacks are FP8 codes (`moe_fp8`; "dot" mode, K tiles of one 128-column block):
+    each weight tile is dequantized in registers as the reference does.
     """
     if mode not in SMALL_MODES:
         raise ValueError(f"mode must be one of {SMALL_MODES}, got {mode!r}")
+    if scales is not None and (mode != "dot" or any((cfg or {}).get(k, 128) != 128 for k in ("K1", "K2"))):
+        raise ValueError("FP8 stacks take the 'dot' mode with K tiles of 128")
     T, hid = x.shape
     out = x.new_empty((T, hid))
     if T == 0:
@@ -288,26 +309,27 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     emap = ids if expert_map is None else expert_map  # dummy pointer without a map
-    meta = dict(HAS_MAP=expert_map is not None, DOT=mode == "dot", ROWS=_ROWS,
+    s13, s2 = scales if scales is not None else (w13, w2)  # dummy pointers without FP8
+    meta = dict(HAS_MAP=expert_map is not None, DOT=mode == "dot", ROWS=_ROWS, FP8=scales is not None,
                 PREC=dot_precision(x.dtype), num_warps=c["warps"], num_stages=c["stages"])
     inter = x.new_empty((P, inter_dim))
     _small_gate_up_kernel[(P, triton.cdiv(inter_dim, c["N1"]))](
-        x, ids, emap, w13, inter,
+        x, ids, emap, w13, inter, s13,
         k_top, hid, inter_dim, E, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        BLOCK_N=c["N1"], BLOCK_K=c["K1"], **meta,
+        s13.stride(0), s13.stride(1), BLOCK_N=c["N1"], BLOCK_K=c["K1"], **meta,
     )
     if mode == "dot" and c.get("split"):
-        _down_split(inter, ids, emap, weights, w2, out, c, meta, k_top)
+        _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top)
         return out
     _small_down_kernel[(T, triton.cdiv(hid, c["N2"]))](
-        inter, ids, emap, weights, w2, out,
+        inter, ids, emap, weights, w2, out, s2,
         k_top, hid, inter_dim, E, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_N=c["N2"], BLOCK_K=c["K2"], **meta,
+        s2.stride(0), s2.stride(1), BLOCK_N=c["N2"], BLOCK_K=c["K2"], **meta,
     )
     return out
 
 
-def _down_split(inter, ids, emap, weights, w2, out, c, meta, k_top) -> None:
+def _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top) -> None:
     """Down projection per (pair, H-tile) into a pair buffer and the slot sum: merged in
     the same launch (``merge``, the default) or by a combine kernel."""
     P, inter_dim = inter.shape
@@ -318,9 +340,10 @@ def _down_split(inter, ids, emap, weights, w2, out, c, meta, k_top) -> None:
     merge = c.get("merge", True)
     arrived = arrival_counts("moe_down", T * tiles, out.device) if merge else ids
     _small_down_pair_kernel[(P, tiles)](
-        inter, ids, emap, weights, w2, pair_out, out, arrived,
+        inter, ids, emap, weights, w2, pair_out, out, arrived, s2,
         hid, inter_dim, E, k_top, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], MERGE=merge, BLOCK_N=c["N2"], BLOCK_K=c["K2"],
+        s2.stride(0), s2.stride(1), HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], MERGE=merge,
+        FP8=meta["FP8"], BLOCK_N=c["N2"], BLOCK_K=c["K2"],
         PREC=meta["PREC"], num_warps=meta["num_warps"], num_stages=meta["num_stages"],
     )
     if merge:

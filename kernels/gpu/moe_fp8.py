@@ -1,6 +1,9 @@
 """Triton MoE experts over block-scaled FP8 weights: the sorted grouped GEMMs of
 :mod:`phalanx.kernels.gpu.moe` with FP8 weight tiles.
 
+Small batches (``T * k <= moe.SMALL_MAX_PAIRS``) take `moe_decode`'s two-launch path with
+its weight tiles dequantized the same way.
+
 Contract: :func:`phalanx.kernels.moe.fused_experts` with ``w13_scale`` / ``w2_scale``
 (the reference dequantizes the stacks, `kernels/fp8.py`). Same steps as the bf16 path
 (align, gate_up with SwiGLU, down scaled by the routing weight, deterministic combine:
@@ -27,7 +30,8 @@ import triton.language as tl
 from .attention import dot_precision
 from .fp8_linear import fp8_block_dot
 from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
-from .moe import _align, _combine_kernel
+from . import moe_decode
+from .moe import SMALL_MAX_PAIRS, _align, _combine_kernel
 
 __all__ = ["fused_experts_fp8_triton"]
 
@@ -144,6 +148,9 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
     inter_dim = two_i // 2
     k_top = topk_ids.shape[1]
     P = T * k_top
+    if P <= SMALL_MAX_PAIRS and not a_fp8 and config is None:
+        return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map,
+                                                     mode="dot", scales=(w13_scale, w2_scale))
     ids = topk_ids.reshape(-1)
     ids = (expert_map[ids] if expert_map is not None else ids).to(torch.int32)
     cfg = _config(P, E, x.dtype)
