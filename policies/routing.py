@@ -89,23 +89,33 @@ class LeastLoadedConfig:
 
 @dataclass(frozen=True, slots=True)
 class PrefixAwareConfig:
-    """Settings of the prefix-aware policy.
+    """Settings of the prefix-aware policy (the decision rule is `PrefixAwarePolicy`'s).
 
-    - `balance_abs_tokens`, `balance_ratio`: the load is *imbalanced* when the busiest
-      candidate's queued tokens exceed the least busy one's by more than
-      `balance_abs_tokens` AND are more than `balance_ratio` times as many; then load wins
-      and the least loaded candidate is chosen whatever the prefix matches say.
-      `balance_ratio = 1.0` makes the absolute difference the only test.
-    - `load_weight`: otherwise the score of a candidate is
-      `matched_tokens - load_weight * load_tokens` (prefill tokens saved against load
-      ahead; 1.0 is a pure cost estimate in tokens, lower favours locality).
-    - `running_cost_tokens`, `kv_high_watermark`: as in `LeastLoadedConfig`; the
-      imbalance test compares `load_tokens` too.
+    - `load_weight`: the *score* of a candidate is
+      `load_weight * load_tokens - matched_tokens` (lowest wins): prefill tokens saved
+      against load ahead. 1.0 weighs a queued token like an uncached one; below 1.0 a
+      prompt moving away from its prefix is charged its extra prefill twice over, once
+      for its own wait and once for the work it adds to the cluster (0.5: equally).
+    - `spill_ratio`, `spill_abs_tokens`: the latency guard. The *expected cost* of a
+      candidate is `load_tokens + (prompt tokens - matched_tokens)`: the tokens it
+      must prefill before this request's first token. When the best-scored candidate's
+      cost exceeds `spill_ratio` times the cheapest candidate's plus `spill_abs_tokens`,
+      the cheapest one is chosen instead (a *cost override*).
+    - `balance_abs_tokens`, `balance_ratio`: the safety valve on raw load. The load is
+      *imbalanced* when the busiest candidate's `load_tokens` exceed the least busy
+      one's by more than `balance_abs_tokens` AND are more than `balance_ratio` times as
+      many; then the least loaded candidate is chosen whatever the prefix matches say
+      (a *load override*). `balance_ratio = 1.0` makes the absolute difference the only
+      test. The default (32768 tokens, about eight long uncached prompts) leaves balance
+      to the score and the guard, which weigh what each group would actually prefill.
+    - `running_cost_tokens`, `kv_high_watermark`: as in `LeastLoadedConfig`.
     """
 
-    balance_abs_tokens: int = 4096
+    balance_abs_tokens: int = 32768
     balance_ratio: float = 1.25
     load_weight: float = 0.5
+    spill_ratio: float = 2.0
+    spill_abs_tokens: int = 2048
     running_cost_tokens: int = 256
     kv_high_watermark: float = 0.95
 
@@ -118,6 +128,11 @@ class PrefixAwareConfig:
                  "balance_ratio", f"must be a number >= 1.0, got {self.balance_ratio!r}")
         _require(_is_real(self.load_weight) and self.load_weight >= 0.0, me, "load_weight",
                  f"must be a finite number >= 0, got {self.load_weight!r}")
+        _require(_is_real(self.spill_ratio) and self.spill_ratio >= 1.0, me, "spill_ratio",
+                 f"must be a number >= 1.0, got {self.spill_ratio!r}")
+        _require(_is_int(self.spill_abs_tokens) and self.spill_abs_tokens >= 0, me,
+                 "spill_abs_tokens",
+                 f"must be a non-negative integer, got {self.spill_abs_tokens!r}")
         _check_common(self)
 
 
@@ -180,15 +195,28 @@ class LeastLoadedPolicy(RoutingPolicy):
 
 @registry.register(KIND, "prefix_aware")
 class PrefixAwarePolicy(RoutingPolicy):
-    """Longest cached prefix against load; load alone when imbalanced (see
-    `PrefixAwareConfig`). Counts its decisions in `load_overrides` / `prefix_choices`."""
+    """Longest cached prefix against load, with a latency guard and a load safety valve
+    (see `PrefixAwareConfig`). In order:
+
+    1. load override: raw loads imbalanced -> the least loaded candidate (ties: longer
+       match, lower KV usage, order);
+    2. otherwise the best score (`load_weight * load - matched`);
+    3. cost override: if that pick's expected cost is beyond `spill_ratio` times the
+       cheapest candidate's plus `spill_abs_tokens`, the cheapest (ties: longer match);
+    Ties in 2 and 3 go to the lower load, then lower KV usage, then rotate: a cursor
+    that advances on every tie picks among the tied candidates (in order), so equally
+    good idle groups take turns instead of the first in order taking all.
+
+    Counts its decisions in `load_overrides`, `cost_overrides` and `prefix_choices`."""
 
     Config = PrefixAwareConfig
 
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
-        self.load_overrides = 0  # decisions taken by load because of imbalance
+        self.load_overrides = 0  # decisions taken by raw load (imbalance)
+        self.cost_overrides = 0  # decisions taken by expected cost (the latency guard)
         self.prefix_choices = 0  # decisions taken by score
+        self._tie_cursor = 0
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
         """Whether the busiest and least busy of `loads` (`load_tokens` values) differ
@@ -201,16 +229,36 @@ class PrefixAwarePolicy(RoutingPolicy):
         cfg = self.config
         cands = below_watermark(candidates, cfg.kv_high_watermark)
         loads = [load_tokens(c.load, cfg.running_cost_tokens) for c in cands]
+        n = len(cands)
         if self.imbalanced(loads):
             self.load_overrides += 1
-            i = min(range(len(cands)), key=lambda i: (loads[i], -cands[i].matched_tokens,
-                                                      cands[i].load.kv_usage, i))
+            i = min(range(n), key=lambda i: (loads[i], -cands[i].matched_tokens,
+                                             cands[i].load.kv_usage, i))
             return cands[i]
-        self.prefix_choices += 1
         w = cfg.load_weight
-        i = min(range(len(cands)), key=lambda i: (w * loads[i] - cands[i].matched_tokens,
-                                                  loads[i], cands[i].load.kv_usage, i))
-        return cands[i]
+        best = self._pick(cands, loads, [(w * loads[i] - cands[i].matched_tokens,)
+                                         for i in range(n)])
+        costs = [loads[i] + max(0, prompt_tokens - cands[i].matched_tokens) for i in range(n)]
+        cheapest = min(costs)
+        if costs[best] > cfg.spill_ratio * cheapest + cfg.spill_abs_tokens:
+            self.cost_overrides += 1
+            return cands[self._pick(cands, loads, [(costs[i], -cands[i].matched_tokens)
+                                                   for i in range(n)])]
+        self.prefix_choices += 1
+        return cands[best]
+
+    def _pick(self, cands: Sequence[Candidate], loads: Sequence[int],
+              keys: Sequence[tuple]) -> int:
+        """Index of the lowest key; ties: lower load, lower KV usage, then rotation."""
+        n = len(cands)
+        full = [(*keys[i], loads[i], cands[i].load.kv_usage) for i in range(n)]
+        top = min(full)
+        tied = [i for i in range(n) if full[i] == top]
+        if len(tied) == 1:
+            return tied[0]
+        cursor = self._tie_cursor
+        self._tie_cursor += 1
+        return tied[cursor % len(tied)]
 
 
 def make_routing_policy(name: str = DEFAULT_POLICY, config: Any = None) -> RoutingPolicy:

@@ -131,3 +131,63 @@ def test_policies_are_deterministic():
     for name in routing_policy_names():
         runs = [[make_routing_policy(name).choose(cs, 64) for _ in range(3)] for _ in range(2)]
         assert runs[0] == runs[1]
+
+
+# ---- the decision rules of issue 34: ties, the latency guard, the load safety valve ----
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(spill_ratio=0.5), "spill_ratio: must be a number >= 1.0"),
+    (dict(spill_ratio=float("nan")), "spill_ratio"),
+    (dict(spill_abs_tokens=-1), "spill_abs_tokens: must be a non-negative integer"),
+    (dict(spill_abs_tokens=2.5), "spill_abs_tokens"),
+])
+def test_prefix_aware_spill_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=f"PrefixAwareConfig.{match}"):
+        PrefixAwareConfig(**kwargs)
+
+
+def test_prefix_aware_spreads_ties_over_idle_groups_instead_of_the_first():
+    p = make_routing_policy("prefix_aware")
+    idle = [cand(g) for g in "abcd"]
+    assert [p.choose(idle, 600) for _ in range(6)] == list("abcdab")
+    # a tie among some candidates rotates over those only
+    cs = [cand("a", queued=900), cand("b"), cand("c", queued=900), cand("d")]
+    assert {p.choose(cs, 600) for _ in range(4)} == {"b", "d"}
+
+
+def test_prefix_aware_breaks_equal_scores_by_load_before_rotating():
+    p = make_routing_policy("prefix_aware", {"load_weight": 0.5, "running_cost_tokens": 0})
+    # both score 0: 0.5 * 200 - 100 and 0.5 * 0 - 0; the idle one wins every time
+    cs = [cand("a", queued=200, matched=100), cand("b")]
+    assert [p.choose(cs, 600) for _ in range(3)] == ["b"] * 3
+
+
+def test_prefix_aware_a_long_queue_loses_to_a_slightly_worse_match():
+    p = make_routing_policy("prefix_aware")
+    cs = [cand("a", queued=3000, matched=1024), cand("b", matched=960)]
+    assert p.choose(cs, 1100) == "b"  # 0.5 * 3000 - 1024 > -960
+    cs = [cand("a", queued=100, matched=1024), cand("b", matched=960)]
+    assert p.choose(cs, 1100) == "a"  # 0.5 * 100 - 1024 < -960: a short queue stays
+    assert p.cost_overrides == p.load_overrides == 0 and p.prefix_choices == 2
+
+
+def test_prefix_aware_latency_guard_takes_the_cheapest_expected_cost():
+    p = make_routing_policy("prefix_aware", {"load_weight": 0.1})
+    # by score a wins (0.1 * 12000 - 3000 < -512), but its expected cost
+    # 12000 + 100 exceeds 2 * (0 + 2588) + 2048: b, the cheapest, is chosen
+    cs = [cand("a", queued=12000, matched=3000), cand("b", matched=512)]
+    assert p.choose(cs, 3100) == "b" and p.cost_overrides == 1
+    # with 5000 queued, 5100 is within the guard: the score's pick stands
+    cs = [cand("a", queued=5000, matched=3000), cand("b", matched=512)]
+    assert p.choose(cs, 3100) == "a" and p.prefix_choices == 1
+
+
+def test_prefix_aware_defaults_leave_one_prompt_of_queue_to_the_score():
+    # the old defaults (4096 tokens, 1.25x) overrode here: an idle group passes the
+    # ratio test at once, so one uncached prompt's worth of queue sent the request away
+    # from the 3000 tokens it shares with group a
+    p = make_routing_policy("prefix_aware")
+    cs = [cand("a", queued=4100, matched=3000), cand("b", matched=512)]
+    assert p.choose(cs, 3100) == "a" and p.load_overrides == 0
+    old = make_routing_policy("prefix_aware", {"balance_abs_tokens": 4096})
+    assert old.choose(cs, 3100) == "b" and old.load_overrides == 1

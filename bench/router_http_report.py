@@ -1,0 +1,132 @@
+"""What the HTTP routing bench (`bench/router_http.py`) reports: one row per (load,
+router, run) from the client's outcomes and the workers' ground truth, the summary per
+(load, router) with ratios against round-robin of the same run, the table, and the PNG
+of hit rate and p99 latency against load."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from router_http_load import LoadResult
+
+BASELINE = "phalanx round_robin"
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_row(router: str, load: str, rate: float, run: int, result: LoadResult,
+            truths: list[dict], proxy_stats: Optional[dict]) -> dict:
+    """One run's figures: ground-truth hit rate (the workers' caches), latencies, the
+    share of requests the busiest worker took, and the router's decision counters."""
+    ok = [o for o in result.outcomes if o.ok]
+    lat = [o.latency_s for o in ok]
+    prompt = sum(t["prompt_tokens"] for t in truths)
+    reqs = [t["requests"] for t in truths]
+    row = dict(router=router, load=load, rate=rate, run=run, requests=len(ok),
+               failed=len(result.outcomes) - len(ok), wall_s=result.wall_s,
+               throughput=len(ok) / result.wall_s if result.wall_s else 0.0,
+               hit_rate=sum(t["hit_tokens"] for t in truths) / prompt if prompt else 0.0,
+               p50_s=_quantile(lat, 0.5), p99_s=_quantile(lat, 0.99),
+               mean_s=statistics.fmean(lat) if lat else float("nan"),
+               worker_requests=reqs,
+               busiest_share=max(reqs) / sum(reqs) if sum(reqs) else 0.0)
+    if proxy_stats:
+        decisions = proxy_stats.get("decisions") or 0
+        row["load_overrides"] = proxy_stats.get("load_overrides")
+        row["cost_overrides"] = proxy_stats.get("cost_overrides")
+        overrides = (row["load_overrides"] or 0) + (row["cost_overrides"] or 0)
+        row["override_share"] = overrides / decisions if decisions else None
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row gets `hit_vs_rr` and `p99_vs_rr`: its figure over round-robin's in the
+    same (load, run)."""
+    base = {(r["load"], r["run"]): r for r in rows if r["router"] == BASELINE}
+    for r in rows:
+        b = base.get((r["load"], r["run"]))
+        r["hit_vs_rr"] = r["hit_rate"] / b["hit_rate"] if b and b["hit_rate"] else None
+        r["p99_vs_rr"] = r["p99_s"] / b["p99_s"] if b and b["p99_s"] else None
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (load, router): means over runs (medians for latencies), and per run wins
+    of each router against SMG on hit rate and p99."""
+    out = []
+    keys = list(dict.fromkeys((r["load"], r["router"]) for r in rows))
+    smg = {(r["load"], r["run"]): r for r in rows if r["router"].startswith("smg")}
+    for load, router in keys:
+        rs = [r for r in rows if r["load"] == load and r["router"] == router]
+        vs = [(r, smg.get((load, r["run"]))) for r in rs]
+        vs = [(r, s) for r, s in vs if s is not None and s is not r]
+
+        def med(k):
+            xs = [r[k] for r in rs if r.get(k) is not None]
+            return statistics.median(xs) if xs else None
+        out.append(dict(
+            load=load, router=router, rate=rs[0]["rate"], runs=len(rs),
+            requests=sum(r["requests"] for r in rs), failed=sum(r["failed"] for r in rs),
+            hit_rate=statistics.fmean(r["hit_rate"] for r in rs),
+            hit_rate_min=min(r["hit_rate"] for r in rs),
+            hit_rate_max=max(r["hit_rate"] for r in rs),
+            p50_s=med("p50_s"), p99_s=med("p99_s"),
+            p99_s_min=min(r["p99_s"] for r in rs), p99_s_max=max(r["p99_s"] for r in rs),
+            throughput=statistics.fmean(r["throughput"] for r in rs),
+            busiest_share=statistics.fmean(r["busiest_share"] for r in rs),
+            override_share=med("override_share"),
+            hit_vs_rr=med("hit_vs_rr"), p99_vs_rr=med("p99_vs_rr"),
+            runs_beating_smg_hit=sum(r["hit_rate"] > s["hit_rate"] for r, s in vs) if vs else None,
+            runs_beating_smg_p99=sum(r["p99_s"] < s["p99_s"] for r, s in vs) if vs else None))
+    return out
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def print_table(summary: list[dict], meta: dict) -> None:
+    print(f"\n{meta['workers']} workers x {meta['slots']} slots, {meta['duration_s']} s of "
+          f"new turns per run, {meta['runs']} runs per (load, router), routers alternating; "
+          f"JSON: {meta['json']}" + (f"; PNG: {meta['png']}" if meta.get("png") else ""))
+    print(f"{'load':6} {'rate':>5} {'router':26} {'reqs':>5} {'fail':>4} {'hit':>6} "
+          f"{'(min-max)':>13} {'p50 s':>6} {'p99 s':>6} {'(min-max)':>13} {'busiest':>7} "
+          f"{'overr.':>6} {'hit/rr':>6} {'p99/rr':>6} {'>smg hit':>8} {'>smg p99':>8}")
+    for s in summary:
+        print(f"{s['load']:6} {s['rate']:5.1f} {s['router']:26} {s['requests']:5d} "
+              f"{s['failed']:4d} {s['hit_rate']:6.3f} "
+              f"{s['hit_rate_min']:6.3f}-{s['hit_rate_max']:6.3f} {s['p50_s']:6.3f} "
+              f"{s['p99_s']:6.3f} {s['p99_s_min']:6.3f}-{s['p99_s_max']:6.3f} "
+              f"{s['busiest_share']:7.2f} {_f(s['override_share'], '6.3f'):>6} "
+              f"{_f(s['hit_vs_rr'], '6.2f'):>6} {_f(s['p99_vs_rr'], '6.2f'):>6} "
+              f"{_f(s['runs_beating_smg_hit'], 'd'):>8} {_f(s['runs_beating_smg_p99'], 'd'):>8}")
+
+
+def plot(summary: list[dict], path: str) -> None:
+    """Hit rate and p99 latency against the request rate, one line per router."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_hit, ax_p99) = plt.subplots(1, 2, figsize=(10, 4), dpi=80)
+    for router in dict.fromkeys(s["router"] for s in summary):
+        ss = sorted((s for s in summary if s["router"] == router), key=lambda s: s["rate"])
+        rates = [s["rate"] for s in ss]
+        ax_hit.plot(rates, [s["hit_rate"] for s in ss], marker="o", label=router)
+        ax_p99.plot(rates, [s["p99_s"] for s in ss], marker="o", label=router)
+    ax_hit.set(xlabel="request rate (req/s)", ylabel="prefix hit rate (workers' caches)")
+    ax_p99.set(xlabel="request rate (req/s)", ylabel="p99 latency (s, log scale)")
+    ax_p99.set_yscale("log")
+    ax_hit.grid(alpha=0.3)
+    ax_p99.grid(alpha=0.3)
+    ax_hit.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+__all__ = ["BASELINE", "add_ratios", "plot", "print_table", "run_row", "summarize"]

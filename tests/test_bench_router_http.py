@@ -1,0 +1,80 @@
+"""bench/router_http.py: the text codec, the simulated engine's cache and its eviction
+log, and (slow) the whole bench over real HTTP with a tiny load, SMG left out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+import router_http  # noqa: E402
+from router_http_engine import EngineConfig, PrefixCache, SimEngine  # noqa: E402
+from router_http_text import CHARS_PER_TOKEN, decode, encode  # noqa: E402
+
+from phalanx.router.prefix_tree import page_hashes  # noqa: E402
+
+
+def test_text_codec_keeps_token_prefixes_as_character_prefixes():
+    a, b = [7, 31999, 0, 42], [7, 31999, 5]
+    assert decode(encode(a)) == a
+    ea, eb = encode(a), encode(b)
+    common = os.path.commonprefix([ea, eb])
+    assert len(common) // CHARS_PER_TOKEN == 2  # the shared tokens, and no more
+    with pytest.raises(ValueError, match="not whole tokens"):
+        decode(ea[:-1])
+
+
+def test_prefix_cache_evicts_lru_leaves_and_logs_them():
+    cache = PrefixCache(capacity_pages=4)
+    x, y = page_hashes(list(range(48)), 16), page_hashes(list(range(100, 132)), 16)
+    cache.insert(x)
+    cache.insert(y)  # 5 pages for 4: the least recent leaf of x goes
+    assert cache.match_pages(x) == 2 and cache.match_pages(y) == 2
+    assert cache.evictions == 1 and cache.evicted_since(0) == [x[2]]
+    assert cache.evicted_since(1) == [] and cache.evicted_since(5) is None
+    assert set(cache.held()) == {x[0], x[1], *y}
+
+
+def test_engine_counts_hits_when_the_prefill_starts():
+    async def go():
+        e = SimEngine(EngineConfig(slots=2, capacity_pages=64, prefill_fixed_s=0.0,
+                                   prefill_s_per_token=0.0, decode_s_per_token=0.0))
+        firsts = []
+
+        async def first(tok, cached):
+            firsts.append(cached)
+        prompt = list(range(40))
+        answer, cached = await e.generate(prompt, 8, first)
+        again, cached2 = await e.generate(prompt + answer + [1, 2], 4, first)
+        return e, answer, cached, cached2, firsts
+    e, answer, cached, cached2, firsts = asyncio.run(go())
+    assert cached == 0 and len(answer) == 8 and firsts == [0, cached2]
+    assert cached2 == 48  # prompt + answer (48 tokens) cached: 3 full pages
+    assert (e.counters.requests, e.counters.prompt_tokens, e.counters.hit_tokens) == \
+        (2, 40 + 50, 48)
+    assert e.num_waiting == e.num_running == 0
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_over_http(tmp_path):
+    out = tmp_path / "r.json"
+    router_http.main(["--loads", "tiny=6", "--duration", "6", "--runs", "1",
+                      "--routers", "prefix_aware,round_robin", "--think", "0.1,0.3",
+                      "--prefill-s-per-token", "200e-6", "--decode-s-per-token", "0.2e-3",
+                      "--base-port", "23000", "--json", str(out)])
+    data = json.loads(out.read_text())
+    rows = {r["router"]: r for r in data["rows"]}
+    pa, rr = rows["phalanx prefix_aware"], rows["phalanx round_robin"]
+    for r in (pa, rr):
+        assert r["failed"] == 0 and r["requests"] > 10
+        assert sum(r["worker_requests"]) == r["requests"]  # each answered request prefilled once
+        assert 0 < r["p50_s"] <= r["p99_s"]
+    assert pa["hit_rate"] > rr["hit_rate"]  # later turns find their conversation
+    assert pa["hit_vs_rr"] == pytest.approx(pa["hit_rate"] / rr["hit_rate"])
+    assert (tmp_path / "r.png").stat().st_size > 0
