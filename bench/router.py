@@ -2,7 +2,8 @@
 and load spread of prefix_aware against round_robin and least_loaded, in the same run.
 
     python bench/router.py [--conversations 600] [--groups 4] [--kv-pages 2048]
-                           [--page-size 16] [--threshold 2048] [--seed 0] [--json PATH]
+                           [--page-size 16] [--threshold 2048] [--seed 0]
+                           [--long-conversations 150] [--long-kv-pages 16384] [--json PATH]
 
 The trace (`phalanx.router.trace`): conversations that each pick one of 3 shared system
 prompts (512 tokens) and run 3-8 turns (user 32-256 tokens, answer 64-384); a turn's
@@ -11,7 +12,8 @@ arrive after the previous answer plus a think time. Each policy replays the same
 (`phalanx.router.replay`) through a fresh `Router` over `--groups` DP groups, each with a
 simulated prefix cache of `--kv-pages` pages (LRU) that the router's tree is refreshed
 from every 64 arrivals; a request holds its group through its prefill (uncached tokens at
-20k tokens/s) and its answer (20 ms per token).
+20k tokens/s) and its answer (20 ms per token). Requests reach the router as the cluster
+driver hands them over: a `RequestRecord` to `route`, then `prefill_done` and `finish`.
 
 Columns:
 - decisions/s, p50/p99 us: `Router.route` wall time per request (hashing the prompt's
@@ -21,7 +23,16 @@ Columns:
 - spread mean/max: max - min over groups of the router's load
   (queued tokens + 256 per running request) after each decision;
 - work max/min, max-min: prompt tokens each group had to compute (misses), over the run.
-Prints a table last and writes JSON to --json (default $OUT/router.json or ./router.json).
+
+Decision speed by prompt length: the same decisions, bucketed by prompt tokens, plus a
+second, long-context trace (`--long-conversations` conversations of 10-16 turns: prompts up
+to ~10k tokens, over caches of `--long-kv-pages` pages a group; 0 conversations skips it)
+for the longer buckets. Beside each bucket: the goals (p99 <=
+100 us, >= 20,000 decisions/s) and, as a baseline measured in this process on the same
+prompts, the p50 cost of hashing every page of a prompt (`page_hashes`: blake2b per page,
+what a decision cost at least before pages were remembered); `x hash` is decision p50 over
+that. Prints the tables last and writes JSON to --json (default $OUT/router.json or
+./router.json).
 """
 
 from __future__ import annotations
@@ -33,11 +44,15 @@ import platform
 import time
 
 from phalanx.policies import PrefixAwareConfig
-from phalanx.router import Router
+from phalanx.router import Router, page_hashes
 from phalanx.router.replay import replay
 from phalanx.router.trace import TraceSpec, multi_turn_trace
 
 POLICIES = ("prefix_aware", "round_robin", "least_loaded")
+BUCKETS = (("<1k", 0, 1024), ("1-4k", 1024, 4096), ("4-8k", 4096, 8192), (">=8k", 8192, 1 << 62))
+GOAL_P99_US = 100.0
+GOAL_PER_S = 20_000.0
+LONG_TURNS = (10, 16)
 
 
 def _parse_args() -> argparse.Namespace:
@@ -49,20 +64,55 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--threshold", type=int, default=2048,
                     help="prefix_aware balance_abs_tokens (balance_ratio 1.0)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-conversations", type=int, default=150,
+                    help="conversations of the long-context trace (0: none)")
+    ap.add_argument("--long-kv-pages", type=int, default=16384,
+                    help="simulated cache per group for the long-context trace")
     ap.add_argument("--json", default=None, help="output path (default $OUT/router.json)")
     return ap.parse_args()
 
 
-def _run_policy(name: str, trace, args, cfg: PrefixAwareConfig) -> dict:
+def _percentile(sorted_ns: list[int], q: float) -> float:
+    return sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1e3
+
+
+def _buckets(ns: list[int], tokens: list[int]) -> dict[str, dict]:
+    """Decision p50/p99 (us) and decisions/s per prompt-length bucket (empty ones left out)."""
+    out = {}
+    for label, lo, hi in BUCKETS:
+        sel = sorted(t for t, n in zip(ns, tokens) if lo <= n < hi)
+        if sel:
+            out[label] = dict(decisions=len(sel), p50_us=_percentile(sel, 0.5),
+                              p99_us=_percentile(sel, 0.99),
+                              decisions_per_s=len(sel) / (sum(sel) / 1e9))
+    return out
+
+
+def _hash_baseline(trace, page_size: int) -> dict[str, float]:
+    """p50 (us) per bucket of hashing every page of each prompt of `trace` (reference)."""
+    ns, tokens = [], []
+    clock = time.perf_counter_ns
+    for req in trace:
+        t0 = clock()
+        page_hashes(req.prompt, page_size)
+        ns.append(clock() - t0)
+        tokens.append(len(req.prompt))
+    return {k: v["p50_us"] for k, v in _buckets(ns, tokens).items()}
+
+
+def _run_policy(name: str, trace, args, cfg: PrefixAwareConfig, kv_pages: int) -> dict:
     router = Router(page_size=args.page_size, policy=name,
                     policy_config=cfg if name == "prefix_aware" else None,
-                    capacity_pages=args.kv_pages, groups=range(args.groups))
+                    capacity_pages=kv_pages, groups=range(args.groups))
     t = time.perf_counter()
-    res = replay(router, trace, kv_pages=args.kv_pages, refresh_every=64,
+    res = replay(router, trace, kv_pages=kv_pages, refresh_every=64,
                  running_cost_tokens=cfg.running_cost_tokens)
     row = res.summary()
     row["replay_s"] = time.perf_counter() - t
     row["load_overrides"] = getattr(router.decode.policy, "load_overrides", None)
+    row["buckets"] = _buckets(res.decision_ns, res.decision_tokens)
+    hasher = router.decode.tree.hasher
+    row["pages_hashed"], row["pages_remembered"] = hasher.hashed, hasher.reused
     return row
 
 
@@ -86,25 +136,57 @@ def _print_table(rows: list[dict], meta: dict, out: str) -> None:
               f"load overrides: {pa['load_overrides']}")
 
 
+def _print_speed(runs: dict[str, list[dict]], baselines: dict[str, dict[str, float]]) -> None:
+    print(f"\ndecision speed by prompt length (goals: p99 <= {GOAL_P99_US:.0f} us, "
+          f">= {GOAL_PER_S:.0f} decisions/s; hash = p50 of blake2b over every page of the "
+          f"prompt, same process)")
+    print(f"{'trace':6} {'policy':13} {'prompt':6} {'n':>5} {'p50 us':>7} {'p99 us':>7} "
+          f"{'dec/s':>7} {'goals':>5} {'hash us':>7} {'x hash':>6}")
+    for trace_name, rows in runs.items():
+        for r in rows:
+            for label, b in r["buckets"].items():
+                ok = ("p" if b["p99_us"] <= GOAL_P99_US else "-") + \
+                     ("r" if b["decisions_per_s"] >= GOAL_PER_S else "-")
+                base = baselines[trace_name].get(label, 0.0)
+                ratio = b["p50_us"] / base if base else 0.0
+                print(f"{trace_name:6} {r['policy']:13} {label:6} {b['decisions']:5d} "
+                      f"{b['p50_us']:7.1f} {b['p99_us']:7.1f} {b['decisions_per_s']:7.0f} "
+                      f"{ok:>5} {base:7.1f} {ratio:6.2f}")
+    print("goals: p = p99 met, r = rate met, - = missed")
+
+
 def main() -> None:
     args = _parse_args()
     spec = TraceSpec(conversations=args.conversations, seed=args.seed)
     cfg = PrefixAwareConfig(balance_abs_tokens=args.threshold, balance_ratio=1.0)
     t0 = time.perf_counter()
-    trace = multi_turn_trace(spec)
-    rows = [_run_policy(name, trace, args, cfg) for name in POLICIES]
+    traces = {"chat": multi_turn_trace(spec)}
+    if args.long_conversations:
+        long_spec = TraceSpec(conversations=args.long_conversations, turns=LONG_TURNS,
+                              seed=args.seed + 1)
+        traces["long"] = multi_turn_trace(long_spec)
+    kv = {"chat": args.kv_pages, "long": args.long_kv_pages}
+    runs = {name: [_run_policy(p, tr, args, cfg, kv[name]) for p in POLICIES]
+            for name, tr in traces.items()}
+    baselines = {name: _hash_baseline(tr, args.page_size) for name, tr in traces.items()}
+    trace = traces["chat"]
     meta = dict(conversations=args.conversations, groups=args.groups, kv_pages=args.kv_pages,
                 page_size=args.page_size, threshold=args.threshold, seed=args.seed,
                 requests=len(trace), prompt_tokens=sum(len(r.prompt) for r in trace),
                 trace_spec={k: getattr(spec, k) for k in spec.__slots__},
                 prefix_aware_config={k: getattr(cfg, k) for k in cfg.__slots__},
+                long_conversations=args.long_conversations, long_turns=LONG_TURNS,
+                long_kv_pages=args.long_kv_pages,
+                goals=dict(p99_us=GOAL_P99_US, decisions_per_s=GOAL_PER_S),
                 total_s=time.perf_counter() - t0, python=platform.python_version(),
                 cpus=os.cpu_count())
     out = args.json or os.path.join(os.environ.get("OUT", "."), "router.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    _print_table(rows, meta, out)
+        json.dump({"meta": meta, "rows": runs["chat"], "long_rows": runs.get("long", []),
+                   "hash_baseline_p50_us": baselines}, f, indent=1)
+    _print_table(runs["chat"], meta, out)
+    _print_speed(runs, baselines)
 
 
 if __name__ == "__main__":

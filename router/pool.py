@@ -128,6 +128,11 @@ class PlacementPool:
     def loads(self) -> dict[Hashable, GroupLoad]:
         return dict(self._effective)
 
+    @property
+    def num_inflight(self) -> int:
+        """How many requests the pool tracks."""
+        return len(self._inflight)
+
     def inflight(self, target: Optional[Hashable] = None) -> list[str]:
         """Tracked request ids (on `target` only, when given), in routing order."""
         return [rid for rid, (t, _) in self._inflight.items() if target is None or t == target]
@@ -143,9 +148,11 @@ class PlacementPool:
     # ---- routing --------------------------------------------------------------------
 
     def route(self, request_id: str, tokens: Sequence[int], *,
-              exclude: Collection[Hashable] = ()) -> Hashable:
+              exclude: Collection[Hashable] = (), hashes: Optional[Sequence[int]] = None
+              ) -> Hashable:
         """Picks a target for `tokens` through the policy, lists the prompt's pages for it
-        in the tree, and tracks the request's load there until `release`."""
+        in the tree, and tracks the request's load there until `release`. `hashes`: the
+        chain hashes of `tokens`' full pages at this pool's page size, if already known."""
         if request_id in self._inflight:
             raise ValueError(f"request {request_id!r} is already routed to {self.kind} "
                              f"{self._inflight[request_id][0]!r}; finish (release) it first")
@@ -153,18 +160,22 @@ class PlacementPool:
         if not targets:
             raise NoTargetError(f"no {self.kind} to route request {request_id!r} to "
                                 f"(pool: {self.targets}, excluded: {sorted(map(repr, exclude))})")
-        hashes = self.tree.hashes(tokens)
-        pages = self.tree.match_pages(hashes)
-        ps = self.tree.page_size
+        tree = self.tree
+        if hashes is None:
+            hashes = tree.hashes(tokens)
+        pages = tree.match_pages(hashes)
+        ps = tree.page_size
         eff = self._effective
         cands = [Candidate(t, eff[t], pages.get(t, 0) * ps) for t in targets]
-        target = self.policy.choose(cands, len(tokens))
+        n_tokens = len(tokens)
+        target = self.policy.choose(cands, n_tokens)
         if target not in targets:
             raise RuntimeError(f"policy {self.policy_name!r} chose {target!r}, "
                                f"not a candidate {self.kind}")
-        matched = min(pages.get(target, 0) * ps, len(tokens))
-        cost = len(tokens) - matched
-        self.tree.insert_hashes(target, hashes)
+        held = pages.get(target, 0)
+        matched = min(held * ps, n_tokens)
+        cost = n_tokens - matched
+        tree.insert_hashes(target, hashes, listed_hint=held)
         self._inflight[request_id] = (target, cost)
         own = self._own[target]
         own.tokens += cost
@@ -172,14 +183,16 @@ class PlacementPool:
         self._refresh_effective(target)
         st = self.stats
         st.decisions += 1
-        st.prompt_tokens += len(tokens)
+        st.prompt_tokens += n_tokens
         st.matched_tokens += matched
         st.per_target[target] = st.per_target.get(target, 0) + 1
         return target
 
-    def release(self, request_id: str, tokens: Optional[Sequence[int]] = None) -> bool:
-        """Drops a request's load; with `tokens` (e.g. prompt + output), lists their pages
-        for the target it ran on. False if the id was not tracked."""
+    def release(self, request_id: str, tokens: Optional[Sequence[int]] = None, *,
+                hashes: Optional[Sequence[int]] = None) -> bool:
+        """Drops a request's load; with `tokens` (e.g. prompt + output), or the chain
+        `hashes` of their full pages, lists those pages for the target it ran on. False
+        if the id was not tracked."""
         entry = self._inflight.pop(request_id, None)
         if entry is None:
             return False
@@ -188,7 +201,9 @@ class PlacementPool:
         own.tokens -= cost
         own.requests -= 1
         self._refresh_effective(target)
-        if tokens is not None:
+        if hashes is not None:
+            self.tree.insert_hashes(target, hashes)
+        elif tokens is not None:
             self.tree.insert(target, tokens)
         return True
 

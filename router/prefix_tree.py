@@ -6,55 +6,41 @@ is one full page, named by the same chain hash the ranks' block pools use
 rank's report of the hashes it holds can be matched against the tree directly. It is
 approximate: a rank may have evicted what the tree still lists until the next `refresh`.
 
+Layout (flat dicts keyed by chain hash, so a page costs no object of its own and nothing
+the garbage collector must scan): `_parent[h]` (None for a first page), `_holders[h]` a
+bitmask of the groups listing the page (`GroupPages.bit`), `_kids` the children lists
+(`ChildLinks`). Each group's pages and their LRU order are a `GroupPages` (lazy ticks:
+touching a path is O(1)).
+
 Invariants (asserted by `check_integrity`):
 - every node has at least one holder, and its parent (if any) is a node that lists it
   as a child; children point back to their parent;
 - prefix closure: a group holding a node holds its parent (so a group's pages form a
   subtree hanging from the root, and a match walks down one path);
-- `h in lru[g]` exactly when `g in node(h).holders`; `len(lru[g]) <= capacity(g)`;
-- LRU order: in `lru[g]` (least recent first) every node comes before its parent, so the
-  least recent entry is always a leaf of g's subtree and evicting it keeps closure.
-  (A touch moves the path to the end leaf first, root last.)
+- `h in pages(g)` exactly when g's bit is in `_holders[h]`; `len(pages(g)) <= capacity(g)`;
+- LRU: a page's tick (the last insert that covered it) is never below its children's, so
+  the least recent page is a leaf and evicting it keeps closure (see `GroupPages`).
+
+Matching is incremental: the prompt's hashes come from `PageHasher` (pages seen before
+are not hashed again), and by prefix closure each group's match is found by bisecting the
+path, not walking it. A chain whose hash collides (64 bits) with another chain's may
+match past the collision, as the ranks' block pools would.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections import OrderedDict
-from typing import Collection, Hashable, Optional, Sequence
+from itertools import repeat
+from operator import or_
+from typing import Collection, Hashable, Iterator, Optional, Sequence
+
+from .child_links import ChildLinks
+from .group_pages import GroupPages
+from .page_hasher import PageHasher, page_hashes
+from .tree_invariants import check_prefix_tree
 
 GroupId = Hashable
 
-
-def page_hashes(tokens: Sequence[int], page_size: int,
-                parent: Optional[int] = None) -> list[int]:
-    """Chain hashes of the full pages of `tokens` (a partial last page is left out).
-
-    Bit-identical to `phalanx.engine.block_pool.hash_pages` (blake2b-64 of the parent's
-    8 little-endian bytes and the page's tokens as little-endian int64), without numpy.
-    """
-    n = len(tokens) // page_size * page_size
-    if n == 0:
-        return []
-    data = struct.pack(f"<{n}q", *tokens[:n])
-    step = 8 * page_size
-    blake, from_bytes = hashlib.blake2b, int.from_bytes
-    prev = b"" if parent is None else parent.to_bytes(8, "little")
-    out: list[int] = []
-    for off in range(0, 8 * n, step):
-        prev = blake(prev + data[off:off + step], digest_size=8).digest()
-        out.append(from_bytes(prev, "little"))
-    return out
-
-
-class _Node:
-    __slots__ = ("parent", "children", "holders")
-
-    def __init__(self, parent: Optional[int]) -> None:
-        self.parent = parent
-        self.children: set[int] = set()
-        self.holders: set[GroupId] = set()
+MEMO_SPARE_PAGES = 4096  # the hasher remembers up to 2 x nodes + this many pages
 
 
 class PrefixTree:
@@ -62,7 +48,9 @@ class PrefixTree:
 
     `capacity_pages` bounds the pages listed per group (LRU eviction of leaves); a group
     may get its own bound with `set_capacity`. A logical `clock` ticks once per insert;
-    `refresh(..., as_of=t)` keeps what was touched after tick t.
+    `refresh(..., as_of=t)` keeps what was touched after tick t. `hasher` computes (and
+    remembers) page chain hashes of this tree's page size: up to twice as many pages as
+    the tree has nodes, plus `MEMO_SPARE_PAGES` (about 200 bytes a page).
     """
 
     def __init__(self, page_size: int, capacity_pages: int) -> None:
@@ -72,8 +60,13 @@ class PrefixTree:
             raise ValueError(f"capacity_pages must be a positive integer, got {capacity_pages!r}")
         self.page_size = page_size
         self.capacity_pages = capacity_pages
-        self._nodes: dict[int, _Node] = {}
-        self._lru: dict[GroupId, OrderedDict[int, int]] = {}  # group -> hash -> last tick
+        self.hasher = PageHasher(page_size, MEMO_SPARE_PAGES)
+        self._parent: dict[int, Optional[int]] = {}
+        self._holders: dict[int, int] = {}
+        self._kids = ChildLinks()
+        self._groups: dict[GroupId, GroupPages] = {}  # in first-insert order
+        self._owner: dict[int, GroupId] = {}  # bit -> group
+        self._free_bits: list[int] = []
         self._capacity: dict[GroupId, int] = {}
         self._clock = 0
 
@@ -84,64 +77,123 @@ class PrefixTree:
         """The current logical time (number of inserts so far)."""
         return self._clock
 
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
-        """Chain hashes of the full pages of `tokens`."""
-        return page_hashes(tokens, self.page_size)
+    def hashes(self, tokens: Sequence[int], remember: bool = True) -> list[int]:
+        """Chain hashes of the full pages of `tokens` (remembered for later calls)."""
+        return self.hasher.hashes(tokens, remember=remember)
 
     def groups(self) -> list[GroupId]:
         """Groups that hold at least one page, in first-insert order."""
-        return [g for g, lru in self._lru.items() if lru]
+        return [g for g, gp in self._groups.items() if gp]
 
     def pages(self, group: GroupId) -> int:
         """Number of pages listed for `group`."""
-        lru = self._lru.get(group)
-        return len(lru) if lru else 0
+        gp = self._groups.get(group)
+        return len(gp) if gp else 0
 
     def num_nodes(self) -> int:
-        return len(self._nodes)
+        return len(self._parent)
 
     def capacity(self, group: GroupId) -> int:
         return self._capacity.get(group, self.capacity_pages)
 
     def held_hashes(self, group: GroupId) -> set[int]:
         """The page hashes listed for `group`."""
-        return set(self._lru.get(group, ()))
+        gp = self._groups.get(group)
+        return set(gp.ticks) if gp else set()
 
     def match(self, tokens: Sequence[int]) -> dict[GroupId, int]:
         """Tokens of the longest listed prefix of `tokens`, per group (groups with no
         match are absent). Read-only: touches no LRU state."""
-        return self.match_hashes(self.hashes(tokens))
+        return self.match_hashes(self.hashes(tokens, remember=False))
 
     def match_hashes(self, hashes: Sequence[int]) -> dict[GroupId, int]:
-        """`match` from precomputed chain hashes; O(len(hashes) + groups)."""
+        """`match` from precomputed chain hashes."""
         pages = self.match_pages(hashes)
         ps = self.page_size
         return {g: n * ps for g, n in pages.items()}
 
     def match_pages(self, hashes: Sequence[int]) -> dict[GroupId, int]:
-        """Matched full pages per group (absent: none). Walks one path of the tree; by
-        prefix closure the holders shrink along it, so a group's match ends where it
-        stops being a holder."""
+        """Matched full pages per group (absent: none). By prefix closure the holders
+        shrink along the path, so the path is bisected where they change:
+        O(changes x log(len(hashes))) lookups. (Only the ends of the path check that a
+        node hangs under the previous page: between them, a hash of the path that names
+        a node elsewhere would be a 64-bit collision, and would only skew the estimate.)"""
+        n = len(hashes)
+        holders = self._holders
+        m0 = self._mask(hashes, 0) if n else 0
+        if not m0:
+            return {}
         out: dict[GroupId, int] = {}
-        nodes = self._nodes
-        alive: set[GroupId] = set()
-        prev: Optional[int] = None
-        depth = 0
-        for h in hashes:
-            node = nodes.get(h)
-            if node is None or node.parent != prev:
-                break
-            holders = node.holders
-            if depth and len(holders) != len(alive):
-                for g in alive:
-                    if g not in holders:
-                        out[g] = depth
-            alive = holders
-            prev = h
-            depth += 1
-        for g in alive:
-            out[g] = depth
+        m_end = self._mask(hashes, n - 1)
+        if m_end:
+            self._name_bits(m_end, n, out)
+        get = holders.get
+        lo, m_lo = 0, m0
+        while m_lo != m_end:  # the next page past `lo` where the holders change
+            a, b, m_b = lo, n - 1, m_end  # holders are m_lo at page a, differ at page b
+            while b - a > 1:
+                mid = (a + b) >> 1
+                m = get(hashes[mid], 0)
+                if m == m_lo:
+                    a = mid
+                else:
+                    b, m_b = mid, m
+            self._name_bits(m_lo & ~m_b, b, out)  # listed at page b-1, not at page b
+            lo, m_lo = b, m_b
         return out
+
+    def _mask(self, hashes: Sequence[int], i: int) -> int:
+        """Holders of page i of the chain `hashes` (0: no such node under page i-1)."""
+        h = hashes[i]
+        m = self._holders.get(h, 0)
+        if m and self._parent[h] != (hashes[i - 1] if i else None):
+            return 0  # the hash is a node under another parent (a collision)
+        return m
+
+    def _name_bits(self, mask: int, depth: int, out: dict[GroupId, int]) -> None:
+        owner = self._owner
+        while mask:
+            b = mask & -mask
+            out[owner[b]] = depth
+            mask ^= b
+
+    def _listed_depth(self, bit: int, hashes: Sequence[int], n: int,
+                      hint: Optional[int] = None) -> int:
+        """Pages of `hashes[:n]` listed for the group of `bit` (a prefix, by closure);
+        `hint`, a guess (e.g. from `match_pages`), is checked with two lookups."""
+        mask = self._mask
+        if hint is not None and 0 <= hint <= n and (hint == 0 or mask(hashes, hint - 1) & bit) \
+                and (hint == n or not mask(hashes, hint) & bit):
+            return hint
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if mask(hashes, mid - 1) & bit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _known_depth(self, hashes: Sequence[int], lo: int, hi: int) -> int:
+        """The first i in [lo, hi) where hashes[i] is no node (hi: none such); the nodes
+        of a chain are a prefix of it (a node's parent is one), so this bisects."""
+        holders = self._holders
+        if lo >= hi or hashes[lo] not in holders:
+            return lo
+        if hashes[hi - 1] in holders:
+            return hi
+        a, b = lo, hi - 1  # a node at a, none at b
+        while b - a > 1:
+            mid = (a + b) >> 1
+            if hashes[mid] in holders:
+                a = mid
+            else:
+                b = mid
+        return b
+
+    def children(self, h: int) -> Iterator[int]:
+        """The child nodes of node `h`."""
+        return self._kids.children(h)
 
     # ---- writing -------------------------------------------------------------------
 
@@ -156,42 +208,67 @@ class PrefixTree:
         """Lists the full pages of `tokens` for `group`; see `insert_hashes`."""
         return self.insert_hashes(group, self.hashes(tokens))
 
-    def insert_hashes(self, group: GroupId, hashes: Sequence[int]) -> int:
+    def insert_hashes(self, group: GroupId, hashes: Sequence[int], *,
+                      listed_hint: Optional[int] = None) -> int:
         """Lists the page chain `hashes` (from the root) for `group`, marks the whole path
         most recently used, evicts the group's LRU leaves past its capacity, and ticks the
-        clock. A chain longer than the capacity is cut to it. Returns pages newly listed.
-        """
+        clock. A chain longer than the capacity is cut to it, and a chain reaching a hash
+        already used under another parent (a 64-bit collision) stops before it. Returns
+        pages newly listed. `listed_hint`: how many pages `match_pages` found listed."""
         self._clock += 1
-        lru = self._lru.setdefault(group, OrderedDict())
-        path = self._build_path(hashes[:self.capacity(group)])
-        added = 0
-        tick = self._clock
-        for h in reversed(path):  # leaf first: parents end up more recent than children
-            node = self._nodes[h]
-            if group not in node.holders:
-                node.holders.add(group)
-                added += 1
-            lru[h] = tick
-            lru.move_to_end(h)
+        gp = self._groups.get(group)
+        if gp is None:
+            gp = self._groups[group] = GroupPages(self._new_bit(group))
+        n = min(len(hashes), self.capacity(group))
+        bit = gp.bit
+        start = self._listed_depth(bit, hashes, n, listed_hint)
+        n = self._hold_chain(bit, hashes, start, n)
+        if n > start:
+            gp.add_chain(hashes[start:n], hashes[start - 1] if start else None)
+        if n:
+            gp.end_path(hashes[n - 1], self._clock)
         self._evict(group)
-        return added
+        self.hasher.budget = 2 * len(self._parent) + MEMO_SPARE_PAGES
+        return max(0, n - start)
 
-    def _build_path(self, hashes: Sequence[int]) -> list[int]:
-        """Creates the missing nodes of a chain; returns the prefix of `hashes` that is now
-        a path in the tree (it stops at a hash already used under another parent, i.e. a
-        64-bit collision, which is left alone)."""
-        nodes = self._nodes
-        prev: Optional[int] = None
-        for i, h in enumerate(hashes):
-            node = nodes.get(h)
-            if node is None:
-                nodes[h] = _Node(prev)
+    def _hold_chain(self, bit: int, hashes: Sequence[int], start: int, n: int) -> int:
+        """Adds `bit` to the holders of pages start..n-1 of the chain `hashes` (page
+        start-1 already has it), creating the nodes no group lists. Returns where the chain
+        ends: n, or the first page whose hash is a node under another parent (a
+        collision), which is left alone."""
+        holders, parent = self._holders, self._parent
+        prev = hashes[start - 1] if start else None
+        i = self._known_depth(hashes, start, n)
+        seen = hashes[start:i]  # pages other groups list: add this one, in bulk
+        if seen and parent[seen[0]] == prev and list(map(parent.get, seen[1:])) == seen[:-1]:
+            holders.update(zip(seen, map(or_, map(holders.__getitem__, seen), repeat(bit))))
+            prev = seen[-1]
+        else:  # one by one, stopping at a collision (a hash listed under another parent)
+            i = start
+            while i < n:
+                h = hashes[i]
+                m = holders.get(h)
+                if m is None:
+                    break
+                if parent[h] != prev:
+                    n = i
+                    break
+                holders[h] = m | bit
+                prev = h
+                i += 1
+        if i < n:  # pages no group lists: new nodes, each the only child of the previous
+            new = hashes[i:n]
+            if any(map(holders.__contains__, new)):  # a collision further down
+                n = i + next(j for j, h in enumerate(new) if h in holders)
+                new = hashes[i:n]
+            if new:
+                holders.update(dict.fromkeys(new, bit))
+                parent[new[0]] = prev
+                parent.update(zip(new[1:], new))
+                self._kids.first.update(zip(new, new[1:]))
                 if prev is not None:
-                    nodes[prev].children.add(h)
-            elif node.parent != prev:
-                return list(hashes[:i])
-            prev = h
-        return list(hashes)
+                    self._kids.link(new[0], prev)
+        return n
 
     def refresh(self, group: GroupId, held: Collection[int], as_of: Optional[int] = None) -> int:
         """Reconciles `group` with the page hashes it reports holding: every listed page
@@ -199,103 +276,129 @@ class PrefixTree:
         tick `as_of` (routed after the report was taken; None: no exception). Pages in
         `held` that the tree never listed are not added (their chain is unknown).
         Returns the number of pages dropped."""
-        lru = self._lru.get(group)
-        if not lru:
+        gp = self._groups.get(group)
+        if not gp:
             return 0
         held = held if isinstance(held, (set, frozenset, dict)) else set(held)
-        stale = [h for h, t in lru.items()
-                 if h not in held and (as_of is None or t <= as_of)]
-        return sum(self._drop_subtree(group, h) for h in stale)
+        recent = gp.touched_after_all(as_of, self._parent.__getitem__) \
+            if as_of is not None else ()
+        stale = [h for h in gp.ticks if h not in held and h not in recent]
+        return sum(self._drop_subtree(gp, h) for h in stale)
 
     def forget(self, group: GroupId, evicted: Collection[int], as_of: Optional[int] = None) -> int:
         """Drops the pages `group` reports it evicted (with their subtrees of the group),
         except pages touched after tick `as_of` (as in `refresh`). Returns the number
         of pages dropped: the incremental form of `refresh`."""
-        lru = self._lru.get(group)
-        if not lru:
+        gp = self._groups.get(group)
+        if not gp:
             return 0
-        stale = [h for h in evicted if h in lru and (as_of is None or lru[h] <= as_of)]
-        return sum(self._drop_subtree(group, h) for h in stale)
+        dropped = 0
+        for h in evicted:
+            if h in gp.ticks and (as_of is None or
+                                  not gp.touched_after(h, as_of, self.children)):
+                dropped += self._drop_subtree(gp, h)
+        return dropped
 
     def remove_group(self, group: GroupId) -> int:
         """Forgets every page of `group`; returns how many it had."""
-        lru = self._lru.pop(group, None)
+        gp = self._groups.pop(group, None)
         self._capacity.pop(group, None)
-        if not lru:
+        if gp is None:
             return 0
-        for h in lru:  # children before parents (LRU order), so nodes empty leaf-first
-            self._release(group, h)
-        return len(lru)
+        del self._owner[gp.bit]
+        self._free_bits.append(gp.bit)
+        holders, keep = self._holders, ~gp.bit
+        doomed: list[int] = []
+        for h in gp.ticks:
+            m = holders[h] & keep
+            if m:
+                holders[h] = m
+            else:
+                doomed.append(h)
+        gone = set(doomed)  # closed downwards: an unheld node's children are unheld
+        for h in doomed:
+            p = self._parent.pop(h)
+            del holders[h]
+            if p is not None and p not in gone:
+                self._kids.unlink(h, p)
+            self._kids.forget(h)
+        return len(gp)
 
     def clear(self) -> None:
-        self._nodes.clear()
-        self._lru.clear()
+        for d in (self._parent, self._holders, self._groups, self._owner):
+            d.clear()
+        self._kids.clear()
+        self._free_bits.clear()
+        self.hasher.clear()
 
-    def _drop_subtree(self, group: GroupId, root: int) -> int:
-        """Drops `root` and its descendants from `group`; returns pages dropped."""
-        lru = self._lru[group]
-        if root not in lru:
+    # ---- internals -----------------------------------------------------------------
+
+    def _new_bit(self, group: GroupId) -> int:
+        bit = self._free_bits.pop() if self._free_bits else 1 << len(self._owner)
+        self._owner[bit] = group
+        return bit
+
+    def _unhold(self, h: int, bit: int) -> None:
+        """Clears `bit` from node `h`, deleting the node once no group lists it (its
+        children are unheld too, by closure, hence already gone)."""
+        m = self._holders[h] & ~bit
+        if m:
+            self._holders[h] = m
+            return
+        del self._holders[h]
+        p = self._parent.pop(h)
+        if p is not None:
+            self._kids.unlink(h, p)
+
+    def _drop_subtree(self, gp: GroupPages, root: int) -> int:
+        """Unlists `root` and its listed descendants for `gp`'s group; returns how many."""
+        ticks = gp.ticks
+        if root not in ticks:
             return 0
         order: list[int] = []
         stack = [root]
         while stack:
             h = stack.pop()
             order.append(h)
-            stack.extend(c for c in self._nodes[h].children if c in lru)
-        for h in reversed(order):  # descendants before ancestors
-            del lru[h]
-            self._release(group, h)
-        return len(order)
+            if h in gp.kids:
+                stack.extend(c for c in self.children(h) if c in ticks)
+        order.reverse()  # descendants before ancestors
+        n = gp.remove_subtree(order, self._parent[root])
+        for h in order:
+            self._unhold(h, gp.bit)
+        return n
 
     def _evict(self, group: GroupId) -> None:
-        lru = self._lru.get(group)
-        if not lru:
+        gp = self._groups.get(group)
+        if not gp:
             return
-        cap = self.capacity(group)
-        while len(lru) > cap:
-            h, _ = lru.popitem(last=False)  # a leaf of the group's subtree (LRU order)
-            self._release(group, h)
-
-    def _release(self, group: GroupId, h: int) -> None:
-        """Removes `group` from node `h`'s holders and deletes the node once unheld
-        (its children are unheld too, by closure, hence already gone)."""
-        node = self._nodes[h]
-        node.holders.discard(group)
-        if not node.holders:
-            del self._nodes[h]
-            if node.parent is not None:
-                self._nodes[node.parent].children.discard(h)
+        over = len(gp) - self.capacity(group)
+        if over <= 0:
+            return
+        gone = gp.evict(over, self._parent)
+        assert len(gone) == over, "a group over capacity has leaves to evict"
+        holders, parent, keep = self._holders, self._parent, ~gp.bit
+        kids = self._kids
+        first, prev, nxt = kids.first, kids.prev, kids.next
+        for h in gone:  # children before parents
+            m = holders[h] & keep
+            if m:
+                holders[h] = m
+                continue
+            del holders[h]  # no holder left: the node goes (its children went before)
+            p = parent.pop(h)
+            if p is None:
+                continue
+            if h in prev or h in nxt:
+                kids.unlink(h, p)
+            else:
+                del first[p]  # h was p's only child
 
     # ---- checking ------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Asserts the invariants of the module docstring; O(nodes + listed pages)."""
-        nodes = self._nodes
-        for h, node in nodes.items():
-            assert node.holders, f"node {h:#x} has no holder"
-            if node.parent is not None:
-                parent = nodes.get(node.parent)
-                assert parent is not None, f"node {h:#x}: parent {node.parent:#x} missing"
-                assert h in parent.children, f"node {h:#x} not a child of its parent"
-                assert node.holders <= parent.holders, \
-                    f"node {h:#x}: holders {node.holders} not within its parent's"
-            for c in node.children:
-                assert c in nodes and nodes[c].parent == h, f"bad child {c:#x} of {h:#x}"
-            for g in node.holders:
-                assert h in self._lru.get(g, ()), f"node {h:#x} held by {g!r} not in its LRU"
-        for g, lru in self._lru.items():
-            assert len(lru) <= self.capacity(g), f"group {g!r} over capacity"
-            pos = {h: i for i, h in enumerate(lru)}
-            last_tick = 0
-            for h, tick in lru.items():
-                assert h in nodes and g in nodes[h].holders, f"{g!r} lists a foreign page"
-                assert tick >= last_tick, f"group {g!r}: LRU ticks out of order"
-                last_tick = tick
-                parent = nodes[h].parent
-                assert parent is None or pos.get(parent, -1) > pos[h], \
-                    f"group {g!r}: page {h:#x} is not before its parent in LRU order"
-        assert sum(len(n.holders) for n in nodes.values()) == \
-            sum(len(lru) for lru in self._lru.values()), "holder count mismatch"
+        check_prefix_tree(self)
 
 
 __all__ = ["GroupId", "PrefixTree", "page_hashes"]

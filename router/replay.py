@@ -69,6 +69,7 @@ class ReplayResult:
     hit_tokens: int = 0
     estimated_hit_tokens: int = 0
     decision_ns: list[int] = field(default_factory=list)
+    decision_tokens: list[int] = field(default_factory=list)  # tokens routed, per decision
     spreads: list[int] = field(default_factory=list)
     work: dict[Hashable, int] = field(default_factory=dict)
     routed: dict[Hashable, int] = field(default_factory=dict)
@@ -132,6 +133,7 @@ def replay(router: Router, trace: Iterable[TraceRequest], *, kv_pages: int,
         t0 = clock()
         router.route(rec)
         res.decision_ns.append(clock() - t0)
+        res.decision_tokens.append(len(req.prompt))
         sim.start(rec, req.arrival_s, res)
         loads = [load_tokens(router.load(x), running_cost_tokens) for x in router.groups]
         res.spreads.append(max(loads) - min(loads))

@@ -50,6 +50,30 @@ def test_lru_evicts_leaves_of_the_least_recent_branch():
     assert tree.pages("g") == 4
 
 
+def test_eviction_of_several_pages_takes_them_in_lru_order():
+    """Pages go least recent first even when several leave at once: a chain's parent that
+    a later insert touched waits its turn behind an older leaf elsewhere."""
+    tree = PrefixTree(PS, 100)
+    tree.insert("g", toks(1, 2, 3))  # tick 1
+    tree.insert("g", toks(4))  # tick 2
+    tree.insert("g", toks(1, 2))  # tick 3: pages 1 and 2 are newer than 4, page 3 is not
+    tree.set_capacity("g", 2)  # two leave: page 3 (tick 1), then page 4 (tick 2)
+    tree.check_integrity()
+    assert tree.match(toks(1, 2, 3)) == {"g": 8} and tree.match(toks(4)) == {}
+
+
+def test_a_dropped_subtree_leaves_its_recency_to_its_parent():
+    tree = PrefixTree(PS, 100)
+    tree.insert("g", toks(1, 2))  # tick 1
+    tree.insert("g", toks(5))  # tick 2
+    tree.insert("g", toks(1, 2, 3))  # tick 3
+    h3 = page_hashes(toks(1, 2, 3), PS)[2]
+    assert tree.forget("g", [h3]) == 1  # page 3 goes; pages 1-2 were still used at tick 3
+    tree.set_capacity("g", 2)  # so page 5 (tick 2) is the least recent
+    tree.check_integrity()
+    assert tree.match(toks(1, 2)) == {"g": 8} and tree.match(toks(5)) == {}
+
+
 def test_a_chain_longer_than_capacity_is_cut():
     tree = PrefixTree(PS, 3)
     assert tree.insert("g", toks(1, 2, 3, 4, 5)) == 3
@@ -182,3 +206,151 @@ def test_tree_never_over_reports_under_eviction(ops_list, ps, capacity):
     for got, want in _run(ops_list, ps, capacity):
         for g, n in got.items():
             assert n <= want.get(g, 0), (g, got, want)
+
+
+# ---- exact equivalence with a naive tree (eager LRU ticks, linear matching) -------------
+
+class _NaiveTree:
+    """The tree's contract written plainly: per group an ordered dict page -> tick where
+    a touch moves the whole path to the end (leaf first), eviction pops the front, a
+    match walks the path page by page; descendants are found by scanning."""
+
+    def __init__(self, ps: int, capacity: int) -> None:
+        self.ps, self.cap, self.clock = ps, capacity, 0
+        self.parent: dict[int, int | None] = {}  # every listed page
+        self.lru: dict[str, dict[int, int]] = {}
+        self.caps: dict[str, int] = {}
+
+    def capacity(self, g: str) -> int:
+        return self.caps.get(g, self.cap)
+
+    def _alive(self) -> set[int]:
+        return {h for lru in self.lru.values() for h in lru}
+
+    def insert(self, g: str, tokens: list[int]) -> int:
+        self.clock += 1
+        lru = self.lru.setdefault(g, {})
+        alive, path, prev = self._alive(), [], None
+        for h in page_hashes(tokens, self.ps)[:self.capacity(g)]:
+            if h in alive and self.parent[h] != prev:
+                break
+            path.append(h)
+            prev = h
+        added = 0
+        for i, h in reversed(list(enumerate(path))):
+            self.parent[h] = path[i - 1] if i else None
+            added += h not in lru
+            lru.pop(h, None)
+            lru[h] = self.clock
+        self._evict(g)
+        return added
+
+    def _evict(self, g: str) -> None:
+        lru = self.lru.get(g, {})
+        while len(lru) > self.capacity(g):
+            del lru[next(iter(lru))]
+
+    def _below(self, g: str, root: int) -> set[int]:
+        out = set()
+        for h in self.lru[g]:
+            x = h
+            while x is not None and x != root:
+                x = self.parent[x]
+            if x == root:
+                out.add(h)
+        return out
+
+    def _drop(self, g: str, stale: list[int]) -> int:
+        n = 0
+        for h in stale:
+            if h in self.lru[g]:
+                for x in self._below(g, h):
+                    del self.lru[g][x]
+                    n += 1
+        return n
+
+    def refresh(self, g: str, held: set[int], as_of) -> int:
+        lru = self.lru.get(g)
+        if not lru:
+            return 0
+        return self._drop(g, [h for h, t in lru.items()
+                              if h not in held and (as_of is None or t <= as_of)])
+
+    def forget(self, g: str, evicted: list[int], as_of) -> int:
+        lru = self.lru.get(g)
+        if not lru:
+            return 0
+        return self._drop(g, [h for h in evicted
+                              if h in lru and (as_of is None or lru[h] <= as_of)])
+
+    def remove_group(self, g: str) -> int:
+        self.caps.pop(g, None)
+        return len(self.lru.pop(g, {}))
+
+    def set_capacity(self, g: str, cap: int) -> None:
+        self.caps[g] = cap
+        self._evict(g)
+
+    def match(self, tokens: list[int]) -> dict[str, int]:
+        out = {}
+        hashes = page_hashes(tokens, self.ps)
+        for g, lru in self.lru.items():
+            n, prev = 0, None
+            while n < len(hashes) and hashes[n] in lru and self.parent[hashes[n]] == prev:
+                prev = hashes[n]
+                n += 1
+            if n:
+                out[g] = n * self.ps
+        return out
+
+    def groups(self) -> list[str]:
+        return [g for g, lru in self.lru.items() if lru]
+
+
+def _pick(listed: list[int], picks: list[int]) -> set[int]:
+    return {listed[i % len(listed)] for i in picks} if listed else set()
+
+
+naive_ops = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.sampled_from(GROUPS), token_lists),
+    st.tuples(st.just("refresh"), st.sampled_from(GROUPS),
+              st.tuples(st.lists(st.integers(0, 63)), st.none() | st.integers(0, 4))),
+    st.tuples(st.just("forget"), st.sampled_from(GROUPS),
+              st.tuples(st.lists(st.integers(0, 63)), st.none() | st.integers(0, 4))),
+    st.tuples(st.just("remove"), st.sampled_from(GROUPS), st.none()),
+    st.tuples(st.just("capacity"), st.sampled_from(GROUPS), st.integers(1, 6)),
+    st.tuples(st.just("match"), st.none(), token_lists),
+), max_size=50)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(naive_ops, st.sampled_from([1, 2, 3]), st.integers(1, 8))
+def test_tree_equals_a_naive_tree_op_by_op(ops_list, ps, capacity):
+    """Matches, listed pages, eviction order (LRU with lazy ticks), refresh and forget
+    with `as_of` (ticks back from now), removal and capacity changes: all as the naive
+    tree's, after every operation."""
+    tree, naive = PrefixTree(ps, capacity), _NaiveTree(ps, capacity)
+    for op, g, arg in ops_list:
+        if op == "insert":
+            assert tree.insert(g, arg) == naive.insert(g, arg)
+        elif op in ("refresh", "forget"):
+            picks, back = arg
+            as_of = None if back is None else max(0, naive.clock - back)
+            chosen = _pick(sorted(naive.lru.get(g, {})), picks) | {12345}
+            if op == "refresh":
+                assert tree.refresh(g, chosen, as_of) == naive.refresh(g, chosen, as_of)
+            else:
+                evicted = sorted(chosen)
+                assert tree.forget(g, evicted, as_of) == naive.forget(g, evicted, as_of)
+        elif op == "remove":
+            assert tree.remove_group(g) == naive.remove_group(g)
+        elif op == "capacity":
+            tree.set_capacity(g, arg)
+            naive.set_capacity(g, arg)
+        else:
+            assert tree.match(arg) == naive.match(arg)
+        tree.check_integrity()
+        assert tree.groups() == naive.groups()
+        assert tree.num_nodes() == len(naive._alive())
+        for x in GROUPS:
+            assert tree.held_hashes(x) == set(naive.lru.get(x, {}))

@@ -98,6 +98,51 @@ def test_records_are_routed_from_their_resume_tokens_and_placed():
         r.route(RequestRecord("s", (1,)), request_id="t")
 
 
+def test_a_record_is_hashed_once_per_request():
+    """route + route_prefill (same page size) hash the prompt's pages once; a re-route
+    after a fault and finish hash only the pages past the prompt's full ones. The pages
+    listed are the reference hashes of what each side ran."""
+    r = Router(page_size=PS, groups=[0, 1], prefill_instances=["p0"])
+    rec = RequestRecord("a", tuple(SYSTEM + [1, 2, 3]), SamplingParams(max_tokens=16))
+    g = r.route(rec)
+    r.route_prefill(rec)
+    dec, pre = r.decode.tree.hasher, r.prefill.tree.hasher
+    assert (dec.hashed, pre.hashed) == (8, 0)  # 35 tokens: 8 full pages, hashed once
+    assert r.prefill.tree.held_hashes("p0") == set(page_hashes(SYSTEM, PS))
+    rec.accept(0, [4, 5, 6])
+    assert r.remove_group(g) == ["a"]
+    rec.requeue()
+    other = r.route(rec)  # from prompt + emitted: one more page, [1, 2, 3, 4]
+    assert dec.hashed == 9
+    assert r.decode.tree.held_hashes(other) == set(page_hashes(rec.resume_tokens(), PS))
+    rec.accept(3, [7, 8, 9, 10, 11], finished=True)
+    assert r.finish(rec) is True
+    assert dec.hashed == 11  # [1, 2, 3, 4] (to find it remembered), [5, 6, 7, 8]
+    assert r.decode.tree.held_hashes(other) == set(page_hashes(rec.resume_tokens(), PS))
+    assert r.finish(rec) is False and dec.hashed == 11  # nothing tracked: nothing hashed
+
+
+def test_prompt_hashes_of_stranded_requests_do_not_pile_up():
+    """Requests stranded by a removal and never finished (a caller that drops them) leave
+    their cached prompt hashes behind only until those outnumber the live ones."""
+    r = Router(page_size=PS, groups=[0, 1])
+    for i in range(1500):
+        r.route(RequestRecord(f"s{i}", (i, i, i, i, 1)), exclude={1})
+    assert len(r.remove_group(0)) == 1500
+    for i in range(10):
+        r.route(RequestRecord(f"t{i}", (i, 2, 3, 4)))
+    assert len(r._prompt_hashes) <= 2 * 10 + 1024 + 1
+
+
+def test_prefill_instances_with_their_own_page_size_hash_their_own_pages():
+    r = Router(page_size=PS, prefill_page_size=8, groups=[0], prefill_instances=["p0"])
+    rec = RequestRecord("a", tuple(SYSTEM + [1, 2, 3]), SamplingParams(max_tokens=16))
+    r.route_prefill(rec)
+    r.route(rec)
+    assert r.prefill.tree.held_hashes("p0") == set(page_hashes(rec.prompt_token_ids, 8))
+    assert r.decode.tree.held_hashes(0) == set(page_hashes(rec.prompt_token_ids, PS))
+
+
 def test_a_removed_group_receives_nothing_from_the_next_call_on():
     r = Router(page_size=PS, groups=[0, 1, 2, 3], policy="prefix_aware")
     for i in range(8):  # make group of SYSTEM attractive

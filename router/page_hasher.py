@@ -1,0 +1,211 @@
+"""Chain hashes of a token sequence's full pages, bit-identical to the ranks' block pools,
+computed without re-hashing pages the router has hashed before.
+
+A page's chain hash is blake2b-64 of (its parent page's hash as 8 little-endian bytes,
+or nothing for a first page) + (its tokens as little-endian int64): `page_hashes`, the
+reference, equal to `phalanx.engine.block_pool.hash_pages`. One blake2b call costs about
+0.5 µs in CPython, so hashing every page of a few-thousand-token prompt would dominate a
+routing decision; most of a prompt, though, repeats pages seen before (a chat turn is the
+previous turn plus a new message).
+
+`PageHasher` remembers *runs*: consecutive pages of sequences it hashed, as their packed
+tokens and chain hashes. To hash a prompt it packs the tokens once (`struct`), hashes the
+first page, and when that hash starts a remembered run it takes the following hashes from
+the run for as many pages as the tokens are byte-equal (one `memcmp`), then hashes the next
+page and looks again. Taking a hash from a run is exact, not a guess: the chain hash of a
+page is a function of its parent's hash and its tokens, and both are verified equal
+(the parent by hash, the tokens by bytes). So a prompt costs one blake2b per page the
+hasher has not seen plus one per *jump* between runs, and a `memcmp`.
+
+Layout: `_at` maps a chain hash to a run that holds that page; the run's index of the page
+is the page's position in its sequence minus `run.start` (a chain hash fixes the position).
+Memory is bounded: runs are kept in least-recently-used order and the oldest dropped while
+more than `budget` pages are remembered (the owner sets the budget, e.g. from its tree's
+size); a dropped run's pages are simply hashed again next time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from itertools import compress, repeat
+from operator import is_
+from typing import Optional, Sequence
+
+#: a prompt pieced together from at least this many runs is remembered as one run, so
+#: that its next turn jumps once instead of once per earlier turn
+CONSOLIDATE_RUNS = 3
+
+
+def page_hashes(tokens: Sequence[int], page_size: int,
+                parent: Optional[int] = None) -> list[int]:
+    """Chain hashes of the full pages of `tokens` (a partial last page is left out).
+
+    Bit-identical to `phalanx.engine.block_pool.hash_pages` (blake2b-64 of the parent's
+    8 little-endian bytes and the page's tokens as little-endian int64), without numpy.
+    The reference implementation: hashes every page.
+    """
+    n = len(tokens) // page_size * page_size
+    if n == 0:
+        return []
+    data = struct.pack(f"<{n}q", *tokens[:n])
+    step = 8 * page_size
+    blake, from_bytes = hashlib.blake2b, int.from_bytes
+    prev = b"" if parent is None else parent.to_bytes(8, "little")
+    out: list[int] = []
+    for off in range(0, 8 * n, step):
+        prev = blake(prev + data[off:off + step], digest_size=8).digest()
+        out.append(from_bytes(prev, "little"))
+    return out
+
+
+class _Run:
+    """Pages `start, start+1, ...` of one sequence: `view` their tokens packed as
+    little-endian int64 (8 * page_size bytes a page), `hashes` their chain hashes."""
+
+    __slots__ = ("start", "view", "hashes")
+
+    def __init__(self, start: int, data: bytes, hashes: list[int]) -> None:
+        self.start, self.view, self.hashes = start, memoryview(data), hashes
+
+
+def _common_pages(a: bytes, a_off: int, b: memoryview, b_off: int, page_bytes: int,
+                  limit: int) -> int:
+    """How many whole pages from byte `a_off` of `a` equal those from `b_off` of `b`
+    (at most `limit`; a binary search)."""
+    lo, hi = 0, limit  # lo pages are known equal, more than hi are known not to be
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.startswith(b[b_off:b_off + mid * page_bytes], a_off):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class PageHasher:
+    """Chain hashes of full pages of `page_size` tokens, memoized over remembered runs
+    (module docstring). Not thread-safe; one owner (a prefix tree) drives it."""
+
+    def __init__(self, page_size: int, budget: int = 1 << 16) -> None:
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+        self.page_size = page_size
+        self.budget = budget
+        self._at: dict[int, _Run] = {}
+        self._runs: OrderedDict[_Run, None] = OrderedDict()  # least recently used first
+        self._pages = 0  # pages held by the runs in `_runs`
+        self.hashed = 0  # blake2b calls so far (pages hashed, not taken from a run)
+        self.reused = 0  # pages whose hash was taken from a run
+
+    @property
+    def remembered_pages(self) -> int:
+        return self._pages
+
+    def hashes(self, tokens: Sequence[int], *, parent: Optional[int] = None,
+               first_page: int = 0, remember: bool = True) -> list[int]:
+        """Chain hashes of the full pages of `tokens`, equal to
+        `page_hashes(tokens, page_size, parent)`. `tokens` continue a sequence whose page
+        `first_page - 1` has chain hash `parent` (defaults: a sequence's start). With
+        `remember`, the pages are remembered for later calls."""
+        ps = self.page_size
+        n = len(tokens) // ps
+        if n == 0:
+            return []
+        if parent is None and first_page:
+            raise ValueError("first_page > 0 needs the parent page's hash")
+        data = struct.pack(f"<{n * ps}q", *tokens[:n * ps])
+        out, fresh, runs_used = self._walk(data, n, parent, first_page)
+        if remember:
+            self._remember(data, out, fresh, runs_used, first_page)
+        return out
+
+    def _walk(self, data: bytes, n: int, parent: Optional[int], first_page: int
+              ) -> tuple[list[int], list[tuple[int, int]], int]:
+        """(hashes of the `n` pages packed in `data`, the ranges [a, b) of pages hashed
+        that no run holds, how many runs were used)."""
+        blake, from_bytes, at_get = hashlib.blake2b, int.from_bytes, self._at.get
+        pb = 8 * self.page_size
+        prev = b"" if parent is None else parent.to_bytes(8, "little")
+        out: list[int] = []
+        append = out.append
+        fresh: list[tuple[int, int]] = []
+        runs_used = reused = 0
+        k = 0
+        while k < n:
+            a = k  # hash pages until one starts a remembered run
+            for off in range(k * pb, n * pb, pb):
+                prev = blake(prev + data[off:off + pb], digest_size=8).digest()
+                h = from_bytes(prev, "little")
+                append(h)
+                run = at_get(h)
+                if run is not None:
+                    i = first_page + len(out) - 1 - run.start
+                    hs = run.hashes
+                    if 0 <= i < len(hs) and hs[i] == h:
+                        break
+            else:
+                fresh.append((a, n))
+                break
+            k = len(out)
+            if a < k - 1:
+                fresh.append((a, k - 1))
+            # page k-1 is the run's page i: the pages after it are the run's for as long as
+            # their tokens are equal (same parent hash, same tokens)
+            runs_used += 1
+            self._runs.move_to_end(run)
+            limit = min(n - k, len(hs) - i - 1)
+            if limit <= 0:
+                continue
+            off, roff = k * pb, (i + 1) * pb
+            view = run.view
+            if data.startswith(view[roff:roff + limit * pb], off):
+                m = limit
+            else:
+                m = _common_pages(data, off, view, roff, pb, limit - 1)
+                if not m:
+                    continue
+            out += hs[i + 1:i + 1 + m]
+            k += m
+            reused += m
+            prev = out[-1].to_bytes(8, "little")
+        self.hashed += n - reused
+        self.reused += reused
+        return out, fresh, runs_used
+
+    def _remember(self, data: bytes, hashes: list[int], fresh: list[tuple[int, int]],
+                  runs_used: int, first_page: int) -> None:
+        pb = 8 * self.page_size
+        if runs_used >= CONSOLIDATE_RUNS:
+            self._add(_Run(first_page, data, hashes[:]))
+        else:
+            for a, b in fresh:
+                self._add(_Run(first_page + a, data[a * pb:b * pb], hashes[a:b]))
+        if self._pages > self.budget:
+            self.trim(self.budget)
+
+    def _add(self, run: _Run) -> None:
+        self._at.update(zip(run.hashes, repeat(run)))
+        self._runs[run] = None
+        self._pages += len(run.hashes)
+
+    def trim(self, budget: int) -> None:
+        """Forgets the least recently used runs while more than `budget` pages are
+        remembered (the most recent run is always kept)."""
+        at, runs = self._at, self._runs
+        while self._pages > budget and len(runs) > 1:
+            run, _ = runs.popitem(last=False)
+            hs = run.hashes
+            self._pages -= len(hs)
+            # the entries that still name this run (a later run may have taken a page)
+            deque(map(at.__delitem__, compress(hs, map(is_, map(at.get, hs), repeat(run)))),
+                  maxlen=0)
+
+    def clear(self) -> None:
+        self._at.clear()
+        self._runs.clear()
+        self._pages = 0
+
+
+__all__ = ["CONSOLIDATE_RUNS", "PageHasher", "page_hashes"]

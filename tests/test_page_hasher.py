@@ -1,0 +1,80 @@
+"""PageHasher: memoized chain hashes equal the reference (and the ranks' block pools) on
+sequences that share, extend and diverge from what it remembers, under a tiny budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from phalanx.engine.block_pool import hash_pages
+from phalanx.router.page_hasher import PageHasher, page_hashes
+
+
+def test_reference_equals_the_block_pools():
+    rng = random.Random(0)
+    for ps in (1, 3, 16):
+        t = [rng.randrange(1 << 20) for _ in range(5 * ps + 2)]
+        assert page_hashes(t, ps) == hash_pages(t, ps, None)
+        assert page_hashes(t, ps, parent=0xDEADBEEF) == hash_pages(t, ps, 0xDEADBEEF)
+
+
+def test_a_repeated_prefix_is_not_hashed_again():
+    rng = random.Random(1)
+    h = PageHasher(16)
+    chat = [rng.randrange(32000) for _ in range(16 * 40 + 5)]
+    assert h.hashes(chat) == page_hashes(chat, 16)
+    assert (h.hashed, h.reused) == (40, 0)
+    turn = chat + [rng.randrange(32000) for _ in range(16 * 3)]  # the next turn: 3 more pages
+    assert h.hashes(turn) == page_hashes(turn, 16)
+    # page 0 to find the run, the partial page that now is full, then 2 new ones
+    assert (h.hashed - 40, h.reused) == (4, 39)
+    forked = chat[:16 * 10] + [7] + chat[16 * 10 + 1:]  # differs inside page 10
+    assert h.hashes(forked, remember=False) == page_hashes(forked, 16)
+
+
+def test_continuing_from_a_parent_page():
+    rng = random.Random(2)
+    h = PageHasher(4)
+    t = [rng.randrange(50) for _ in range(4 * 12)]
+    head = h.hashes(t[:4 * 5])
+    tail = h.hashes(t[4 * 5:], parent=head[-1], first_page=5)
+    assert head + tail == page_hashes(t, 4)
+    assert h.hashed == 12
+    assert h.hashes(t) == page_hashes(t, 4)  # each run found by hashing its first page
+    assert (h.hashed, h.reused) == (14, 10)
+    with pytest.raises(ValueError, match="parent"):
+        h.hashes(t, first_page=3)
+    assert h.hashes(t[:3]) == []
+
+
+def test_the_budget_bounds_what_is_remembered():
+    rng = random.Random(3)
+    h = PageHasher(2, budget=8)
+    for _ in range(50):
+        t = [rng.randrange(4) for _ in range(rng.randrange(0, 30))]
+        assert h.hashes(t) == page_hashes(t, 2)
+        # the budget, or over it by the last run alone (the most recent is always kept)
+        assert h.remembered_pages <= 8 + 14
+
+
+sequences = st.lists(st.lists(st.integers(0, 3), max_size=24), min_size=1, max_size=25)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sequences, st.sampled_from([1, 2, 3]), st.integers(1, 40), st.data())
+def test_memoized_hashes_always_equal_the_reference(seqs, ps, budget, data):
+    """Sequences over a tiny alphabet share and diverge at every offset; each is hashed
+    whole, or as a continuation of its own head, or without being remembered."""
+    h = PageHasher(ps, budget=budget)
+    for t in seqs:
+        want = page_hashes(t, ps)
+        how = data.draw(st.sampled_from(["whole", "split", "read"]))
+        if how == "split" and len(want) >= 2:
+            k = data.draw(st.integers(1, len(want) - 1))
+            got = h.hashes(t[:k * ps]) + h.hashes(t[k * ps:], parent=want[k - 1], first_page=k)
+        else:
+            got = h.hashes(t, remember=how != "read")
+        assert got == want
