@@ -4,6 +4,7 @@ placement showing up as latency, not only as a hit rate.
     python bench/router_http.py [--loads light=8,heavy=28] [--duration 45] [--runs 3]
         [--routers smg,prefix_aware,round_robin] [--smg PATH]
         [--workers 4] [--slots 4] [--capacity-pages 1024] [--json PATH] [--png PATH]
+        [--outcomes]
 
 Each (run, load, router) starts fresh processes: `--workers` simulated workers
 (`router_http_worker.py`: a prefix cache with LRU eviction, a prefill lane costing
@@ -22,7 +23,9 @@ Router names for --routers: `smg`, a phalanx routing policy name, or
 `LABEL=POLICY:JSON` (a policy with a config, e.g. `old=prefix_aware:{"load_weight":0.5}`).
 Columns: hit = workers' cached prompt tokens / prompt tokens (mean over runs, min-max);
 p50/p99 = client latency per request, end to end (median over runs, min-max);
-busiest = share of requests the busiest worker took; overr. = share of phalanx
+busiest = share of requests the busiest worker took; busy = share of the run each
+worker's prefill lane was busy (mean over workers and runs; how near saturation);
+evicted = pages the workers' caches evicted per run (mean); overr. = share of phalanx
 decisions the policy took by load or expected cost instead of its score; hit/rr,
 p99/rr = against phalanx round_robin in the same run (median); >smg = runs where the
 router beat SMG of the same run.
@@ -45,7 +48,8 @@ from router_http_engine import EngineConfig
 from router_http_load import LoadSpec, run_load
 from router_http_procs import (SMG_ROUTER, Ports, get_json, start_phalanx, start_smg,
                                start_workers)
-from router_http_report import add_ratios, plot, print_table, run_row, summarize
+from router_http_report import (add_ratios, plot, print_table, run_row, summarize,
+                                 title_of)
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -70,6 +74,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="default $OUT/router_http.json")
     ap.add_argument("--png", default=None, help="default next to the JSON; 'none': no plot")
     ap.add_argument("--logs", default=None, help="process logs (default: next to the JSON)")
+    ap.add_argument("--outcomes", action="store_true",
+                    help="also write each run's requests (conversation, turn, worker, cached "
+                         "tokens, latency) to outcomes-*.json in the logs folder")
     return ap.parse_args(argv)
 
 
@@ -111,10 +118,14 @@ def _one_run(args, cfg: EngineConfig, router: tuple, load: tuple, run: int, slot
         if front is not None:
             front.stop()
         workers.stop()
+    if args.outcomes:
+        with open(os.path.join(logs, f"outcomes-{tag}.json"), "w") as f:
+            json.dump([asdict(o) for o in result.outcomes], f)
     row = run_row(label, name, rate, run, result, truths, stats)
     print(f"  {name:6} run {run} {label:26} hit {row['hit_rate']:.3f} p50 {row['p50_s']:.3f} "
           f"p99 {row['p99_s']:.3f} reqs {row['requests']} failed {row['failed']} "
-          f"busiest {row['busiest_share']:.2f}", flush=True)
+          f"busiest {row['busiest_share']:.2f} busy {row['prefill_busy']:.2f} "
+          f"evicted {row['evicted_pages']}", flush=True)
     return row
 
 
@@ -154,7 +165,7 @@ def main(argv=None) -> None:
     with open(out, "w") as f:
         json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
     if png:
-        plot(summary, png)
+        plot(summary, png, title_of(meta))
     print_table(summary, meta)
 
 

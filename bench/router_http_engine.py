@@ -94,6 +94,7 @@ class Counters:
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    prefill_busy_s: float = 0.0  # time the prefill lane was held (simulated prefills)
 
 
 @dataclass(slots=True)
@@ -142,8 +143,10 @@ class SimEngine:
                     async with self._prefill_lane:
                         cached = min(self.cache.match_pages(hashes) * cfg.page_size,
                                      len(prompt))
-                        await asyncio.sleep(cfg.prefill_fixed_s
-                                            + (len(prompt) - cached) * cfg.prefill_s_per_token)
+                        busy = (cfg.prefill_fixed_s
+                                + (len(prompt) - cached) * cfg.prefill_s_per_token)
+                        await asyncio.sleep(busy)
+                        self.counters.prefill_busy_s += busy
                         self.cache.insert(hashes)
                         del self._unprefilled[serial]
                         self._count(len(prompt), cached)

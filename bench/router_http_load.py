@@ -58,6 +58,7 @@ class Outcome:
     prompt_tokens: int
     cached_tokens: int
     ok: bool
+    worker: str = ""  # who served it ("w2"): the proxy's group header or the worker's id
 
 
 @dataclass(slots=True)
@@ -110,9 +111,11 @@ async def _converse(session: aiohttp.ClientSession, url: str, c: int, script: Co
         body = {"model": "sim-moe", "prompt": encode(history),
                 "max_tokens": script.answer_tokens[k], "stream": False}
         sent = time.monotonic()
+        group = None
         try:
             async with session.post(url + "/v1/completions", json=body) as resp:
                 data = await resp.json(content_type=None) if resp.status == 200 else None
+                group = resp.headers.get("X-Phalanx-Group")
         except aiohttp.ClientError:
             data = None
         latency = time.monotonic() - sent
@@ -121,7 +124,10 @@ async def _converse(session: aiohttp.ClientSession, url: str, c: int, script: Co
             return
         usage = data.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        result.outcomes.append(Outcome(c, k, sent - t0, latency, len(history), cached, True))
+        worker = (f"w{group}" if group is not None  # the phalanx proxy names the group
+                  else str(data.get("id") or "").rpartition("-")[0])  # SMG passes "w2-17"
+        result.outcomes.append(Outcome(c, k, sent - t0, latency, len(history), cached, True,
+                                       worker))
         history += decode(data["choices"][0]["text"])
         await asyncio.sleep(thinks[k])
 

@@ -36,11 +36,14 @@ class HeldChanges(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class GroundTruth(msgspec.Struct, frozen=True):
     """A worker's prefix cache, measured by itself: requests prefilled, their prompt
-    tokens, and the tokens of those found cached when their prefill started."""
+    tokens, the tokens of those found cached when their prefill started, the seconds
+    its prefill lane was busy, and the pages its cache evicted."""
 
     requests: int
     prompt_tokens: int
     hit_tokens: int
+    prefill_busy_s: float = 0.0  # simulated prefill time (the lane's busy seconds)
+    evictions: int = 0  # pages evicted from its cache
 
 
 __all__ = ["GroundTruth", "HeldChanges", "WorkerStats"]

@@ -35,7 +35,11 @@ def run_row(router: str, load: str, rate: float, run: int, result: LoadResult,
                p50_s=_quantile(lat, 0.5), p99_s=_quantile(lat, 0.99),
                mean_s=statistics.fmean(lat) if lat else float("nan"),
                worker_requests=reqs,
-               busiest_share=max(reqs) / sum(reqs) if sum(reqs) else 0.0)
+               busiest_share=max(reqs) / sum(reqs) if sum(reqs) else 0.0,
+               # mean share of the run's wall time each worker's prefill lane was busy
+               prefill_busy=(sum(t.get("prefill_busy_s", 0.0) for t in truths)
+                             / (len(truths) * result.wall_s)) if result.wall_s else 0.0,
+               evicted_pages=sum(t.get("evictions", 0) for t in truths))
     if proxy_stats:
         decisions = proxy_stats.get("decisions") or 0
         row["load_overrides"] = proxy_stats.get("load_overrides")
@@ -79,6 +83,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             p99_s_min=min(r["p99_s"] for r in rs), p99_s_max=max(r["p99_s"] for r in rs),
             throughput=statistics.fmean(r["throughput"] for r in rs),
             busiest_share=statistics.fmean(r["busiest_share"] for r in rs),
+            prefill_busy=statistics.fmean(r.get("prefill_busy", 0.0) for r in rs),
+            evicted_pages=statistics.fmean(r.get("evicted_pages", 0) for r in rs),
             override_share=med("override_share"),
             hit_vs_rr=med("hit_vs_rr"), p99_vs_rr=med("p99_vs_rr"),
             runs_beating_smg_hit=sum(r["hit_rate"] > s["hit_rate"] for r, s in vs) if vs else None,
@@ -94,21 +100,24 @@ def print_table(summary: list[dict], meta: dict) -> None:
     print(f"\n{meta['workers']} workers x {meta['slots']} slots, {meta['duration_s']} s of "
           f"new turns per run, {meta['runs']} runs per (load, router), routers alternating; "
           f"JSON: {meta['json']}" + (f"; PNG: {meta['png']}" if meta.get("png") else ""))
-    print(f"{'load':6} {'rate':>5} {'router':26} {'reqs':>5} {'fail':>4} {'hit':>6} "
+    print(f"{'load':6} {'rate':>5} {'router':26} {'reqs':>5} {'fail':>4} {'req/s':>5} {'hit':>6} "
           f"{'(min-max)':>13} {'p50 s':>6} {'p99 s':>6} {'(min-max)':>13} {'busiest':>7} "
+          f"{'busy':>5} {'evicted':>7} "
           f"{'overr.':>6} {'hit/rr':>6} {'p99/rr':>6} {'>smg hit':>8} {'>smg p99':>8}")
     for s in summary:
         print(f"{s['load']:6} {s['rate']:5.1f} {s['router']:26} {s['requests']:5d} "
-              f"{s['failed']:4d} {s['hit_rate']:6.3f} "
+              f"{s['failed']:4d} {s['throughput']:5.2f} {s['hit_rate']:6.3f} "
               f"{s['hit_rate_min']:6.3f}-{s['hit_rate_max']:6.3f} {s['p50_s']:6.3f} "
               f"{s['p99_s']:6.3f} {s['p99_s_min']:6.3f}-{s['p99_s_max']:6.3f} "
-              f"{s['busiest_share']:7.2f} {_f(s['override_share'], '6.3f'):>6} "
+              f"{s['busiest_share']:7.2f} {s['prefill_busy']:5.2f} {s['evicted_pages']:7.0f} "
+              f"{_f(s['override_share'], '6.3f'):>6} "
               f"{_f(s['hit_vs_rr'], '6.2f'):>6} {_f(s['p99_vs_rr'], '6.2f'):>6} "
               f"{_f(s['runs_beating_smg_hit'], 'd'):>8} {_f(s['runs_beating_smg_p99'], 'd'):>8}")
 
 
-def plot(summary: list[dict], path: str) -> None:
-    """Hit rate and p99 latency against the request rate, one line per router."""
+def plot(summary: list[dict], path: str, title: Optional[str] = None) -> None:
+    """Hit rate and p99 latency against the request rate, one line per router, the
+    load names under the rates; p99 whiskers span the runs' min-max."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -116,17 +125,53 @@ def plot(summary: list[dict], path: str) -> None:
     for router in dict.fromkeys(s["router"] for s in summary):
         ss = sorted((s for s in summary if s["router"] == router), key=lambda s: s["rate"])
         rates = [s["rate"] for s in ss]
-        ax_hit.plot(rates, [s["hit_rate"] for s in ss], marker="o", label=router)
-        ax_p99.plot(rates, [s["p99_s"] for s in ss], marker="o", label=router)
-    ax_hit.set(xlabel="request rate (req/s)", ylabel="prefix hit rate (workers' caches)")
-    ax_p99.set(xlabel="request rate (req/s)", ylabel="p99 latency (s, log scale)")
+        hit = [s["hit_rate"] for s in ss]
+        ax_hit.errorbar(rates, hit, yerr=[[h - s["hit_rate_min"] for h, s in zip(hit, ss)],
+                                          [s["hit_rate_max"] - h for h, s in zip(hit, ss)]],
+                        marker="o", capsize=3, label=router)
+        p99 = [s["p99_s"] for s in ss]
+        ax_p99.errorbar(rates, p99, yerr=[[p - s["p99_s_min"] for p, s in zip(p99, ss)],
+                                          [s["p99_s_max"] - p for p, s in zip(p99, ss)]],
+                        marker="o", capsize=3, label=router)
+    ticks = {s["rate"]: f"{s['load']}\n{s['rate']:g}" for s in summary}
+    for ax in (ax_hit, ax_p99):
+        ax.set_xticks(sorted(ticks), [ticks[r] for r in sorted(ticks)])
+        ax.grid(alpha=0.3)
+    ax_hit.set(xlabel="offered load (req/s)", ylabel="prefix hit rate (workers' caches)")
+    ax_p99.set(xlabel="offered load (req/s)", ylabel="p99 latency (s, log scale)")
     ax_p99.set_yscale("log")
-    ax_hit.grid(alpha=0.3)
-    ax_p99.grid(alpha=0.3)
     ax_hit.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-__all__ = ["BASELINE", "add_ratios", "plot", "print_table", "run_row", "summarize"]
+def title_of(meta: dict) -> str:
+    """The figure's title: workers, cache size, runs."""
+    e = meta.get("engine") or {}
+    return (f"{meta.get('workers')} simulated workers, {e.get('capacity_pages')} cached pages "
+            f"of {e.get('page_size')} tokens each, {meta.get('runs')} runs per point "
+            f"(median p99, mean hit; bars: min-max)")
+
+
+def main(argv=None) -> None:
+    """`python bench/router_http_report.py BENCH.json [PNG]`: the table again, and the
+    PNG redrawn (default: next to the JSON)."""
+    import json
+    import os
+    import sys
+    args = sys.argv[1:] if argv is None else argv
+    with open(args[0]) as f:
+        data = json.load(f)
+    png = args[1] if len(args) > 1 else os.path.splitext(args[0])[0] + ".png"
+    plot(data["summary"], png, title_of(data["meta"]))
+    print_table(data["summary"], {**data["meta"], "png": png})
+
+
+__all__ = ["BASELINE", "add_ratios", "plot", "print_table", "run_row", "summarize", "title_of"]
+
+
+if __name__ == "__main__":
+    main()

@@ -115,7 +115,8 @@ class Worker:
 
     async def truth(self, request: web.Request) -> web.Response:
         c = self.engine.counters
-        return _msg(GroundTruth(c.requests, c.prompt_tokens, c.hit_tokens))
+        return _msg(GroundTruth(c.requests, c.prompt_tokens, c.hit_tokens, c.prefill_busy_s,
+                                self.engine.cache.evictions))
 
     async def unknown(self, request: web.Request) -> web.Response:
         print(f"[{self.name}] unhandled {request.method} {request.path_qs}", file=sys.stderr,

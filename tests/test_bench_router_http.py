@@ -15,6 +15,8 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 import router_http  # noqa: E402
 from router_http_engine import EngineConfig, PrefixCache, SimEngine  # noqa: E402
+from router_http_load import LoadResult, Outcome  # noqa: E402
+from router_http_report import run_row  # noqa: E402
 from router_http_text import CHARS_PER_TOKEN, decode, encode  # noqa: E402
 
 from phalanx.router.prefix_tree import page_hashes  # noqa: E402
@@ -61,13 +63,39 @@ def test_engine_counts_hits_when_the_prefill_starts():
     assert e.num_waiting == e.num_running == 0
 
 
+def test_engine_counts_its_prefill_lane_busy_time():
+    async def go():
+        e = SimEngine(EngineConfig(slots=1, capacity_pages=64, prefill_fixed_s=0.001,
+                                   prefill_s_per_token=1e-5, decode_s_per_token=0.0))
+
+        async def first(tok, cached):
+            return None
+        await e.generate(list(range(40)), 2, first)
+        return e
+    e = asyncio.run(go())
+    assert e.counters.prefill_busy_s == pytest.approx(0.001 + 40 * 1e-5)
+
+
+def test_run_row_reports_prefill_busy_share_and_evictions():
+    result = LoadResult([Outcome(0, 0, 0.0, 0.5, 100, 50, True, "w0"),
+                         Outcome(0, 1, 1.0, 0.7, 200, 150, True, "w1")], wall_s=10.0)
+    truths = [dict(requests=1, prompt_tokens=100, hit_tokens=50, prefill_busy_s=2.0,
+                   evictions=3),
+              dict(requests=1, prompt_tokens=200, hit_tokens=150, prefill_busy_s=4.0,
+                   evictions=0)]
+    row = run_row("r", "light", 8.0, 0, result, truths, None)
+    assert row["hit_rate"] == pytest.approx(200 / 300)
+    assert row["prefill_busy"] == pytest.approx(6.0 / (2 * 10.0))
+    assert row["evicted_pages"] == 3 and row["busiest_share"] == 0.5
+
+
 @pytest.mark.slow
 def test_bench_end_to_end_over_http(tmp_path):
     out = tmp_path / "r.json"
     router_http.main(["--loads", "tiny=6", "--duration", "6", "--runs", "1",
                       "--routers", "prefix_aware,round_robin", "--think", "0.1,0.3",
                       "--prefill-s-per-token", "200e-6", "--decode-s-per-token", "0.2e-3",
-                      "--base-port", "23000", "--json", str(out)])
+                      "--base-port", "23000", "--json", str(out), "--outcomes"])
     data = json.loads(out.read_text())
     rows = {r["router"]: r for r in data["rows"]}
     pa, rr = rows["phalanx prefix_aware"], rows["phalanx round_robin"]
@@ -78,3 +106,8 @@ def test_bench_end_to_end_over_http(tmp_path):
     assert pa["hit_rate"] > rr["hit_rate"]  # later turns find their conversation
     assert pa["hit_vs_rr"] == pytest.approx(pa["hit_rate"] / rr["hit_rate"])
     assert (tmp_path / "r.png").stat().st_size > 0
+    assert 0 < pa["prefill_busy"] < 1
+    served = json.loads((tmp_path / "r_logs" / "outcomes-tiny-0-phalanx_prefix_aware.json")
+                        .read_text())
+    assert len(served) == pa["requests"] and {o["worker"] for o in served} <= {"w0", "w1",
+                                                                               "w2", "w3"}
