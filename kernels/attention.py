@@ -193,15 +193,21 @@ def prefill_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention. See :func:`prefill_attention_ref`.
 
-    Runs the Triton kernel when :func:`~phalanx.kernels.backend.use_triton` says so.
+    ``k_new`` / ``v_new`` ([T, num_kv_heads, head_dim], optional): this step's K/V rows,
+    row ``i`` for query row ``i``, equal to what was written to the cache. The Triton
+    kernel reads them instead of the cache for each sequence's new positions (contiguous
+    rows, no page lookups); the result is the same. Runs the Triton kernel when
+    :func:`~phalanx.kernels.backend.use_triton` says so.
     """
     if use_triton(q):
-        from .gpu.attention import prefill_attention_triton
+        from .gpu.prefill_attention import prefill_attention_triton
 
-        return prefill_attention_triton(q, k_cache, v_cache, meta, scale)
+        return prefill_attention_triton(q, k_cache, v_cache, meta, scale, k_new, v_new)
     return prefill_attention_ref(q, k_cache, v_cache, meta, scale)
 
 

@@ -76,13 +76,17 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, _ = rope.apply_and_cache(q, k, positions, self.q_norm, self.k_norm, self.eps,
-                                    kv_write=(v, cache[0], cache[1], meta.slot_mapping),
-                                    keep_k=False)
-        if meta.is_decode_only:
-            out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
+        # A prefill keeps the rotated k: its attention reads this step's K/V rows from
+        # them rather than through the page table (same values as the cache's).
+        prefill = not meta.is_decode_only
+        q, k_rot = rope.apply_and_cache(q, k, positions, self.q_norm, self.k_norm, self.eps,
+                                        kv_write=(v, cache[0], cache[1], meta.slot_mapping),
+                                        keep_k=prefill)
+        if prefill:
+            rows = (k_rot, v) if k_rot.dtype == cache[0].dtype else (None, None)
+            out = prefill_attention(q, cache[0], cache[1], meta, self.scale, *rows)
         else:
-            out = prefill_attention(q, cache[0], cache[1], meta, self.scale)
+            out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
         return _linear(out.reshape(t, q_size), self.o_proj, None, self.o_proj_scale)
 
 

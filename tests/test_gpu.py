@@ -110,6 +110,13 @@ def test_model_shaped_kernels_launch_in_every_dtype(dtype):
         err = _rel(prefill_attention(q, kc, vc, meta, hd ** -0.5),
                    prefill_attention_ref(q, kc, vc, meta, hd ** -0.5))
         assert err < tol, (hd, err)
+        # As the model calls it: this step's rows read from k_new / v_new.
+        rows = [(s, c + j) for s, (n, c) in enumerate(specs) for j in range(n)]
+        pg = torch.tensor([int(tables[s, p // page]) for s, p in rows], device=dev)
+        off = torch.tensor([p % page for _, p in rows], device=dev)
+        err = _rel(prefill_attention(q, kc, vc, meta, hd ** -0.5, kc[pg, :, off], vc[pg, :, off]),
+                   prefill_attention_ref(q, kc, vc, meta, hd ** -0.5))
+        assert err < tol, ("k_new", hd, err)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
         q1 = torch.randn(len(lens), 8, hd, generator=g, device=dev).to(dtype)
         err = _rel(decode_attention(q1, kc, vc, seq_lens, tables, hd ** -0.5),

@@ -211,10 +211,88 @@ def check_prefill_attention(g: torch.Generator) -> float:
             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
             slot_mapping=torch.full((T,), -1, dtype=torch.int64),
             max_query_len=max(n for n, _ in specs), max_seq_len=max(lens))
+        ref = prefill_attention_ref(q, kc, vc, meta, hd**-0.5)
         out = prefill_attention(q, kc, vc, meta, hd**-0.5)
         assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "unowned rows not zero"
-        errs.append(_rel(out, prefill_attention_ref(q, kc, vc, meta, hd**-0.5)))
+        errs.append(_rel(out, ref))
+        # This step's rows read from contiguous k_new / v_new instead of the page table.
+        k_new, v_new = _new_rows(kc, tables, specs, T), _new_rows(vc, tables, specs, T)
+        out = prefill_attention(q, kc, vc, meta, hd**-0.5, k_new, v_new)
+        assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "unowned rows not zero (k_new)"
+        errs.append(_rel(out, ref))
     return max(errs)
+
+
+def check_prefill_attention_tiles(g: torch.Generator) -> float:
+    """Every query/KV tile shape the prefill kernel can be given, BLOCK_M < BLOCK_N and
+    BLOCK_M > BLOCK_N included, with and without k_new, against the reference."""
+    from phalanx.kernels.attention import AttentionMetadata, prefill_attention_ref
+    from phalanx.kernels.gpu.prefill_attention import prefill_attention_triton
+
+    ps, hd, nq, nkv = 4, 16, 4, 2
+    specs = [(40, 0), (23, 9), (1, 17), (0, 5), (33, 32)]
+    lens = [n + c for n, c in specs]
+    kc, vc, tables = _paged_cache(g, lens, ps, nkv, hd)
+    starts = [0]
+    for n, _ in specs:
+        starts.append(starts[-1] + n)
+    T = starts[-1]
+    q = torch.randn(T, nq, hd, generator=g)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+        slot_mapping=torch.full((T,), -1, dtype=torch.int64),
+        max_query_len=max(n for n, _ in specs), max_seq_len=max(lens))
+    ref = prefill_attention_ref(q, kc, vc, meta, hd**-0.5)
+    k_new, v_new = _new_rows(kc, tables, specs, T), _new_rows(vc, tables, specs, T)
+    errs = []
+    for bm, bn in [(16, 16), (16, 32), (32, 16), (64, 16)]:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, warps=4, stages=2)
+        errs.append(_rel(prefill_attention_triton(q, kc, vc, meta, hd**-0.5, config=cfg), ref))
+        errs.append(_rel(prefill_attention_triton(q, kc, vc, meta, hd**-0.5, k_new, v_new,
+                                                  config=cfg), ref))
+    return max(errs)
+
+
+def check_prefill_attention_invariant(g: torch.Generator) -> float:
+    """A row's result is bit for bit the same as a fresh prompt, as a prefix hit (its
+    prefix read from the cache, its tile holding rows of both sources) and under every
+    query tile a batch may pick: KV tiles sit at multiples of BLOCK_N from position 0."""
+    from phalanx.kernels.attention import AttentionMetadata
+    from phalanx.kernels.gpu.prefill_attention import prefill_attention_triton
+
+    ps, hd, nq, nkv, n = 4, 16, 4, 2, 40
+    kc, vc, tables = _paged_cache(g, [n], ps, nkv, hd)
+    q = torch.randn(n, nq, hd, generator=g)
+    k_all, v_all = _new_rows(kc, tables, [(n, 0)], n), _new_rows(vc, tables, [(n, 0)], n)
+
+    def run(ctx: int, bm: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, n - ctx], dtype=torch.int32),
+            seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=tables,
+            slot_mapping=torch.full((n - ctx,), -1, dtype=torch.int64),
+            max_query_len=n - ctx, max_seq_len=n)
+        return prefill_attention_triton(q[ctx:], kc, vc, meta, hd**-0.5, k_all[ctx:], v_all[ctx:],
+                                        config=dict(BLOCK_M=bm, BLOCK_N=16, warps=4, stages=2))
+
+    fresh = run(0, 16)
+    same = [torch.equal(run(0, bm), fresh) for bm in (32, 64)]
+    same += [torch.equal(run(ctx, bm), fresh[ctx:]) for ctx in (8, 21, 32) for bm in (16, 64)]
+    return float(same.count(False))
+
+
+def _new_rows(cache: torch.Tensor, tables: torch.Tensor, specs, T: int) -> torch.Tensor:
+    """[T, kv_heads, hd]: for each query row, the cache row of its own position (what
+    write_kv put there), gathered from the paged cache."""
+    page = cache.shape[2]
+    rows = torch.zeros(T, cache.shape[1], cache.shape[3], dtype=cache.dtype)
+    t = 0
+    for s, (n, ctx) in enumerate(specs):
+        for j in range(n):
+            p = ctx + j
+            rows[t] = cache[int(tables[s, p // page]), :, p % page]
+            t += 1
+    return rows
 
 
 def check_fused_experts(g: torch.Generator) -> float:
@@ -468,7 +546,8 @@ def check_dispatch(g: torch.Generator) -> float:
     assert use_triton(x)  # the script sets force_triton(True) globally
     calls: list[str] = []
     targets = {"norm": ["rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton"],
-               "attention": ["write_kv_triton", "decode_attention_triton", "prefill_attention_triton"],
+               "attention": ["write_kv_triton", "decode_attention_triton"],
+               "prefill_attention": ["prefill_attention_triton"],
                "moe": ["fused_experts_triton"], "rope": ["rope_triton"], "linear": ["skinny_linear_triton"]}
     for mod_name, fns in targets.items():
         mod = importlib.import_module(f"phalanx.kernels.gpu.{mod_name}")

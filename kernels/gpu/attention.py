@@ -1,4 +1,4 @@
-"""Triton paged attention: ``write_kv``, split-K decode, varlen causal prefill.
+"""Triton paged attention: ``write_kv`` and split-K decode (prefill: :mod:`.prefill_attention`).
 
 Cache layout (see :mod:`phalanx.kernels.attention`): HND pages
 ``[num_pages, num_kv_heads, page_size, head_dim]``; KV position ``p`` of sequence ``s``
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["write_kv_triton", "decode_attention_triton", "prefill_attention_triton"]
+__all__ = ["write_kv_triton", "decode_attention_triton"]
 
 _LOG2E = 1.4426950408889634
 
@@ -261,119 +261,4 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), D, part, BLOCK_D=block_d, num_warps=1,
         )
-    return out
-
-
-# ---------------------------------------------------------------- prefill
-
-
-@triton.jit
-def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, out_ptr,
-    sq_t, sq_h, s_kp, s_kh, s_kt, s_vp, s_vh, s_vt, s_bt, so_t, so_h,
-    scale_log2, G, HD, PAGE,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-):
-    # Program (query block, head, seq): BLOCK_M new tokens of one sequence, one head.
-    # New token j of a sequence with q_len new tokens sits at ctx + j (ctx = seq_len -
-    # q_len, the cached prefix) and sees KV positions 0..ctx + j.
-    mb = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(qsl_ptr + s)
-    q_len = tl.load(qsl_ptr + s + 1) - q_start
-    if mb * BLOCK_M >= q_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + s)
-    ctx = seq_len - q_len
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rm = rows < q_len
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HD
-    tok = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * sq_t + h * sq_h + d[None, :],
-                mask=rm[:, None] & dm[None, :], other=0.0).to(kc_ptr.dtype.element_ty)
-    q_pos = ctx + rows
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kvh = h // G
-    kc_base = kc_ptr + kvh * s_kh
-    vc_base = vc_ptr + kvh * s_vh
-    bt_row = bt_ptr + s * s_bt
-    # Whole KV tiles at positions <= ctx + mb*BLOCK_M (the block's first query) are
-    # visible to every row: no causal mask there. The rest, up to the last row's
-    # position, is masked.
-    full_end = (ctx + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(seq_len, ctx + (mb + 1) * BLOCK_M)
-    for n0 in range(0, full_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = pos < full_end
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, bt_row,
-                                     pos, kv_mask, kv_mask[None, :], d, dm,
-                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, False, PREC)
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = pos < kv_end
-        valid = (pos[None, :] <= q_pos[:, None]) & kv_mask[None, :] & rm[:, None]
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, bt_row,
-                                     pos, kv_mask, valid, d, dm,
-                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True, PREC)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * so_t + h * so_h + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
-
-
-# Tile config of the prefill kernel for long query runs (module-level so a tuning
-# script can override it). One H200, triton 3.6, bf16, 32/4 heads, head_dim 128, graph
-# replay: 1x2048 causal 159 us with this, 172 us with (64, 64, 4 warps, 2 stages), 178-203
-# with (128, 64, 8, 2|3), (128, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 3); 8192 causal
-# 1707 us (best of the same set); torch SDPA (flash) did 2048 in 86 us.
-PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, warps=8, stages=2)
-
-
-# Shared memory the prefill kernel's pipelined K and V tiles may take (stages x 2 x
-# BLOCK_N x BLOCK_D x element size): H100/H200 give a block 227 KiB; float32 tiles of
-# 128 x 128 in 2 stages asked for 256 KiB there and did not launch.
-PREFILL_KV_SMEM = 128 << 10
-
-
-def _prefill_config(max_query_len: int, head_dim: int, itemsize: int = 2) -> dict:
-    if max_query_len <= 16:  # decode-like rows (mixed batches): small query tiles
-        cfg = dict(BLOCK_M=16, BLOCK_N=64 if head_dim <= 128 else 32, warps=4, stages=2)
-    elif max_query_len <= 64:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64 if head_dim <= 128 else 32, warps=4, stages=2)
-    else:
-        cfg = dict(PREFILL_CONFIG)
-        if head_dim > 128:
-            cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 32)
-    tile = 2 * cfg["stages"] * triton.next_power_of_2(head_dim) * itemsize  # per KV row
-    while cfg["BLOCK_N"] > 16 and cfg["BLOCK_N"] * tile > PREFILL_KV_SMEM:
-        cfg["BLOCK_N"] //= 2
-    return cfg
-
-
-def prefill_attention_triton(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-    """Varlen causal attention with cached prefixes; see ``prefill_attention_ref``.
-
-    Uses ``meta.max_query_len`` (a host int) for the grid; rows of ``q`` owned by no
-    sequence come back 0.
-    """
-    T, H, D = q.shape
-    _, KVH, page, _ = k_cache.shape
-    out = torch.zeros_like(q)
-    S = meta.seq_lens.shape[0]
-    if T == 0 or S == 0 or meta.max_query_len == 0:
-        return out
-    cfg = _prefill_config(meta.max_query_len, D, k_cache.element_size())
-    block_m = cfg["BLOCK_M"]
-    grid = (triton.cdiv(meta.max_query_len, block_m), H, S)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        out.stride(0), out.stride(1), scale * _LOG2E, H // KVH, D, page,
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=triton.next_power_of_2(D),
-        PREC=dot_precision(q.dtype), num_warps=cfg["warps"], num_stages=cfg["stages"],
-    )
     return out
