@@ -217,22 +217,30 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, max_blocks
 
 
-def _config(num_pairs: int, num_experts: int) -> dict:
+def _config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
     """Tile sizes by rows per expert: decode (few rows) -> BLOCK_M 16, prefill -> 64.
 
     One H200, triton 3.6, bf16, Qwen3-30B-A3B shapes (128 experts, top-8, hidden 2048,
     I 768), CUDA-graph replay: T=16/64/128 reach the weight-read floor at 4.0 TB/s
     (187/292/299 us) and no other BLOCK_M=16 tile (N 32..128, K 128..256, 3-4 stages)
     did better than noise; T=1 is 33 us (floor 19, launch-bound: 5 kernels);
-    T=2048 is 620 us (floor 302), 597 with (128, 128, 64, 128, 64, 8 warps, 3 stages),
-    683-707 with other BLOCK_M 64 tiles. gate_up holds two [M, N] fp32 accumulators.
+    T=2048 (128 rows per expert) 655-698 us with (128, 128, 64, 128 | 256, 64, 8 warps, 3
+    stages) against 675-728 with (64, 64, 64, 128, 64, 4, 3); T=8192 1659 against 1841;
+    T=16384 (1024 rows per expert, an 8x2048 prefill) 3147 against 3517
+    (bench/probes/moe_prefill_tiles.py, bench/NOTES.md); the 48-layer 8x2048 prefill's
+    experts 146.5 -> 122.4 ms. Those 128-row tiles start past 128 rows per expert (fewer
+    would be mostly padding) and in 2-byte dtypes only (float32's would not fit shared
+    memory). K tiles stay 64 from 32 rows per expert up. gate_up holds two [M, N] fp32
+    accumulators.
     """
     avg = num_pairs / max(1, num_experts)
     if avg <= 16:
         return dict(BLOCK_M=16, N1=64, K1=128, N2=64, K2=128, warps=4, stages=3)
     if avg <= 48:
         return dict(BLOCK_M=32, N1=64, K1=64, N2=64, K2=128, warps=4, stages=3)
-    return dict(BLOCK_M=64, N1=64, K1=64, N2=128, K2=64, warps=4, stages=3)
+    if avg <= 128 or itemsize > 2:
+        return dict(BLOCK_M=64, N1=64, K1=64, N2=128, K2=64, warps=4, stages=3)
+    return dict(BLOCK_M=128, N1=128, K1=64, N2=256, K2=64, warps=8, stages=3)
 
 
 def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
@@ -261,7 +269,7 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
     P = T * k_top
     ids = topk_ids.reshape(-1)
     ids = (expert_map[ids] if expert_map is not None else ids).to(torch.int32)
-    cfg = _config(P, E)
+    cfg = _config(P, E, x.element_size())
     bm = cfg["BLOCK_M"]
     sorted_ids, block_expert, max_blocks = _align(ids, E, bm)
     x = x if x.stride(-1) == 1 else x.contiguous()
