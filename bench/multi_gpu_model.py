@@ -272,19 +272,7 @@ def prefill_flops(cfg: ModelConfig, num_seqs: int, length: int) -> float:
 
 def measure_ceilings(device: torch.device) -> dict[str, float]:
     """Device copy bandwidth (read + write) and bf16 matmul rate, CUDA events, medians."""
-    def median_ms(fn, reps: int = 30) -> float:
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
-
+    from cuda_timing import median_ms  # bench/, on the path of every bench that calls this
     def copy_rate() -> float:  # its 2 x 2 GiB are freed on return
         src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)
         dst = torch.empty_like(src)

@@ -190,7 +190,7 @@ def check_decode_attention(g: torch.Generator) -> float:
 
 
 def check_prefill_attention(g: torch.Generator) -> float:
-    from phalanx.kernels.attention import AttentionMetadata, prefill_attention, prefill_attention_ref
+    from phalanx.kernels.attention import prefill_attention, prefill_attention_ref
 
     errs = []
     for page_size, hd, nq, nkv in [(16, 16, 8, 2), (1, 16, 8, 2), (4, 64, 8, 2), (16, 128, 4, 1)]:
@@ -199,18 +199,9 @@ def check_prefill_attention(g: torch.Generator) -> float:
         # sequence with no new token, ones longer than a query tile, a long prefix (KV
         # tiles below the diagonal, without the causal mask).
         specs = [(1, 0), (ps + 1, 0), (max(1, ps - 1), ps), (5, ps + 1), (0, 3), (70, 2 * ps - 1), (140, 300)]
-        lens = [n + c for n, c in specs]
-        kc, vc, tables = _paged_cache(g, lens, ps, nkv, hd)
-        starts = [0]
-        for n, _ in specs:
-            starts.append(starts[-1] + n)
-        T = starts[-1] + 2  # two trailing rows owned by no sequence: must come back 0
+        kc, vc, tables = _paged_cache(g, [n + c for n, c in specs], ps, nkv, hd)
+        meta, T = _prefill_meta(specs, tables, spare_rows=2)  # 2 unowned rows: must come back 0
         q = torch.randn(T, nq, hd, generator=g)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-            slot_mapping=torch.full((T,), -1, dtype=torch.int64),
-            max_query_len=max(n for n, _ in specs), max_seq_len=max(lens))
         ref = prefill_attention_ref(q, kc, vc, meta, hd**-0.5)
         out = prefill_attention(q, kc, vc, meta, hd**-0.5)
         assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "unowned rows not zero"
@@ -226,23 +217,14 @@ def check_prefill_attention(g: torch.Generator) -> float:
 def check_prefill_attention_tiles(g: torch.Generator) -> float:
     """Every query/KV tile shape the prefill kernel can be given, BLOCK_M < BLOCK_N and
     BLOCK_M > BLOCK_N included, with and without k_new, against the reference."""
-    from phalanx.kernels.attention import AttentionMetadata, prefill_attention_ref
+    from phalanx.kernels.attention import prefill_attention_ref
     from phalanx.kernels.gpu.prefill_attention import prefill_attention_triton
 
     ps, hd, nq, nkv = 4, 16, 4, 2
     specs = [(40, 0), (23, 9), (1, 17), (0, 5), (33, 32)]
-    lens = [n + c for n, c in specs]
-    kc, vc, tables = _paged_cache(g, lens, ps, nkv, hd)
-    starts = [0]
-    for n, _ in specs:
-        starts.append(starts[-1] + n)
-    T = starts[-1]
+    kc, vc, tables = _paged_cache(g, [n + c for n, c in specs], ps, nkv, hd)
+    meta, T = _prefill_meta(specs, tables)
     q = torch.randn(T, nq, hd, generator=g)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-        slot_mapping=torch.full((T,), -1, dtype=torch.int64),
-        max_query_len=max(n for n, _ in specs), max_seq_len=max(lens))
     ref = prefill_attention_ref(q, kc, vc, meta, hd**-0.5)
     k_new, v_new = _new_rows(kc, tables, specs, T), _new_rows(vc, tables, specs, T)
     errs = []
@@ -279,6 +261,23 @@ def check_prefill_attention_invariant(g: torch.Generator) -> float:
     same = [torch.equal(run(0, bm), fresh) for bm in (32, 64)]
     same += [torch.equal(run(ctx, bm), fresh[ctx:]) for ctx in (8, 21, 32) for bm in (16, 64)]
     return float(same.count(False))
+
+
+def _prefill_meta(specs, tables: torch.Tensor, spare_rows: int = 0):
+    """AttentionMetadata for (new tokens, cached prefix) per sequence, rows in order, and
+    the row count (``spare_rows`` more rows owned by no sequence at the end)."""
+    from phalanx.kernels.attention import AttentionMetadata
+
+    starts = [0]
+    for n, _ in specs:
+        starts.append(starts[-1] + n)
+    T = starts[-1] + spare_rows
+    lens = [n + c for n, c in specs]
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+        slot_mapping=torch.full((T,), -1, dtype=torch.int64),
+        max_query_len=max(n for n, _ in specs), max_seq_len=max(lens)), T
 
 
 def _new_rows(cache: torch.Tensor, tables: torch.Tensor, specs, T: int) -> torch.Tensor:

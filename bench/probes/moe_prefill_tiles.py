@@ -15,8 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cuda_timing import median_ms  # noqa: E402  (bench/)
 
 from phalanx.kernels.gpu import moe as gm
 from phalanx.kernels.moe import fused_experts_ref, route
@@ -30,17 +34,7 @@ CONFIGS = [(64, 64, 64, 128, 64, 4, 3), (128, 128, 64, 128, 64, 8, 3), (128, 128
 
 
 def timed(fn, reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, reps, warm=2) * 1e3  # us
 
 
 def main() -> None:

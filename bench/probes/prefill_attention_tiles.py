@@ -22,6 +22,9 @@ import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cuda_timing import median_ms  # noqa: E402  (bench/)
 import torch.nn.functional as F
 
 from phalanx.kernels.attention import AttentionMetadata, prefill_attention_ref  # noqa: E402
@@ -32,17 +35,7 @@ CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (16, 64, 4, 2)]
 
 
 def timed(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, reps, warm=3) * 1e3  # us
 
 
 def matmul_rate() -> float:

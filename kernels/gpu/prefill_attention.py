@@ -34,6 +34,19 @@ __all__ = ["prefill_attention_triton", "PREFILL_CONFIG", "PREFILL_KV_SMEM"]
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i, scale_log2):
+    """Online softmax over raw scores ``s`` [M, N] (masked entries -inf): the new running
+    max (scaled, log2 units), the new running sum, the factor ``alpha`` the accumulator
+    is rescaled by, and the probabilities ``p``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+    # A row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf).
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s * scale_log2 - m_sub[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
 def _online_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lm, valid, scale_log2,
                  LOAD_MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     """One online-softmax step over a KV tile.
@@ -50,12 +63,7 @@ def _online_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lm, valid, scale_log2,
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if CAUSAL:
         s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
-    # A row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf).
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_sub)
-    p = tl.exp2(s * scale_log2 - m_sub[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, l_i, alpha, p = _softmax_step(s, m_i, l_i, scale_log2)
     if LOAD_MASK:
         v = tl.load(v_ptrs, mask=lm, other=0.0)
     else:
@@ -70,13 +78,8 @@ def _mixed_tile(q, m_i, l_i, acc, kp, vp, lm_old, kn, vn, lm_new, valid, scale_l
     """:func:`_online_tile` over a tile whose rows come from two places: ``kp``/``vp``
     where ``lm_old``, ``kn``/``vn`` where ``lm_new`` (disjoint; a row in neither is 0)."""
     k = tl.load(kp, mask=lm_old, other=0.0) + tl.load(kn, mask=lm_new, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC)
-    s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
-    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_sub)
-    p = tl.exp2(s * scale_log2 - m_sub[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    s = tl.where(valid, tl.dot(q, tl.trans(k), input_precision=PREC), float("-inf"))
+    m_new, l_i, alpha, p = _softmax_step(s, m_i, l_i, scale_log2)
     v = tl.load(vp, mask=lm_old, other=0.0) + tl.load(vn, mask=lm_new, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
