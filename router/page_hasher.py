@@ -17,6 +17,13 @@ page is a function of its parent's hash and its tokens, and both are verified eq
 (the parent by hash, the tokens by bytes). So a prompt costs one blake2b per page the
 hasher has not seen plus one per *jump* between runs, and a `memcmp`.
 
+Runs follow the shape of the traffic: pages hashed right after a run's last page extend
+that run (a chat's next turn grows its conversation's run, so the turn after jumps to it
+once, not once per earlier turn), and a sequence that leaves a run in its middle cuts the
+run there and seals the head against growing (a shared system prompt stays a run of its
+own that every conversation reads to its end, without searching for where they part).
+A chat turn thus costs about two jumps plus its new pages.
+
 Layout: `_at` maps a chain hash to a run that holds that page; the run's index of the page
 is the page's position in its sequence minus `run.start` (a chain hash fixes the position).
 Memory is bounded: runs are kept in least-recently-used order and the oldest dropped while
@@ -32,11 +39,6 @@ from collections import OrderedDict, deque
 from itertools import compress, repeat
 from operator import is_
 from typing import Optional, Sequence
-
-#: a prompt pieced together from at least this many runs is remembered as one run, so
-#: that its next turn jumps once instead of once per earlier turn
-CONSOLIDATE_RUNS = 3
-
 
 def page_hashes(tokens: Sequence[int], page_size: int,
                 parent: Optional[int] = None) -> list[int]:
@@ -61,13 +63,16 @@ def page_hashes(tokens: Sequence[int], page_size: int,
 
 
 class _Run:
-    """Pages `start, start+1, ...` of one sequence: `view` their tokens packed as
-    little-endian int64 (8 * page_size bytes a page), `hashes` their chain hashes."""
+    """Pages `start, start+1, ...` of one sequence: `data` their tokens packed as
+    little-endian int64 (8 * page_size bytes a page, `view` a memoryview of it),
+    `hashes` their chain hashes. Grows at its end only (`PageHasher._extend`), until
+    `sealed` (another sequence branched off at its end)."""
 
-    __slots__ = ("start", "view", "hashes")
+    __slots__ = ("start", "data", "view", "hashes", "sealed")
 
     def __init__(self, start: int, data: bytes, hashes: list[int]) -> None:
-        self.start, self.view, self.hashes = start, memoryview(data), hashes
+        self.start, self.data, self.view, self.hashes = start, data, memoryview(data), hashes
+        self.sealed = False
 
 
 def _common_pages(a: bytes, a_off: int, b: memoryview, b_off: int, page_bytes: int,
@@ -115,10 +120,11 @@ class PageHasher:
             return []
         if parent is None and first_page:
             raise ValueError("first_page > 0 needs the parent page's hash")
-        data = struct.pack(f"<{n * ps}q", *tokens[:n * ps])
+        # the partial last page is packed too (no copy of `tokens`) and never read
+        data = struct.pack(f"<{len(tokens)}q", *tokens)
         out, fresh, runs_used = self._walk(data, n, parent, first_page)
         if remember:
-            self._remember(data, out, fresh, runs_used, first_page)
+            self._remember(data, out, fresh, parent, first_page)
         return out
 
     def _walk(self, data: bytes, n: int, parent: Optional[int], first_page: int
@@ -164,6 +170,7 @@ class PageHasher:
                 m = limit
             else:
                 m = _common_pages(data, off, view, roff, pb, limit - 1)
+                self._split(run, i + 1 + m)  # our page differs from the run's there
                 if not m:
                     continue
             out += hs[i + 1:i + 1 + m]
@@ -175,15 +182,43 @@ class PageHasher:
         return out, fresh, runs_used
 
     def _remember(self, data: bytes, hashes: list[int], fresh: list[tuple[int, int]],
-                  runs_used: int, first_page: int) -> None:
+                  parent: Optional[int], first_page: int) -> None:
+        """Remembers the fresh ranges of pages: each continues the run that ends at its
+        parent page when there is one (a chat's next turn grows its conversation's run,
+        so the turn after jumps once, not once per turn), else starts a run."""
         pb = 8 * self.page_size
-        if runs_used >= CONSOLIDATE_RUNS:
-            self._add(_Run(first_page, data, hashes[:]))
-        else:
-            for a, b in fresh:
+        for a, b in fresh:
+            before = hashes[a - 1] if a else parent
+            run = self._at.get(before) if before is not None else None
+            if run is not None and not run.sealed and run.hashes[-1] == before \
+                    and run.start + len(run.hashes) == first_page + a:
+                self._extend(run, data[a * pb:b * pb], hashes[a:b])
+            else:
                 self._add(_Run(first_page + a, data[a * pb:b * pb], hashes[a:b]))
         if self._pages > self.budget:
             self.trim(self.budget)
+
+    def _split(self, run: _Run, j: int) -> None:
+        """Cuts `run` before its page j (a sequence branched off there): the pages from j
+        on become a run of their own, and `run`, sealed, grows no more, so that the
+        sequences sharing it find the end of what they share without a search."""
+        pb = 8 * self.page_size
+        tail = _Run(run.start + j, run.data[j * pb:], run.hashes[j:])
+        run.data = run.data[:j * pb]
+        run.view = memoryview(run.data)
+        del run.hashes[j:]
+        run.sealed = True
+        self._at.update(zip(tail.hashes, repeat(tail)))
+        self._runs[tail] = None
+
+    def _extend(self, run: _Run, data: bytes, hashes: list[int]) -> None:
+        """Appends pages to `run` (they follow its last page in one sequence)."""
+        run.data += data
+        run.view = memoryview(run.data)
+        run.hashes += hashes
+        self._at.update(zip(hashes, repeat(run)))
+        self._runs.move_to_end(run)
+        self._pages += len(hashes)
 
     def _add(self, run: _Run) -> None:
         self._at.update(zip(run.hashes, repeat(run)))
@@ -208,4 +243,4 @@ class PageHasher:
         self._pages = 0
 
 
-__all__ = ["CONSOLIDATE_RUNS", "PageHasher", "page_hashes"]
+__all__ = ["PageHasher", "page_hashes"]

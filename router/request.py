@@ -75,7 +75,7 @@ class RequestRecord:
     `.max_tokens` (emitted tokens never exceed it) and pins `.seed` at construction when
     it is None and the params have `with_seed`, so a re-run after a fault samples the same
     tokens wherever it lands. `seed_rng` (construction only) draws that seed; default: the
-    system's random source.
+    system's random source. `page_hashes` is the router's (see `Router.prepare`).
     """
 
     request_id: str
@@ -89,6 +89,9 @@ class RequestRecord:
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     recoveries: int = 0
+    # page size -> chain hashes of the prompt's full pages: computed once per request (at
+    # admission, `Router.prepare`, or at its first routing) and reused by every later one
+    page_hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self, seed_rng: Optional[random.Random]) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -17,9 +17,10 @@ Contract:
 - `prefill_done(request)` drops the queued part of its load (prefill instance: all of
   it); `finish(request)` drops the rest, in both pools (both idempotent); given a
   record, `finish` also lists prompt + output for its DP group (it now caches them).
-- A record's prompt is hashed into pages once per request (per page size): the hashes
-  are kept from its first `route` until `finish`, and reused by `route_prefill`, by a
-  re-route after a fault and by `finish` (which hashes only the emitted tokens on top).
+- A record's prompt is hashed into pages once per request (per page size): `prepare`
+  does it at admission (or the first `route` does), the hashes travel on the record
+  (`RequestRecord.page_hashes`) and are reused by `route`, `route_prefill`, a re-route
+  after a fault and `finish` (which hashes only the emitted tokens on top).
 - The router drives no state transitions of records other than placement, and does no
   I/O: the caller feeds it load snapshots (`update_load`) and held prefixes
   (`refresh_prefixes`) from what ranks report. It is not thread-safe: one thread (or one
@@ -85,8 +86,6 @@ class Router:
                                      policy=prefill_policy or policy,
                                      policy_config=prefill_policy_config,
                                      kind="prefill instance")
-        # request id -> (its record's prompt, page size -> the prompt's page chain hashes)
-        self._prompt_hashes: dict[str, tuple[tuple[int, ...], dict[int, list[int]]]] = {}
         for g in groups:
             self.add_group(g)
         for p in prefill_instances:
@@ -115,6 +114,15 @@ class Router:
     def loads(self) -> dict[Hashable, GroupLoad]:
         return self.decode.loads()
 
+    def prepare(self, record: RequestRecord) -> RequestRecord:
+        """Hashes the pages of `record`'s prompt at the page size of each pool that has
+        targets, onto `record.page_hashes` (once; later calls find them there): the
+        hashing a request needs, done at admission so that routing it does none."""
+        for pool in (self.decode, self.prefill):
+            if len(pool):
+                self._hashes(record, pool)
+        return record
+
     def route(self, request: RequestLike, *, request_id: Optional[str] = None,
               exclude: Collection[Hashable] = ()) -> Hashable:
         """The DP group for a request (a record, or tokens with `request_id`), chosen by
@@ -122,9 +130,8 @@ class Router:
         rid, tokens = _request_of(request, request_id)
         if not isinstance(request, RequestRecord):
             return self.decode.route(rid, tokens, exclude=exclude)
-        hashes, entry = self._hashes(request, self.decode)
-        group = self.decode.route(rid, tokens, exclude=exclude, hashes=hashes)
-        self._keep_hashes(rid, entry)
+        group = self.decode.route(rid, tokens, exclude=exclude,
+                                  hashes=self._hashes(request, self.decode))
         request.place(dp_group=group)
         return group
 
@@ -171,9 +178,8 @@ class Router:
         rid, tokens = _request_of(request, request_id)
         if not isinstance(request, RequestRecord):
             return self.prefill.route(rid, tokens, exclude=exclude)
-        hashes, entry = self._hashes(request, self.prefill)
-        instance = self.prefill.route(rid, tokens, exclude=exclude, hashes=hashes)
-        self._keep_hashes(rid, entry)
+        instance = self.prefill.route(rid, tokens, exclude=exclude,
+                                      hashes=self._hashes(request, self.prefill))
         request.place(prefill_instance=instance)
         return instance
 
@@ -202,44 +208,29 @@ class Router:
         if isinstance(request, RequestRecord):
             rid = request.request_id
             on_decode = self.decode.target_of(rid) is not None and \
-                self.decode.release(rid, hashes=self._hashes(request, self.decode)[0])
+                self.decode.release(rid, hashes=self._hashes(request, self.decode))
         else:
             rid = request
             on_decode = self.decode.release(rid)
         on_prefill = self.prefill.release(rid)
-        self._prompt_hashes.pop(rid, None)
         return on_decode or on_prefill
 
-    def _hashes(self, record: RequestRecord, pool: PlacementPool
-                ) -> tuple[list[int], tuple[tuple[int, ...], dict[int, list[int]]]]:
-        """(chain hashes of `record`'s resume tokens at `pool`'s page size, the record's
-        cache entry): the prompt's pages are hashed once per request and page size, the
+    @staticmethod
+    def _hashes(record: RequestRecord, pool: PlacementPool) -> list[int]:
+        """Chain hashes of `record`'s resume tokens at `pool`'s page size: the prompt's
+        pages are hashed once per request and page size (kept on the record), the
         emitted tokens' pages (after a fault, or at `finish`) on top of them."""
         prompt, ps = record.prompt_token_ids, pool.tree.page_size
-        entry = self._prompt_hashes.get(record.request_id)
-        if entry is None or entry[0] is not prompt:
-            entry = (prompt, {})
-        hashes = entry[1].get(ps)
+        hashes = record.page_hashes.get(ps)
         if hashes is None:
-            hashes = entry[1][ps] = pool.tree.hashes(prompt)
+            hashes = record.page_hashes[ps] = pool.tree.hashes(prompt)
         out = record.output_token_ids
         if out:
             k = len(hashes)
             tail = [*prompt[k * ps:], *out]
             hashes = hashes + pool.tree.hasher.hashes(tail, parent=hashes[-1] if k else None,
                                                       first_page=k)
-        return hashes, entry
-
-    def _keep_hashes(self, rid: str, entry: tuple[tuple[int, ...], dict[int, list[int]]]) -> None:
-        """Keeps a routed record's prompt hashes until `finish`. Entries of requests that
-        neither pool tracks any more (stranded by a removal and never finished) are swept
-        once they outnumber the tracked ones, so the cache stays bounded."""
-        cache = self._prompt_hashes
-        cache[rid] = entry
-        if len(cache) > 2 * (self.decode.num_inflight + self.prefill.num_inflight) + 1024:
-            for r in [r for r in cache if self.decode.target_of(r) is None
-                      and self.prefill.target_of(r) is None]:
-                del cache[r]
+        return hashes
 
 
 __all__ = ["DEFAULT_CAPACITY_PAGES", "NoTargetError", "Router"]

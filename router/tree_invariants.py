@@ -1,6 +1,6 @@
-"""The invariants of a `PrefixTree` (its module docstring), asserted on its internals:
-what `PrefixTree.check_integrity` runs, in tests and after random operation sequences.
-O(nodes + listed pages); never on a serving path.
+"""The invariants of a `PrefixTree` (its module docstring and page_runs.py's), asserted on
+its internals: what `PrefixTree.check_integrity` runs, in tests and after random
+operation sequences. O(nodes + runs x groups); never on a serving path.
 """
 
 from __future__ import annotations
@@ -8,36 +8,59 @@ from __future__ import annotations
 from typing import Any
 
 
+def _runs(tree: Any) -> list[Any]:
+    """Every run reachable from the roots, parents before children; checks the links."""
+    out, stack = [], [(r, None) for r in tree._roots.values()]
+    while stack:
+        r, par = stack.pop()
+        assert r.hashes, "an empty run"
+        assert r.parent is par, f"run at {r.hashes[0]:#x}: wrong parent"
+        want = 0 if par is None else par.depth0 + len(par.hashes)
+        assert r.depth0 == want, f"run at {r.hashes[0]:#x}: depth {r.depth0} != {want}"
+        home = tree._roots if par is None else par.kids
+        assert home.get(r.hashes[0]) is r, f"run at {r.hashes[0]:#x}: not keyed by its first page"
+        out.append(r)
+        stack.extend((k, r) for k in r.kids.values())
+    return out
+
+
+def _check_run(tree: Any, r: Any, all_bits: int) -> None:
+    size = len(r.hashes)
+    assert r.held and max(r.held.values()) == size, \
+        f"run at {r.hashes[0]:#x}: a page no group lists, or none listed"
+    for bit, c in r.held.items():
+        assert bit & all_bits and 0 < c <= size, f"run at {r.hashes[0]:#x}: bad count"
+        if r.parent is not None:
+            assert r.parent.held.get(bit) == len(r.parent.hashes), "prefix closure broken"
+        kids = sum(1 for k in r.kids.values() if bit in k.held)
+        assert r.nkids.get(bit, 0) == kids, f"run at {r.hashes[0]:#x}: child count"
+        entries = r.ticks.get(bit, [])
+        assert [p for p, _ in entries] == sorted({p for p, _ in entries}), "tick order"
+        assert all(0 <= p < c and t >= 1 for p, t in entries), "a tick off the listed pages"
+        if r.is_leaf_end(bit):
+            assert entries and entries[-1][0] == c - 1, f"leaf of run {r.hashes[0]:#x}: no tick"
+    assert not set(r.nkids) - set(r.held) and not set(r.ticks) - set(r.held), "stray group data"
+
+
 def check_prefix_tree(tree: Any) -> None:
     """AssertionError naming the first broken invariant of `tree` (a `PrefixTree`; not
     imported here, which would make a cycle), if any."""
-    parent, holders = tree._parent, tree._holders
-    assert parent.keys() == holders.keys(), "node tables disagree"
-    tree._kids.check(parent)
+    runs = _runs(tree)
+    assert sum(len(r.hashes) for r in runs) == tree.num_nodes(), "node count"
     all_bits = 0
     for bit, g in tree._owner.items():
         assert tree._groups[g].bit == bit, f"bit {bit} of {g!r} is not its group's"
         all_bits |= bit
-    for h, p in parent.items():
-        m = holders[h]
-        assert m and not m & ~all_bits, f"node {h:#x}: bad holders {m:#x}"
-        if p is not None:
-            assert p in parent, f"node {h:#x}: parent {p:#x} missing"
-            assert h in set(tree.children(p)), f"node {h:#x} not a child of its parent"
-            assert not m & ~holders[p], f"node {h:#x}: holders not within its parent's"
-        kids = list(tree.children(h))
-        assert len(kids) == len(set(kids)), f"node {h:#x}: a child listed twice"
-        for c in kids:
-            assert parent.get(c) == h, f"bad child {c:#x} of {h:#x}"
-    for g, gp in tree._groups.items():
-        assert len(gp) <= tree.capacity(g), f"group {g!r} over capacity"
-        listed = {h for h, m in holders.items() if m & gp.bit}
-        assert listed == set(gp.ticks), f"group {g!r}: listed pages != holder bits"
-        for h in gp.ticks:
-            n = sum(1 for c in tree.children(h) if c in gp.ticks)
-            assert gp.kids.get(h, 0) == n, f"group {g!r}: child count of {h:#x}"
-        assert not set(gp.kids) - set(gp.ticks), f"group {g!r}: counts of unlisted pages"
-        gp.check()
+    for r in runs:
+        _check_run(tree, r, all_bits)
+    for g, gr in tree._groups.items():
+        mine = [r for r in runs if gr.bit in r.held]
+        assert set(mine) == set(gr.runs), f"group {g!r}: its runs"
+        assert gr.pages == sum(r.held[gr.bit] for r in mine), f"group {g!r}: page count"
+        assert gr.pages <= tree.capacity(g), f"group {g!r} over capacity"
+        leaves = {(t, d, id(r)) for t, d, _, r in gr.leaf_entries()}
+        found = {(t, d, id(r.holding(d))) for t, d, _, r in gr.heap}
+        assert leaves <= found, f"group {g!r}: a leaf missing from the heap"
 
 
 __all__ = ["check_prefix_tree"]

@@ -195,6 +195,7 @@ class ClusterDriver(OwnerThread):
         except ValueError as e:
             self._sink.on_error(rid, e)
             return
+        self.router.prepare(record)  # the prompt's pages hashed once, kept on the record
         group = self.router.route(record)
         instance = self.router.route_prefill(record) if self.layout.prefill_instances else -1
         try:

@@ -43,8 +43,9 @@ def test_continuing_from_a_parent_page():
     tail = h.hashes(t[4 * 5:], parent=head[-1], first_page=5)
     assert head + tail == page_hashes(t, 4)
     assert h.hashed == 12
-    assert h.hashes(t) == page_hashes(t, 4)  # each run found by hashing its first page
-    assert (h.hashed, h.reused) == (14, 10)
+    # the tail grew the head's run: one run, found by hashing its first page
+    assert h.hashes(t) == page_hashes(t, 4)
+    assert (h.hashed, h.reused) == (13, 11)
     with pytest.raises(ValueError, match="parent"):
         h.hashes(t, first_page=3)
     assert h.hashes(t[:3]) == []
@@ -78,3 +79,22 @@ def test_memoized_hashes_always_equal_the_reference(seqs, ps, budget, data):
         else:
             got = h.hashes(t, remember=how != "read")
         assert got == want
+
+
+def test_a_chat_turn_hashes_its_new_pages_and_at_most_two_jumps():
+    """Conversations over one shared system prompt: each turn costs a blake2b per page
+    it adds plus one per run it jumps to (the system prompt's, its conversation's), not
+    one per earlier turn, and the runs branch where the conversations do."""
+    rng = random.Random(4)
+    h = PageHasher(4)
+    system = [rng.randrange(1000) for _ in range(4 * 8)]
+    chats = [list(system) for _ in range(3)]
+    h.hashes(system)
+    for turn in range(6):
+        for chat in chats:
+            new_pages = 2 + turn % 3
+            chat += [rng.randrange(1000) for _ in range(4 * new_pages)]
+            before = h.hashed
+            assert h.hashes(chat) == page_hashes(chat, 4)
+            assert h.hashed - before <= new_pages + 2
+    assert h.remembered_pages == 8 + sum(len(c) // 4 - 8 for c in chats)

@@ -354,3 +354,56 @@ def test_tree_equals_a_naive_tree_op_by_op(ops_list, ps, capacity):
         assert tree.num_nodes() == len(naive._alive())
         for x in GROUPS:
             assert tree.held_hashes(x) == set(naive.lru.get(x, {}))
+
+
+# ---- layout: runs of pages ---------------------------------------------------------------
+
+def _runs(tree: PrefixTree) -> list[list[int]]:
+    out, stack = [], list(tree._roots.values())
+    while stack:
+        r = stack.pop()
+        out.append(r.hashes)
+        stack.extend(r.kids.values())
+    return out
+
+
+def test_a_growing_conversation_stays_one_run_and_a_branch_splits_it():
+    """Each turn extends the previous prompt: one run, listed by count, however many
+    turns; a prompt leaving it in the middle cuts it there (three runs), and matches,
+    counts and eviction see pages, not runs."""
+    tree = PrefixTree(PS, 100)
+    turns = [toks(1, 2), toks(1, 2, 3, 4), toks(1, 2, 3, 4, 5, 6, 7)]
+    for t in turns:
+        tree.insert("g", t)
+    assert len(_runs(tree)) == 1 and tree.pages("g") == 7
+    tree.insert("h", toks(1, 2, 9))  # branches off after page 2
+    tree.check_integrity()
+    assert sorted(map(len, _runs(tree))) == [1, 2, 5]
+    assert tree.match(toks(1, 2, 3, 4, 5)) == {"g": 20, "h": 8}
+    assert tree.match(toks(1, 2, 9, 9)) == {"g": 8, "h": 12}
+    tree.set_capacity("g", 3)  # g's least recent pages: the end of its run, leaf first
+    tree.check_integrity()
+    assert tree.match(toks(1, 2, 3, 4, 5)) == {"g": 12, "h": 8}
+    assert tree.forget("g", page_hashes(toks(1, 2, 3), PS)[1:2]) == 2
+    assert tree.match(toks(1, 2, 3)) == {"g": 4, "h": 8}
+    tree.check_integrity()
+    assert tree.remove_group("h") == 3 and tree.num_nodes() == 1
+    tree.check_integrity()
+
+
+def test_a_path_of_many_runs_is_dropped_and_removed_without_recursion():
+    """A branch at every page of one path (prompts sharing ever longer prefixes) makes
+    a path of more runs than Python's recursion limit: dropping it from the top and
+    removing its group walk it iteratively."""
+    n = 1050
+    path = page_hashes(list(range(n)), 1)
+    tree = PrefixTree(1, 10_000)
+    for i in range(1, n):  # pages 0..i-1 of the path, then a page of its own
+        tree.insert_hashes("g", path[:i] + page_hashes([n + i], 1, parent=path[i - 1]))
+    assert tree.match_pages(path) == {"g": n - 1}
+    tree.insert_hashes("h", path)
+    assert tree.forget("g", path[:1]) == 2 * (n - 1)  # the path and a leaf off each page
+    tree.check_integrity()
+    assert tree.match_pages(path) == {"h": n}
+    assert tree.remove_group("h") == n and tree.num_nodes() == 0
+    tree.check_integrity()

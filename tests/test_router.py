@@ -122,16 +122,26 @@ def test_a_record_is_hashed_once_per_request():
     assert r.finish(rec) is False and dec.hashed == 11  # nothing tracked: nothing hashed
 
 
-def test_prompt_hashes_of_stranded_requests_do_not_pile_up():
-    """Requests stranded by a removal and never finished (a caller that drops them) leave
-    their cached prompt hashes behind only until those outnumber the live ones."""
-    r = Router(page_size=PS, groups=[0, 1])
-    for i in range(1500):
-        r.route(RequestRecord(f"s{i}", (i, i, i, i, 1)), exclude={1})
-    assert len(r.remove_group(0)) == 1500
-    for i in range(10):
-        r.route(RequestRecord(f"t{i}", (i, 2, 3, 4)))
-    assert len(r._prompt_hashes) <= 2 * 10 + 1024 + 1
+def test_prepare_hashes_at_admission_and_the_record_carries_the_hashes():
+    """`prepare` hashes the prompt for each pool with targets, onto the record; routing
+    and finishing it then hash nothing of the prompt again, and the router keeps no
+    per-request hashes of its own (they leave with the record)."""
+    r = Router(page_size=PS, prefill_page_size=8, groups=[0, 1], prefill_instances=["p0"])
+    rec = RequestRecord("a", tuple(SYSTEM + [1, 2, 3]), SamplingParams(max_tokens=16))
+    assert r.prepare(rec) is rec
+    assert rec.page_hashes == {PS: page_hashes(rec.prompt_token_ids, PS),
+                               8: page_hashes(rec.prompt_token_ids, 8)}
+    dec, pre = r.decode.tree.hasher, r.prefill.tree.hasher
+    done = (dec.hashed, pre.hashed)
+    r.prepare(rec)
+    r.route(rec)
+    r.route_prefill(rec)
+    assert (dec.hashed, pre.hashed) == done
+    assert r.finish(rec) is True and (dec.hashed, pre.hashed) == done
+    assert not hasattr(r, "_prompt_hashes")
+    bare = Router(page_size=PS, groups=[0])
+    assert bare.prepare(RequestRecord("b", (1, 2, 3, 4, 5))).page_hashes == \
+        {PS: page_hashes([1, 2, 3, 4], PS)}
 
 
 def test_prefill_instances_with_their_own_page_size_hash_their_own_pages():
