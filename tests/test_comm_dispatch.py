@@ -81,10 +81,12 @@ def _open_channels(comm: GroupComm, shm: bool) -> None:
         assert (comm._world_tensors is not None) == (comm.dp_size > 1)
 
 
-def _tp_collectives(rank, world, ports, shm):
-    for epoch, (tp, port) in enumerate(zip((1, 2, 4), ports)):
+def _tp_collectives(rank, world, ports):
+    """TP sizes 1, 2, 4 over gloo alone (epochs 0-2), then with the shared-memory
+    channels (epochs 3-5), one world for both."""
+    for epoch, (tp, port) in enumerate(zip((1, 2, 4) * 2, ports)):
         comm = GroupComm.init(rank, world, tp, f"tcp://127.0.0.1:{port}", epoch, DEADLINE_S)
-        _open_channels(comm, shm)
+        _open_channels(comm, shm=epoch >= 3)
         assert (comm.tp_size, comm.dp_size, comm.epoch) == (tp, world // tp, epoch)
         assert (comm.dp_rank, comm.tp_rank) == (rank // tp, rank % tp)
         group = [comm.dp_rank * tp + i for i in range(tp)]
@@ -162,10 +164,19 @@ def _check_fused_call(disp, compute, w13_full, w2_full, T, seed):
     torch.testing.assert_close(out, moe_reference(x, w, ids, w13_full, w2_full), rtol=1e-5, atol=1e-6)
 
 
-def _ep_moe(rank, world, port, sizes, padded=False, shm=False):
-    """sizes[call][rank] = tokens of this rank in that call (0 = idle dummy step).
-    padded: the padded exchange, `step_tokens` = the call's most tokens on any rank."""
+def _ep_moe(rank, world, port, sizes, shm=False):
+    """sizes[call][rank] = tokens of this rank in that call (0 = idle dummy step), over
+    the exact exchange and then the padded one on the same world (padded: `step_tokens`
+    = the call's most tokens on any rank)."""
     comm, disp = _make_dispatcher(rank, world, port, 0, shm)
+    for padded in (False, True):
+        _ep_moe_calls(disp, rank, sizes, padded)
+    assert comm.destroy()
+    return True
+
+
+def _ep_moe_calls(disp, rank, sizes, padded):
+    mode = "padded" if padded else "exact"
     w13_full, w2_full = _weights()
     compute = _expert_compute(disp, w13_full, w2_full)
     for call, Ts in enumerate(sizes):  # consecutive MoE layers
@@ -178,11 +189,9 @@ def _ep_moe(rank, world, port, sizes, padded=False, shm=False):
         x, _, ids = _routing(Ts[rank], 7 + 100 * call + rank, dtype)
         w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(call)).to(torch.bfloat16)
         out = disp.moe(x, w, ids, scale)
-        assert torch.equal(out, _scale_expected(x, w, ids))
+        assert torch.equal(out, _scale_expected(x, w, ids)), (mode, call)
         half = Ts[rank] // 2  # same rows in a smaller batch: bit-identical
-        assert torch.equal(disp.moe(x[:half], w[:half], ids[:half], scale), out[:half])
-    assert comm.destroy()
-    return True
+        assert torch.equal(disp.moe(x[:half], w[:half], ids[:half], scale), out[:half]), (mode, call)
 
 
 def _dead_peer(rank, world, ports, shm):
@@ -259,21 +268,21 @@ def test_make_expert_placement():
 SHM = pytest.mark.parametrize("shm", [False, True], ids=["gloo", "shm"])
 
 
-@SHM
-def test_tp_collectives_world4(shm):
-    assert _run_world(_tp_collectives, 4, Ports(3), shm) == {r: True for r in range(4)}
+def test_tp_collectives_world4():
+    """Over gloo and over the shared-memory channels (one world runs both)."""
+    assert _run_world(_tp_collectives, 4, Ports(6)) == {r: True for r in range(4)}
 
 
 @SHM
-@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
 @pytest.mark.parametrize("world,sizes", [
     (2, [(5, 0), (0, 7), (9, 3), (0, 0), (1, 12)]),
     (4, [(5, 0, 9, 2), (1, 6, 0, 13), (0, 0, 0, 0), (8, 3, 1, 0)]),
 ])
-def test_ep_moe_matches_reference(world, sizes, padded, shm):
-    """Exact (uneven splits) and padded exchanges both equal the single-rank reference,
+def test_ep_moe_matches_reference(world, sizes, shm):
+    """Exact (uneven splits) and padded exchanges, one after the other on one world
+    (spawning a world costs more than its calls), both equal the single-rank reference,
     and are bit-exact per row whatever else shares the batch."""
-    assert _run_world(_ep_moe, world, Ports(single=True), sizes, padded, shm) == {
+    assert _run_world(_ep_moe, world, Ports(single=True), sizes, shm) == {
         r: True for r in range(world)}
 
 

@@ -145,24 +145,18 @@ def test_decode_rank_killed_mid_all_to_all(tiny_model, oracle, sampled):
         llm.close()
 
 
-def test_in_place_announced_transfers_match_transformers(tiny_model, oracle):
+def _check_in_place_transfers(llm, prompts, expected) -> None:
     """With an in-place threshold of one page (the tiny model's pages are 512 B per layer
     and kind), prefill TP 1 -> decode DP 2 moves each step's whole pages pool to pool:
     the prefill ranks announce them when the step starts (the decode ranks post their
     receives before the layers are computed) and send each layer when it is done. The
     tokens equal transformers'; nothing announced was withdrawn."""
-    prompts, expected = oracle
-    llm = LLM(tiny_model, prefill_tp=1, decode_dp=2, page_size=4, kv_in_place_min_bytes=512,
-              **KW)
-    try:
-        got = _generate(llm, prompts)
-        for i, (a, b) in enumerate(zip(got, expected)):
-            assert a == b, f"prompt {i} ({len(prompts[i])} tokens)"
-        kv = [ray.get(a.kv_stats.remote()) for a in llm.cluster.decode.actors]
-        assert all(s["announced"] > 0 and s["direct"] > 0 and s["withdrawn"] == 0
-                   and s["rejected"] == 0 for s in kv), kv
-    finally:
-        llm.close()
+    got = _generate(llm, prompts)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert a == b, f"prompt {i} ({len(prompts[i])} tokens)"
+    kv = [ray.get(a.kv_stats.remote()) for a in llm.cluster.decode.actors]
+    assert all(s["announced"] > 0 and s["direct"] > 0 and s["withdrawn"] == 0
+               and s["rejected"] == 0 for s in kv), kv
 
 
 def _wait_until_no_page_is_held(client) -> None:
@@ -210,9 +204,12 @@ def _run_aborting(client, victims, prompts, params, when: str, tag: str):
     return [got[rid] for rid in ids[len(victims):]]
 
 
-def test_requests_aborted_mid_flight_leave_nothing_behind(tiny_model, oracle):
-    """Two long prompts (several chunked prefill steps each; their KV streamed layer by
-    layer, pool to pool, announced when a step starts) aborted while prefilling, then
+def test_in_place_transfers_match_and_aborts_mid_flight_leave_nothing_behind(tiny_model,
+                                                                             oracle):
+    """First, on the fresh layout, `_check_in_place_transfers` (in-place announced
+    transfers give transformers' tokens, nothing withdrawn; one layout serves both
+    checks). Then two long prompts (several chunked prefill steps each; their KV streamed
+    layer by layer, pool to pool, announced when a step starts) aborted while prefilling, then
     again while decoding, among the oracle's prompts (prefill TP 1 -> decode DP 2): the
     aborted ones get no token after the abort, every page is freed on both sides, no
     transport connection breaks, the others' tokens equal transformers', and all of
@@ -226,6 +223,7 @@ def test_requests_aborted_mid_flight_leave_nothing_behind(tiny_model, oracle):
               **KW)
     try:
         client = llm.cluster
+        _check_in_place_transfers(llm, prompts, expected)
         for tag, when in (("a", "prefill"), ("b", "decode")):
             assert _run_aborting(client, long, prompts, params, when, tag) == expected
         _wait_until_no_page_is_held(client)

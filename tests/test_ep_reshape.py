@@ -38,11 +38,19 @@ def crossover_tables() -> CostTables:
         source="test input")
 
 
-def _reference(tiny_model, requests) -> list[str]:
+@pytest.fixture(scope="module")
+def workload(tiny_model):
+    """Two long streams (320 tokens: at the move back they are a third of the way in, or
+    less), a burst of 28 short ones, and the single-rank engine's texts of all of them
+    (one reference pass for both layouts)."""
+    vocab = read_model_config(tiny_model).vocab_size
+    rng = random.Random(3)
+    long = streamed_requests(2, vocab, 320, rng)
+    burst = streamed_requests(28, vocab, 40, rng)
     offline = LLM(tiny_model, **ENGINE)
-    outs = offline.generate(prompt_token_ids=[r[0] for r in requests],
-                            sampling_params=[SamplingParams(**body) for _, body in requests])
-    return [offline.decode(o.outputs[0].token_ids) for o in outs]
+    outs = offline.generate(prompt_token_ids=[r[0] for r in long + burst],
+                            sampling_params=[SamplingParams(**body) for _, body in long + burst])
+    return long, burst, [offline.decode(o.outputs[0].token_ids) for o in outs]
 
 
 async def _text(client, prompt, body) -> str:
@@ -64,20 +72,23 @@ async def _until(cond, timeout_s: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("layout", [dict(tp=1, dp=4), dict(prefill_tp=1, decode_dp=4)],
+# The disaggregated decode side's policy sees only what its DP leaders hold, not the
+# burst still queued at the prefill instance: right after a change (its ranks re-formed,
+# their requests resuming) it reads a light load and narrows, then widens again, for as
+# long as the burst lasts (each change re-forms ranks: seconds on CPU). A hold of 15 s
+# between changes lets each layout serve a while first: fewer re-formations while the
+# burst drains (none in between once it drains within the hold at one group of four).
+@pytest.mark.parametrize("layout, hold_s", [(dict(tp=1, dp=4), 0.0),
+                                            (dict(prefill_tp=1, decode_dp=4), 15.0)],
                          ids=["colocated", "disaggregated"])
 async def test_cost_model_moves_two_groups_to_one_and_back_mid_stream(tiny_model, tmp_path,
-                                                                     layout):
-    vocab = read_model_config(tiny_model).vocab_size
-    rng = random.Random(3)
-    long = streamed_requests(2, vocab, 600, rng)
-    burst = streamed_requests(28, vocab, 40, rng)
-    references = _reference(tiny_model, long + burst)
+                                                                     workload, layout, hold_s):
+    long, burst, references = workload
     costs = tmp_path / "costs.json"
     costs.write_text(crossover_tables().to_json())
     client = start_local(tiny_model, model_name="tiny", **layout, ep_policy="cost_model",
                          ep_groups=2, ep_costs=str(costs), collective_timeout_s=10.0,
-                         ep_options={"interval_s": 0.3, "min_interval_s": 0.0, "margin": 0.1,
+                         ep_options={"interval_s": 0.3, "min_interval_s": hold_s, "margin": 0.1,
                                      "itl_target_ms": 1e6}, **ENGINE)
     try:
         assert _layouts(client) == ("2x2", 0)

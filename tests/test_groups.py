@@ -104,24 +104,25 @@ def test_layouts_match_transformers(tiny_model, oracle, tp, dp, exchange):
             assert leaders[0]["steps"] > min(s["steps"] for s in leaders[1:])
         if tp > 1 and dp == 1:
             assert sum(s.get("num_preemptions", 0) for s in stats) > 0
+        if (tp, dp, exchange) == (2, 2, "exact"):
+            check_ranks_load_only_their_share(llm, tiny_model)
     finally:
         llm.close()
 
 
-def test_ranks_load_only_their_share(tiny_model):
-    llm = LLM(tiny_model, tp=2, dp=2, page_size=8, num_pages=64, collective_timeout_s=30)
-    try:
-        info = sorted(llm.cluster.supervisor.start_info, key=lambda i: i["rank"])
-        cfg = read_model_config(tiny_model)
-        full = sum(p.numel() for p in CausalLM(cfg).parameters())
-        for i in info:
-            spec = RankSpec(i["rank"], 2, 2, 1, "", 1.0, llm.config)
-            shard, _ = shard_for(spec, cfg.num_experts)
-            expected = sum(p.numel() for p in CausalLM(cfg, shard, _ShapeOnlyComm(shard)).parameters())
-            assert i["num_params"] == expected
-            assert i["num_params"] < full / 2.5, "experts over 4 ranks, heads and vocab over 2"
-    finally:
-        llm.close()
+def check_ranks_load_only_their_share(llm: LLM, tiny_model: str) -> None:
+    """Each rank of a TP2 x DP2 group holds exactly its shard's parameters: experts over
+    4 ranks, heads and vocab over 2 (run on the dp2xtp2 layout above)."""
+    info = sorted(llm.cluster.supervisor.start_info, key=lambda i: i["rank"])
+    assert [i["rank"] for i in info] == [0, 1, 2, 3], info
+    cfg = read_model_config(tiny_model)
+    full = sum(p.numel() for p in CausalLM(cfg).parameters())
+    for i in info:
+        spec = RankSpec(i["rank"], 2, 2, 1, "", 1.0, llm.config)
+        shard, _ = shard_for(spec, cfg.num_experts)
+        expected = sum(p.numel() for p in CausalLM(cfg, shard, _ShapeOnlyComm(shard)).parameters())
+        assert i["num_params"] == expected
+        assert i["num_params"] < full / 2.5, "experts over 4 ranks, heads and vocab over 2"
 
 
 class _ShapeOnlyComm:

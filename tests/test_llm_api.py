@@ -128,12 +128,16 @@ def test_default_model_and_cli(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_dp_layout_matches_single_rank(tiny_model):
-    """`--dp 2` runs two rank actors on a local Ray; the tokens stay the same."""
-    base = [sys.executable, "-m", "phalanx.cli", "generate", "Hello there", "--max-tokens", "6",
-            "--json", "--model", tiny_model, "--collective-timeout", "20"]
-    single = subprocess.run(base, capture_output=True, text=True, timeout=300)
-    group = subprocess.run(base + ["--dp", "2"], capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0 and group.returncode == 0, group.stderr[-2000:]
-    ids = [json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for r in (single, group)]
-    assert ids[0] == ids[1] and len(ids[0]) == 6
+def test_cli_dp_layout_matches_single_rank(tiny_model, llm):
+    """`--dp 2` runs two rank actors on a local Ray; the tokens stay the single-rank
+    engine's (this module's in-process one: the CLI's single-rank path has its own test
+    above, so no second process is started for the reference)."""
+    cmd = [sys.executable, "-m", "phalanx.cli", "generate", "Hello there", "--max-tokens", "6",
+           "--json", "--model", tiny_model, "--collective-timeout", "20", "--dp", "2"]
+    group = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert group.returncode == 0, group.stderr[-2000:]
+    got = json.loads(group.stdout.strip().splitlines()[-1])
+    assert got["prompt_token_ids"] == llm.tokenizer.encode("Hello there", add_special_tokens=False)
+    single = llm.generate(prompt_token_ids=[got["prompt_token_ids"]],
+                          sampling_params=SamplingParams(temperature=0.0, max_tokens=6))[0]
+    assert got["token_ids"] == single.outputs[0].token_ids and len(got["token_ids"]) == 6
