@@ -95,6 +95,7 @@ class PhalanxProxy:
             "load_overrides": getattr(policy, "load_overrides", None),
             "cost_overrides": getattr(policy, "cost_overrides", None),
             "prefix_choices": getattr(policy, "prefix_choices", None),
+            "saturated": getattr(policy, "saturated", None),
             "failures": self.failures})
 
     # ---- requests ------------------------------------------------------------------

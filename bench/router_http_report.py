@@ -46,6 +46,8 @@ def run_row(router: str, load: str, rate: float, run: int, result: LoadResult,
         row["cost_overrides"] = proxy_stats.get("cost_overrides")
         overrides = (row["load_overrides"] or 0) + (row["cost_overrides"] or 0)
         row["override_share"] = overrides / decisions if decisions else None
+        sat = proxy_stats.get("saturated")
+        row["saturated_share"] = sat / decisions if decisions and sat is not None else None
     return row
 
 
@@ -85,7 +87,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             busiest_share=statistics.fmean(r["busiest_share"] for r in rs),
             prefill_busy=statistics.fmean(r.get("prefill_busy", 0.0) for r in rs),
             evicted_pages=statistics.fmean(r.get("evicted_pages", 0) for r in rs),
-            override_share=med("override_share"),
+            override_share=med("override_share"), saturated_share=med("saturated_share"),
             hit_vs_rr=med("hit_vs_rr"), p99_vs_rr=med("p99_vs_rr"),
             runs_beating_smg_hit=sum(r["hit_rate"] > s["hit_rate"] for r, s in vs) if vs else None,
             runs_beating_smg_p99=sum(r["p99_s"] < s["p99_s"] for r, s in vs) if vs else None))

@@ -108,6 +108,15 @@ class PrefixAwareConfig:
       (a *load override*). `balance_ratio = 1.0` makes the absolute difference the only
       test. The default (32768 tokens, about eight long uncached prompts) leaves balance
       to the score and the guard, which weigh what each group would actually prefill.
+    - `saturation_tokens`, `saturation_gain`: the saturation rule. When every
+      candidate's `load_tokens` is at least `saturation_tokens` (every group queued), a
+      move's lost prefix delays not one request but each one queued behind it, about
+      `least load / prompt tokens` prompt-sized requests; so the score charges the
+      matched tokens `1 + saturation_gain * least load / prompt tokens` times instead of
+      once. For large queues that is the load compared *relatively* (the load term over
+      the least load, in units of the prompt), so a conversation stays on the group
+      holding its prefix unless its queue is longer by more than what the cache saves.
+      `saturation_gain = 0` turns the rule off; below saturation nothing changes.
     - `running_cost_tokens`, `kv_high_watermark`: as in `LeastLoadedConfig`.
     """
 
@@ -116,6 +125,8 @@ class PrefixAwareConfig:
     load_weight: float = 0.5
     spill_ratio: float = 2.0
     spill_abs_tokens: int = 2048
+    saturation_tokens: int = 4096
+    saturation_gain: float = 1.0
     running_cost_tokens: int = 256
     kv_high_watermark: float = 0.95
 
@@ -133,6 +144,11 @@ class PrefixAwareConfig:
         _require(_is_int(self.spill_abs_tokens) and self.spill_abs_tokens >= 0, me,
                  "spill_abs_tokens",
                  f"must be a non-negative integer, got {self.spill_abs_tokens!r}")
+        _require(_is_int(self.saturation_tokens) and self.saturation_tokens >= 1, me,
+                 "saturation_tokens",
+                 f"must be a positive integer, got {self.saturation_tokens!r}")
+        _require(_is_real(self.saturation_gain) and self.saturation_gain >= 0.0, me,
+                 "saturation_gain", f"must be a finite number >= 0, got {self.saturation_gain!r}")
         _check_common(self)
 
 
@@ -200,14 +216,16 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     1. load override: raw loads imbalanced -> the least loaded candidate (ties: longer
        match, lower KV usage, order);
-    2. otherwise the best score (`load_weight * load - matched`);
+    2. otherwise the best score (`load_weight * load - matched`; at saturation the
+       matched tokens weigh more, see `prefix_weight`);
     3. cost override: if that pick's expected cost is beyond `spill_ratio` times the
        cheapest candidate's plus `spill_abs_tokens`, the cheapest (ties: longer match);
     Ties in 2 and 3 go to the lower load, then lower KV usage, then rotate: a cursor
     that advances on every tie picks among the tied candidates (in order), so equally
     good idle groups take turns instead of the first in order taking all.
 
-    Counts its decisions in `load_overrides`, `cost_overrides` and `prefix_choices`."""
+    Counts its decisions in `load_overrides`, `cost_overrides` and `prefix_choices`,
+    and in `saturated` those taken with the saturation rule in force."""
 
     Config = PrefixAwareConfig
 
@@ -216,6 +234,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         self.load_overrides = 0  # decisions taken by raw load (imbalance)
         self.cost_overrides = 0  # decisions taken by expected cost (the latency guard)
         self.prefix_choices = 0  # decisions taken by score
+        self.saturated = 0  # decisions past the load valve taken at saturation
         self._tie_cursor = 0
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -224,6 +243,17 @@ class PrefixAwarePolicy(RoutingPolicy):
         hi, lo = max(loads), min(loads)
         cfg = self.config
         return hi - lo > cfg.balance_abs_tokens and hi > cfg.balance_ratio * lo
+
+    def prefix_weight(self, loads: Sequence[int], prompt_tokens: int) -> float:
+        """How many times the score counts a matched token: 1 below saturation; with
+        every load at least `saturation_tokens`, `1 + saturation_gain * min(loads) /
+        prompt_tokens` (the prompt-sized requests queued on the least busy group, each
+        of which a move's extra prefill would delay). Never below 1."""
+        cfg = self.config
+        lo = min(loads)
+        if cfg.saturation_gain <= 0.0 or lo < cfg.saturation_tokens:
+            return 1.0
+        return 1.0 + cfg.saturation_gain * lo / max(1, prompt_tokens)
 
     def _choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Candidate:
         cfg = self.config
@@ -235,8 +265,9 @@ class PrefixAwarePolicy(RoutingPolicy):
             i = min(range(n), key=lambda i: (loads[i], -cands[i].matched_tokens,
                                              cands[i].load.kv_usage, i))
             return cands[i]
-        w = cfg.load_weight
-        best = self._pick(cands, loads, [(w * loads[i] - cands[i].matched_tokens,)
+        w, wm = cfg.load_weight, self.prefix_weight(loads, prompt_tokens)
+        self.saturated += wm > 1.0
+        best = self._pick(cands, loads, [(w * loads[i] - wm * cands[i].matched_tokens,)
                                          for i in range(n)])
         costs = [loads[i] + max(0, prompt_tokens - cands[i].matched_tokens) for i in range(n)]
         cheapest = min(costs)

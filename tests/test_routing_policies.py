@@ -191,3 +191,59 @@ def test_prefix_aware_defaults_leave_one_prompt_of_queue_to_the_score():
     assert p.choose(cs, 3100) == "a" and p.load_overrides == 0
     old = make_routing_policy("prefix_aware", {"balance_abs_tokens": 4096})
     assert old.choose(cs, 3100) == "b" and old.load_overrides == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(saturation_tokens=0), "saturation_tokens: must be a positive integer"),
+    (dict(saturation_tokens=1.5), "saturation_tokens"),
+    (dict(saturation_gain=-0.5), "saturation_gain: must be a finite number >= 0"),
+    (dict(saturation_gain=float("nan")), "saturation_gain"),
+])
+def test_prefix_aware_saturation_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=f"PrefixAwareConfig.{match}"):
+        PrefixAwareConfig(**kwargs)
+
+
+def test_prefix_weight_is_one_below_saturation_and_grows_with_the_least_queue():
+    p = make_routing_policy("prefix_aware")  # saturation at 4096 tokens, gain 1.0
+    assert p.prefix_weight([0, 9000, 9000], 2000) == 1.0  # one group not queued
+    assert p.prefix_weight([4095, 9000], 2000) == 1.0
+    # every group queued: one extra charge per prompt-sized request on the least busy
+    assert p.prefix_weight([8000, 12000], 2000) == 5.0  # 1 + 8000 / 2000
+    assert p.prefix_weight([8000, 12000], 4000) == 3.0
+    half = make_routing_policy("prefix_aware", {"saturation_gain": 0.5})
+    assert half.prefix_weight([8000, 12000], 2000) == 3.0
+    off = make_routing_policy("prefix_aware", {"saturation_gain": 0})
+    assert off.prefix_weight([8000, 12000], 2000) == 1.0
+
+
+# A conversation's later turn (2000 tokens): group a holds 1500 of them, b only the
+# shared system prompt (512); no running requests, so loads are the queued tokens.
+def _turn(queued_a: int, queued_b: int) -> list[Candidate]:
+    return [cand("a", queued=queued_a, matched=1500), cand("b", queued=queued_b, matched=512)]
+
+
+def test_saturated_conversation_stays_where_its_prefix_is():
+    # 0.5 * 12000 - 1500 > 0.5 * 8000 - 512: the plain score moves it to the shorter
+    # queue, prefilling 988 tokens again; at saturation the lost prefix weighs 5x
+    # (1 + 8000 / 2000): 6000 - 7500 < 4000 - 2560, it stays on a
+    cs = _turn(12000, 8000)
+    old = make_routing_policy("prefix_aware", {"saturation_gain": 0})
+    assert old.choose(cs, 2000) == "b" and old.saturated == 0
+    p = make_routing_policy("prefix_aware")
+    assert p.choose(cs, 2000) == "a" and p.saturated == 1 and p.prefix_choices == 1
+
+
+def test_saturated_conversation_moves_when_its_queue_gap_exceeds_what_the_cache_saves():
+    # the gap (10500) times 0.5 outweighs 5 x the 988 tokens a saves: 9250 - 7500 >
+    # 4000 - 2560, and the latency guard does not fire (19000 + 500 < 2 * 9488 + 2048)
+    p = make_routing_policy("prefix_aware")
+    assert p.choose(_turn(18500, 8000), 2000) == "b" and p.cost_overrides == 0
+    # the same absolute gap on larger queues is a smaller relative one: it stays
+    assert p.choose(_turn(30500, 20000), 2000) == "a"
+
+
+def test_saturation_leaves_an_idle_group_to_the_plain_score():
+    # b below saturation_tokens: the rule is off, the plain score moves the turn
+    p = make_routing_policy("prefix_aware")
+    assert p.choose(_turn(9000, 4000), 2000) == "b" and p.saturated == 0
