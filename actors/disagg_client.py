@@ -42,7 +42,7 @@ from .disagg_placement import DisaggPlacement
 from .disagg_views import DisaggViews
 from .cluster import ANYWHERE, Placement
 from .dp_groups import DPGroups
-from .ep_control import EPControl
+from .ep_control import EPControl, upstream_demand
 from .held_reports import HeldReports
 from .rank_actor import RemoteDecodeRank, RemotePrefillRank
 from .recovery import Recovery, intensity_of
@@ -269,10 +269,17 @@ class DisaggClient(DisaggPlacement, DisaggRecovery, DisaggViews):
                 stats = self.leader_stats()["decode"]
             except TimeoutError:
                 return
-            decision = self.ep.decide(stats, self.decodes.layout)
+            decision = self.ep.decide(stats, self.decodes.layout, self._upstream(len(stats)))
             if decision.changed:
                 self.reshape(decision.layout)
             self.recovery.reconcile()
+
+    def _upstream(self, ranks: int) -> list[tuple[int, int]]:
+        """Per decode DP rank, the requests bound for it that its engine does not count
+        yet (queued here or in a prefill) and their prompt tokens: without them the
+        policy sees a busy prefill side as an idle decode side and narrows."""
+        return upstream_demand(((r.placement.dp_group, len(r.tokens)) for r in self._reqs.values()
+                                if r.state != "decode"), ranks)
 
     def reshape(self, layout) -> None:
         """Serve the decode side with `layout` (an `EPLayout`): every decode group whose

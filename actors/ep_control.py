@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -24,7 +24,7 @@ from ..policies.ep_width import (CostModelPolicy, Decision, EPInputs, EPLayout, 
 
 log = get_logger(__name__)
 
-__all__ = ["EPControl", "model_numbers"]
+__all__ = ["EPControl", "model_numbers", "upstream_demand"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -44,6 +44,16 @@ def model_numbers(m: ModelConfig, dtype_bytes: int) -> ModelNumbers:
                         expert_bytes=3 * h * m.moe_intermediate_size * dtype_bytes,
                         dense_bytes=dense * dtype_bytes,
                         kv_bytes_per_token=2 * m.num_hidden_layers * kv * d * dtype_bytes)
+
+
+def upstream_demand(requests: Iterable[tuple[int, int]], ranks: int) -> list[tuple[int, int]]:
+    """Per DP rank, (requests, prompt tokens) of `requests` given as (DP group, prompt
+    tokens) pairs; a DP group past the ranks wraps, as placement does."""
+    out = [(0, 0)] * ranks
+    for group, tokens in requests:
+        n, t = out[group % ranks]
+        out[group % ranks] = (n + 1, t + tokens)
+    return out
 
 
 class EPControl:
@@ -87,16 +97,27 @@ class EPControl:
         """The policy's turn (never while its tables are still to be measured)."""
         return not self.needs_tables and self.clock() >= self.next_at
 
-    def decide(self, stats: Sequence[dict], current: EPLayout) -> Decision:
-        """The policy's decision from the DP leaders' engine stats (global DP order)."""
+    def decide(self, stats: Sequence[dict], current: EPLayout,
+               upstream: Sequence[tuple[int, int]] = ()) -> Decision:
+        """The policy's decision from the DP leaders' engine stats (global DP order).
+
+        `upstream`, one (requests, prompt tokens) per DP rank where given: requests bound
+        for that rank that its engine does not count yet (in the disaggregated layout,
+        queued for or inside a prefill instance). They are queued demand like its own."""
         now = self.clock()
         self.next_at = now + self.interval_s
         self._measure(stats, now)
+        if upstream and len(upstream) != len(stats):
+            raise ValueError(f"upstream needs one entry per DP rank ({len(stats)}), "
+                             f"got {len(upstream)}")
+        extra = tuple(upstream) or ((0, 0),) * len(stats)
         running = tuple(int(s.get("num_running", 0)) for s in stats)
         tokens = sum(float(s.get("running_tokens", 0)) for s in stats)
         load = OfferedLoad(running=running,
-                           queued=tuple(int(s.get("num_waiting", 0)) for s in stats),
-                           queued_tokens=tuple(int(s.get("num_waiting_tokens", 0)) for s in stats),
+                           queued=tuple(int(s.get("num_waiting", 0)) + e[0]
+                                        for s, e in zip(stats, extra)),
+                           queued_tokens=tuple(int(s.get("num_waiting_tokens", 0)) + e[1]
+                                               for s, e in zip(stats, extra)),
                            context=tokens / sum(running) if sum(running) else 1.0)
         if self.needs_tables:
             raise RuntimeError("the cost_model EP-width policy has no cost tables yet")

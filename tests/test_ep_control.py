@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from phalanx.actors.ep_control import EPControl, model_numbers
+from phalanx.actors.ep_control import EPControl, model_numbers, upstream_demand
 from phalanx.config import EngineConfig, EPWidthConfig, ParallelConfig
 from phalanx.llm import engine_config
 from phalanx.models.loader import read_model_config
@@ -68,6 +68,25 @@ def test_decisions_follow_the_load_and_the_step_is_measured(tiny_model):
     assert ctl.predicted_step_ms > 0 and ctl.changes == 1
     snap = ctl.snapshot(heavy.layout)
     assert snap["ep_width"] == 4.0 and snap["ep_groups"] == 1.0
+
+
+def test_requests_still_upstream_count_as_queued_demand(tiny_model):
+    """The disaggregated layout's decode leaders do not count requests still queued for or
+    inside a prefill: handed over as `upstream`, a busy prefill side widens like a busy
+    decode side (without them the policy saw an idle decode side and narrowed)."""
+    clock = Clock()
+    make = lambda: EPControl(_config(tiny_model, policy="cost_model", groups=2,  # noqa: E731
+                                     interval_s=1.0, min_interval_s=0.0, margin=0.1),
+                             1, 4, num_pages=256, tables=_tables(), clock=clock)
+    clock.t = 1.0
+    alone = make().decide(_stats(1, 100), EPLayout(2, 2))
+    assert not alone.changed, alone.reason
+    bound = make().decide(_stats(1, 100), EPLayout(2, 2), upstream=[(3, 120)] * 4)
+    assert bound.changed and bound.layout == EPLayout(4, 1), bound.reason
+    with pytest.raises(ValueError, match="one entry per DP rank"):
+        make().decide(_stats(1, 100), EPLayout(2, 2), upstream=[(3, 120)] * 3)
+    assert upstream_demand([(0, 10), (2, 5), (4, 7), (1, 1)], 4) == [(2, 17), (1, 1), (1, 5),
+                                                                       (0, 0)]
 
 
 def test_cost_model_waits_for_its_tables_and_unknown_policies_are_refused(tiny_model):
