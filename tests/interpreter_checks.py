@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import traceback
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -37,6 +38,42 @@ def print_results(results: dict) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
     print("RESULTS " + json.dumps(results))
+
+
+def seeded(name: str, fn: Callable) -> dict:
+    """A kernel check's relative error (``fn(generator)``), the generator seeded by the
+    check's name: each check draws the same fresh inputs on every run and machine."""
+    import torch
+
+    return {"err": fn(torch.Generator().manual_seed(zlib.crc32(name.encode())))}
+
+
+def run_kernel_checks(namespace: dict) -> None:
+    """The script side of a kernel-check module: its ``check_*(generator)`` functions on
+    the Triton path (`seeded`), results printed; exits."""
+    from phalanx.kernels.backend import force_triton
+
+    force_triton(True)
+    print_results(run_checks(namespace, seeded))
+    sys.exit(0)
+
+
+def results_fixture(path: str):
+    """A module-scoped fixture ``interpreter_results``: the module at `path` run once
+    under the interpreter (`run_module`)."""
+
+    @pytest.fixture(scope="module", name="interpreter_results")
+    def interpreter_results() -> dict:
+        return run_module(path)
+
+    return interpreter_results
+
+
+def assert_within(results: dict, name: str, tol: float) -> None:
+    """The pytest side of one kernel check: it ran, and its relative error is below `tol`."""
+    res = results[name]
+    assert "error" not in res, res.get("error")
+    assert res["err"] < tol, f"{name}: relative error {res['err']:.3e}"
 
 
 def run_module(path: str, timeout_s: float = 600) -> dict:

@@ -10,13 +10,10 @@ accumulation order.
 
 from __future__ import annotations
 
-import sys
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_checks import checks_in, print_results, run_checks, run_module
+from interpreter_checks import assert_within, checks_in, results_fixture, run_kernel_checks
 
 TOL = 1e-4
 
@@ -148,27 +145,13 @@ def check_fused_experts_fp8_prefill(g: torch.Generator) -> float:
     return max(errs)
 
 
-def _seeded(name: str, fn) -> dict:
-    return {"err": fn(torch.Generator().manual_seed(zlib.crc32(name.encode())))}
-
-
 if __name__ == "__main__":
-    from phalanx.kernels.backend import force_triton
-
-    force_triton(True)
-    print_results(run_checks(globals(), _seeded))
-    sys.exit(0)
+    run_kernel_checks(globals())
 
 CHECKS = checks_in(globals())
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_module(__file__)
+interpreter_results = results_fixture(__file__)
 
 
 @pytest.mark.parametrize("name", CHECKS)
 def test_fp8_kernel_matches_reference(interpreter_results, name):
-    res = interpreter_results[name]
-    assert "error" not in res, res.get("error")
-    assert res["err"] < TOL, f"{name}: {res['err']:.3e}"
+    assert_within(interpreter_results, name, TOL)

@@ -12,12 +12,9 @@ dispatch too. Inputs are fresh random values (never zeros).
 
 from __future__ import annotations
 
-import sys
-import zlib
-
 import pytest
 import torch
-from interpreter_checks import checks_in, print_results, run_checks, run_module
+from interpreter_checks import assert_within, checks_in, results_fixture, run_kernel_checks
 
 TOL = 1e-4  # float32 under the interpreter lands near 1e-7
 
@@ -578,32 +575,18 @@ def check_dispatch(g: torch.Generator) -> float:
     return 0.0
 
 
-def _seeded(name: str, fn) -> dict:
-    """A check's relative error, from a generator seeded by its name."""
-    return {"err": fn(torch.Generator().manual_seed(zlib.crc32(name.encode())))}
-
-
 if __name__ == "__main__":
-    from phalanx.kernels.backend import force_triton
-    force_triton(True)
-    print_results(run_checks(globals(), _seeded))
-    sys.exit(0)
+    run_kernel_checks(globals())
 
 # ---------------------------------------------------------------- pytest side
 
 CHECKS = checks_in(globals())
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict:
-    return run_module(__file__)
+interpreter_results = results_fixture(__file__)
 
 
 @pytest.mark.parametrize("name", CHECKS)
 def test_triton_kernel_matches_reference(interpreter_results, name):
-    res = interpreter_results[name]
-    assert "error" not in res, res.get("error")
-    assert res["err"] < TOL, f"{name}: relative error {res['err']:.3e}"
+    assert_within(interpreter_results, name, TOL)
 
 
 def test_backend_defaults_to_reference_on_cpu():
