@@ -28,7 +28,10 @@ worker's prefill lane was busy (mean over workers and runs; how near saturation)
 evicted = pages the workers' caches evicted per run (mean); overr. = share of phalanx
 decisions the policy took by load or expected cost instead of its score; hit/rr,
 p99/rr = against phalanx round_robin in the same run (median); >smg = runs where the
-router beat SMG of the same run.
+router beat SMG of the same run; hit common (smg) = hit rate over the turns that both this
+router and SMG of the same run answered (SMG's over the same turns beside it; the same turn
+is the same prompt under any router, so this compares placement on equal work), and the
+runs in which it is the higher.
 Prints a table last; writes JSON (--json) and a PNG of hit rate and p99 against load.
 Every process shares this machine's cores: a busy client or router slows them all.
 """
@@ -48,8 +51,8 @@ from router_http_engine import EngineConfig
 from router_http_load import LoadSpec, run_load
 from router_http_procs import (SMG_ROUTER, Ports, get_json, start_phalanx, start_smg,
                                start_workers)
-from router_http_report import (add_ratios, plot, print_table, run_row, summarize,
-                                 title_of)
+from router_http_report import (add_common_hits, add_ratios, plot, print_table, run_row,
+                                 summarize, title_of)
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -122,6 +125,7 @@ def _one_run(args, cfg: EngineConfig, router: tuple, load: tuple, run: int, slot
         with open(os.path.join(logs, f"outcomes-{tag}.json"), "w") as f:
             json.dump([asdict(o) for o in result.outcomes], f)
     row = run_row(label, name, rate, run, result, truths, stats)
+    row["_outcomes"] = result.outcomes
     print(f"  {name:6} run {run} {label:26} hit {row['hit_rate']:.3f} p50 {row['p50_s']:.3f} "
           f"p99 {row['p99_s']:.3f} reqs {row['requests']} failed {row['failed']} "
           f"busiest {row['busiest_share']:.2f} busy {row['prefill_busy']:.2f} "
@@ -154,7 +158,9 @@ def main(argv=None) -> None:
             for router in order:
                 rows.append(_one_run(args, cfg, router, load, run, slot, logs))
                 slot += 1
+    outcomes = {(r["load"], r["run"], r["router"]): r.pop("_outcomes") for r in rows}
     add_ratios(rows)
+    add_common_hits(rows, outcomes)
     summary = summarize(rows)
     meta = dict(workers=args.workers, slots=args.slots, duration_s=args.duration,
                 runs=args.runs, loads=dict(loads), routers=[r[0] for r in routers],

@@ -61,6 +61,30 @@ def add_ratios(rows: list[dict]) -> None:
         r["p99_vs_rr"] = r["p99_s"] / b["p99_s"] if b and b["p99_s"] else None
 
 
+def add_common_hits(rows: list[dict], outcomes: dict) -> None:
+    """Each router's hit rate over the turns that it and SMG of the same (load, run) both
+    answered (`hit_common`, and SMG's over the same turns, `smg_hit_common`): a turn's
+    prompt is the same whichever router placed it, so this compares placement on equal
+    work; the plain hit rate also weighs which turns a router got to answer (a slower
+    one answers fewer late turns, whose long prompts hit less). `outcomes` maps
+    (load, run, router) to that run's client outcomes."""
+    def answered(key) -> dict:
+        return {(o.conversation, o.turn): o for o in outcomes.get(key, ()) if o.ok}
+
+    for r in rows:
+        smg = next((k for k in outcomes if k[:2] == (r["load"], r["run"])
+                    and k[2].startswith("smg")), None)
+        if smg is None:
+            continue
+        mine, theirs = answered((r["load"], r["run"], r["router"])), answered(smg)
+        both = mine.keys() & theirs.keys()
+        prompt = sum(mine[t].prompt_tokens for t in both)
+        r["common_turns"] = len(both)
+        r["hit_common"] = sum(mine[t].cached_tokens for t in both) / prompt if prompt else None
+        r["smg_hit_common"] = (sum(theirs[t].cached_tokens for t in both) / prompt
+                               if prompt else None)
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (load, router): means over runs (medians for latencies), and per run wins
     of each router against SMG on hit rate and p99."""
@@ -90,8 +114,18 @@ def summarize(rows: list[dict]) -> list[dict]:
             override_share=med("override_share"), saturated_share=med("saturated_share"),
             hit_vs_rr=med("hit_vs_rr"), p99_vs_rr=med("p99_vs_rr"),
             runs_beating_smg_hit=sum(r["hit_rate"] > s["hit_rate"] for r, s in vs) if vs else None,
-            runs_beating_smg_p99=sum(r["p99_s"] < s["p99_s"] for r, s in vs) if vs else None))
+            runs_beating_smg_p99=sum(r["p99_s"] < s["p99_s"] for r, s in vs) if vs else None,
+            hit_common=_mean(r.get("hit_common") for r in rs),
+            smg_hit_common=_mean(r.get("smg_hit_common") for r in rs),
+            runs_beating_smg_hit_common=sum(r["hit_common"] > r["smg_hit_common"] for r in rs
+                                            if r.get("hit_common") is not None)
+            if vs else None))
     return out
+
+
+def _mean(xs) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
 
 
 def _f(x, fmt: str) -> str:
@@ -105,7 +139,8 @@ def print_table(summary: list[dict], meta: dict) -> None:
     print(f"{'load':6} {'rate':>5} {'router':26} {'reqs':>5} {'fail':>4} {'req/s':>5} {'hit':>6} "
           f"{'(min-max)':>13} {'p50 s':>6} {'p99 s':>6} {'(min-max)':>13} {'busiest':>7} "
           f"{'busy':>5} {'evicted':>7} "
-          f"{'overr.':>6} {'hit/rr':>6} {'p99/rr':>6} {'>smg hit':>8} {'>smg p99':>8}")
+          f"{'overr.':>6} {'hit/rr':>6} {'p99/rr':>6} {'>smg hit':>8} {'>smg p99':>8} "
+          f"{'hit common (smg)':>16} {'>smg':>4}")
     for s in summary:
         print(f"{s['load']:6} {s['rate']:5.1f} {s['router']:26} {s['requests']:5d} "
               f"{s['failed']:4d} {s['throughput']:5.2f} {s['hit_rate']:6.3f} "
@@ -114,7 +149,9 @@ def print_table(summary: list[dict], meta: dict) -> None:
               f"{s['busiest_share']:7.2f} {s['prefill_busy']:5.2f} {s['evicted_pages']:7.0f} "
               f"{_f(s['override_share'], '6.3f'):>6} "
               f"{_f(s['hit_vs_rr'], '6.2f'):>6} {_f(s['p99_vs_rr'], '6.2f'):>6} "
-              f"{_f(s['runs_beating_smg_hit'], 'd'):>8} {_f(s['runs_beating_smg_p99'], 'd'):>8}")
+              f"{_f(s['runs_beating_smg_hit'], 'd'):>8} {_f(s['runs_beating_smg_p99'], 'd'):>8} "
+              f"{_f(s.get('hit_common'), '.3f'):>7} ({_f(s.get('smg_hit_common'), '.3f')}) "
+              f"{_f(s.get('runs_beating_smg_hit_common'), 'd'):>4}")
 
 
 def plot(summary: list[dict], path: str, title: Optional[str] = None) -> None:
@@ -172,7 +209,7 @@ def main(argv=None) -> None:
     print_table(data["summary"], {**data["meta"], "png": png})
 
 
-__all__ = ["BASELINE", "add_ratios", "plot", "print_table", "run_row", "summarize", "title_of"]
+__all__ = ["BASELINE", "add_common_hits", "add_ratios", "plot", "print_table", "run_row", "summarize", "title_of"]
 
 
 if __name__ == "__main__":

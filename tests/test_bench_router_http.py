@@ -16,7 +16,7 @@ if BENCH not in sys.path:
 import router_http  # noqa: E402
 from router_http_engine import EngineConfig, PrefixCache, SimEngine  # noqa: E402
 from router_http_load import LoadResult, Outcome  # noqa: E402
-from router_http_report import run_row  # noqa: E402
+from router_http_report import add_common_hits, run_row, summarize  # noqa: E402
 from router_http_text import CHARS_PER_TOKEN, decode, encode  # noqa: E402
 
 from phalanx.router.prefix_tree import page_hashes  # noqa: E402
@@ -87,6 +87,24 @@ def test_run_row_reports_prefill_busy_share_and_evictions():
     assert row["hit_rate"] == pytest.approx(200 / 300)
     assert row["prefill_busy"] == pytest.approx(6.0 / (2 * 10.0))
     assert row["evicted_pages"] == 3 and row["busiest_share"] == 0.5
+
+
+def test_hit_rate_over_the_turns_both_routers_answered():
+    """A turn counts only where SMG of the same (load, run) answered it too; SMG's own
+    rate over the same turns sits beside it."""
+    mine = [Outcome(0, 0, 0.0, 0.1, 100, 80, True), Outcome(0, 1, 0.0, 0.1, 300, 60, True),
+            Outcome(1, 0, 0.0, 0.1, 100, 10, False)]
+    smg = [Outcome(0, 0, 0.0, 0.1, 100, 20, True), Outcome(1, 0, 0.0, 0.1, 100, 90, True)]
+    rows = [dict(router="phalanx x", load="l", run=0, rate=1.0, requests=2, failed=1,
+                 hit_rate=140 / 400, p99_s=1.0, p50_s=0.5, throughput=1.0, busiest_share=0.5),
+            dict(router="smg cache_aware", load="l", run=0, rate=1.0, requests=2, failed=0,
+                 hit_rate=110 / 200, p99_s=2.0, p50_s=0.5, throughput=1.0, busiest_share=0.5)]
+    add_common_hits(rows, {("l", 0, "phalanx x"): mine, ("l", 0, "smg cache_aware"): smg})
+    assert rows[0]["common_turns"] == 1  # (0, 0): answered by both
+    assert rows[0]["hit_common"] == 0.8 and rows[0]["smg_hit_common"] == 0.2
+    summary = {s["router"]: s for s in summarize(rows)}
+    assert summary["phalanx x"]["runs_beating_smg_hit_common"] == 1
+    assert summary["phalanx x"]["runs_beating_smg_hit"] == 0  # the plain rate says otherwise
 
 
 @pytest.mark.slow
