@@ -106,6 +106,49 @@ def _new_rows(kn_ptr, vn_ptr, kc_base, vc_base, bt_row, q_start, ctx, pos, pmask
 
 
 @triton.jit
+def _straddling_tile(q, m_i, l_i, acc, pos, q_pos, kn_ptr, vn_ptr, kc_base, vc_base, bt_row,
+                     q_start, ctx, kv_end, s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp,
+                     s_vt, d, dm, scale_log2, PAGE, NEW_KV: tl.constexpr, PREC: tl.constexpr):
+    """The KV tile at positions ``pos`` that holds both the cached prefix's last rows
+    (``pos < ctx``, from the paged cache) and this step's first ones (``ctx <= pos <
+    kv_end``, from ``_new_rows``), causal against ``q_pos``."""
+    old = pos < ctx
+    new = (pos >= ctx) & (pos < kv_end)
+    kn, vn = _new_rows(kn_ptr, vn_ptr, kc_base, vc_base, bt_row, q_start, ctx, pos, new,
+                       s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp, s_vt, d, PAGE, NEW_KV)
+    kp = _paged_rows(kc_base, bt_row, pos, old, s_kp, s_kt, d, PAGE)
+    vp = _paged_rows(vc_base, bt_row, pos, old, s_vp, s_vt, d, PAGE)
+    return _mixed_tile(q, m_i, l_i, acc, kp, vp, old[:, None] & dm[None, :], kn, vn,
+                       new[:, None] & dm[None, :],
+                       (pos[None, :] <= q_pos[:, None]) & (old | new)[None, :], scale_log2, PREC)
+
+
+@triton.jit
+def _new_tiles(q, m_i, l_i, acc, ar, q_pos, new_start, full_end, kv_end, kn_ptr, vn_ptr,
+               kc_base, vc_base, bt_row, q_start, ctx, s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp,
+               s_kt, s_vp, s_vt, d, dm, scale_log2, PAGE, BLOCK_N: tl.constexpr,
+               NEW_KV: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr):
+    """The KV tiles wholly of this step's tokens, from ``new_start``: below ``full_end``
+    every row of the query block sees the whole tile (no causal mask); from there to
+    ``kv_end`` the diagonal tiles, masked."""
+    for n0 in range(new_start, full_end, BLOCK_N):
+        pos = n0 + ar
+        kn, vn = _new_rows(kn_ptr, vn_ptr, kc_base, vc_base, bt_row, q_start, ctx, pos, pos < kv_end,
+                           s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp, s_vt, d, PAGE, NEW_KV)
+        m_i, l_i, acc = _online_tile(q, m_i, l_i, acc, kn, vn, dm[None, :], dm[None, :],
+                                     scale_log2, not EVEN_D, False, PREC)
+    for n0 in range(tl.maximum(new_start, full_end), kv_end, BLOCK_N):
+        pos = n0 + ar
+        pm = pos < kv_end
+        kn, vn = _new_rows(kn_ptr, vn_ptr, kc_base, vc_base, bt_row, q_start, ctx, pos, pm,
+                           s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp, s_vt, d, PAGE, NEW_KV)
+        m_i, l_i, acc = _online_tile(q, m_i, l_i, acc, kn, vn, pm[:, None] & dm[None, :],
+                                     (pos[None, :] <= q_pos[:, None]) & pm[None, :],
+                                     scale_log2, True, True, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, kn_ptr, vn_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, out_ptr,
     sq_t, sq_h, s_kp, s_kh, s_kt, s_vp, s_vh, s_vt, s_knt, s_knh, s_vnt, s_vnh, s_bt, so_t, so_h,
@@ -153,32 +196,14 @@ def _prefill_kernel(
             _paged_rows(vc_base, bt_row, pos, pos < ctx, s_vp, s_vt, d, PAGE),
             dm[None, :], dm[None, :], scale_log2, not EVEN_D, False, PREC)
     if pre_end < ctx:  # the tile holding the prefix's end and this step's first tokens
-        pos = pre_end + ar
-        old = pos < ctx
-        new = (pos >= ctx) & (pos < kv_end)
-        kn, vn = _new_rows(kn_ptr, vn_ptr, kc_base, vc_base, bt_row, q_start, ctx, pos, new,
-                           s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp, s_vt, d, PAGE, NEW_KV)
-        lm_old = old[:, None] & dm[None, :]
-        lm_new = new[:, None] & dm[None, :]
-        kp = _paged_rows(kc_base, bt_row, pos, old, s_kp, s_kt, d, PAGE)
-        vp = _paged_rows(vc_base, bt_row, pos, old, s_vp, s_vt, d, PAGE)
-        m_i, l_i, acc = _mixed_tile(q, m_i, l_i, acc, kp, vp, lm_old, kn, vn, lm_new,
-                                    (pos[None, :] <= q_pos[:, None]) & (old | new)[None, :],
-                                    scale_log2, PREC)
-    for n0 in range(new_start, full_end, BLOCK_N):
-        pos = n0 + ar
-        kn, vn = _new_rows(kn_ptr, vn_ptr, kc_base, vc_base, bt_row, q_start, ctx, pos, pos < kv_end,
-                           s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp, s_vt, d, PAGE, NEW_KV)
-        m_i, l_i, acc = _online_tile(q, m_i, l_i, acc, kn, vn, dm[None, :], dm[None, :],
-                                     scale_log2, not EVEN_D, False, PREC)
-    for n0 in range(tl.maximum(new_start, full_end), kv_end, BLOCK_N):
-        pos = n0 + ar
-        pm = pos < kv_end
-        kn, vn = _new_rows(kn_ptr, vn_ptr, kc_base, vc_base, bt_row, q_start, ctx, pos, pm,
-                           s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp, s_vt, d, PAGE, NEW_KV)
-        m_i, l_i, acc = _online_tile(q, m_i, l_i, acc, kn, vn, pm[:, None] & dm[None, :],
-                                     (pos[None, :] <= q_pos[:, None]) & pm[None, :],
-                                     scale_log2, True, True, PREC)
+        m_i, l_i, acc = _straddling_tile(
+            q, m_i, l_i, acc, pre_end + ar, q_pos, kn_ptr, vn_ptr, kc_base, vc_base, bt_row,
+            q_start, ctx, kv_end, s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp, s_vt, d, dm,
+            scale_log2, PAGE, NEW_KV, PREC)
+    m_i, l_i, acc = _new_tiles(
+        q, m_i, l_i, acc, ar, q_pos, new_start, full_end, kv_end, kn_ptr, vn_ptr, kc_base,
+        vc_base, bt_row, q_start, ctx, s_knt, s_knh, s_vnt, s_vnh, kvh, s_kp, s_kt, s_vp, s_vt,
+        d, dm, scale_log2, PAGE, BLOCK_N, NEW_KV, EVEN_D, PREC)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * so_t + h * so_h + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
