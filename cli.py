@@ -35,6 +35,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
                    help="fp8: the projections as block-scaled FP8, quantized on load")
+    _add_load_format(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Ray actors)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks; experts spread over all")
     p.add_argument("--collective-timeout", type=float, default=30.0,
@@ -47,6 +48,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="seconds a dead rank's replacement may wait for room in the Ray "
                         "cluster; past it a DP group re-forms narrower (fewer DP ranks)")
     add_disagg_arguments(p)
+
+
+def _add_load_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto: the folder's safetensors; dummy: seeded random weights of "
+                        "config.json's shapes (the folder needs no weights; benchmarks)")
 
 
 def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
@@ -134,6 +141,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="fp8: the projections as block-scaled FP8, quantized on load (an FP8 "
                         "checkpoint loads as FP8 without it)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
+    _add_load_format(p)
+    p.add_argument("--cuda-graph-max-prefill", type=int, default=512,
+                   help="one GPU: prefill and mixed steps of up to this many tokens replay "
+                        "CUDA graphs (0: they run eagerly)")
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds any collective or KV transfer may take before a group fails")
     p.add_argument("--max-recoveries", type=int, default=5,
@@ -167,7 +178,7 @@ def _generate(args: argparse.Namespace) -> int:
               device=args.device, collective_timeout_s=args.collective_timeout,
               max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
               replace_timeout_s=args.replace_timeout, quantization=args.quantization,
-              ep_exchange=args.ep_exchange, **layout_kwargs(args))
+              load_format=args.load_format, ep_exchange=args.ep_exchange, **layout_kwargs(args))
     try:
         return _run_generate(llm, args, params)
     finally:

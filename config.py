@@ -352,6 +352,9 @@ class DisaggConfig:
         return _from_dict(cls, data)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything one rank's engine needs; `model` comes from the checkpoint folder."""
@@ -366,6 +369,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs on GPU
     cuda_graph_max_batch: int = 128
+    # Prefill and mixed steps of up to this many tokens (over up to max_num_seqs rows)
+    # replay CUDA graphs too (engine/prefill_graphs.py; one GPU rank alone; 0: eager).
+    cuda_graph_max_prefill: int = 512
     # Launch the next decode step before returning the current step's tokens, so the
     # host's bookkeeping runs while the device computes (same tokens either way).
     overlap_steps: bool = True
@@ -375,6 +381,9 @@ class EngineConfig:
     # "fp8": quantize a bf16/float32 checkpoint's projections to block-scaled FP8 on load
     # (kernels/fp8.py; an FP8 checkpoint loads as FP8 whatever this says). None: as stored.
     quantization: Optional[str] = None
+    # "auto": the folder's safetensors; "dummy": seeded random weights of the folder's
+    # config.json shapes, drawn on the device (models/random_weights.py; benchmarks).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         limit = self.model.max_position_embeddings
@@ -385,12 +394,16 @@ class EngineConfig:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"{self.dtype!r} is not one of auto, float32, bfloat16, float16")
         _require(self.cuda_graph_max_batch >= 0, "cuda_graph_max_batch", "must be >= 0")
+        _require(self.cuda_graph_max_prefill == 0 or self.cuda_graph_max_prefill >= 16,
+                 "cuda_graph_max_prefill", f"must be 0 or >= 16, got {self.cuda_graph_max_prefill}")
         _require(isinstance(self.overlap_steps, bool), "overlap_steps",
                  f"must be True or False, got {self.overlap_steps!r}")
         _require(isinstance(self.warmup, bool), "warmup",
                  f"must be True or False, got {self.warmup!r}")
         _require(self.quantization in (None, "fp8"), "quantization",
                  f"{self.quantization!r} is not None or 'fp8'")
+        _require(self.load_format in LOAD_FORMATS, "load_format",
+                 f"{self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -19,7 +19,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.choices import ChoiceRun
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
-from .models.checkpoint import Checkpoint
+from .models.checkpoint import Checkpoint, read_hf_config
 from .models.fp8_weights import check_fp8_tp, is_fp8_checkpoint
 from .models.loader import read_model_config
 from .policies.ep_width import ep_width_policy_names
@@ -43,7 +43,7 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                   page_size: int = 16, num_pages: int = 0, enable_prefix_caching: bool = True,
                   max_model_len: int = 0, device: str = "cpu", dtype: str = "auto",
-                  seed: int = 0, enforce_eager: bool = False,
+                  seed: int = 0, enforce_eager: bool = False, cuda_graph_max_prefill: int = 512,
                   gpu_memory_utilization: float = 0.9,
                   collective_timeout_s: float = 30.0, max_recoveries: int = 5,
                   recovery_window_s: float = 600.0, replace_timeout_s: float = 30.0,
@@ -52,10 +52,12 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   ep_groups: int = 1, ep_costs: str = "",
                   ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
                   microbatch_options: Optional[Mapping] = None,
-                  quantization: Optional[str] = None) -> EngineConfig:
+                  quantization: Optional[str] = None,
+                  load_format: str = "auto") -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
     model). ValueError naming the argument for a folder that is not a model or a bad
-    value."""
+    value. `load_format` "dummy": seeded random weights, the folder's safetensors (if
+    any) unread."""
     path = _resolve_model(model)
     ep_width = EPWidthConfig.from_dict({"policy": ep_policy, "groups": ep_groups,
                                         "costs": ep_costs, **(ep_options or {})})
@@ -70,9 +72,11 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                          f"{microbatch_policy_names()}")
     try:
         model_cfg = read_model_config(path)
+        if load_format != "dummy":
+            Checkpoint(path).close()  # the weights are there (read when the ranks load)
     except FileNotFoundError as e:
         raise ValueError(f"model: {e}") from None
-    if quantization == "fp8" or is_fp8_checkpoint(Checkpoint(path).hf_config):
+    if quantization == "fp8" or is_fp8_checkpoint(read_hf_config(path)):
         check_fp8_tp(model_cfg, tp)
     return EngineConfig(
         model_path=path, model=model_cfg,
@@ -89,13 +93,14 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                                 replace_timeout_s=replace_timeout_s, ep_exchange=ep_exchange,
                                 ep_width=ep_width, microbatch=micro),
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
-        quantization=quantization)
+        cuda_graph_max_prefill=cuda_graph_max_prefill, quantization=quantization,
+        load_format=load_format)
 
 
 def check_fp8_disagg(config: EngineConfig, layout) -> None:
     """ValueError naming the side whose TP size would cut an FP8 weight's 128-column
     blocks (`layout`: a `DisaggConfig`; nothing to check unless the weights are FP8)."""
-    if config.quantization == "fp8" or is_fp8_checkpoint(Checkpoint(config.model_path).hf_config):
+    if config.quantization == "fp8" or is_fp8_checkpoint(read_hf_config(config.model_path)):
         check_fp8_tp(config.model, layout.prefill_tp, "prefill_tp")
         check_fp8_tp(config.model, layout.decode_tp, "decode_tp")
 
@@ -120,6 +125,7 @@ class LLM:
                  enable_prefix_caching: bool = True, max_model_len: int = 0,
                  device: str = "cpu", dtype: str = "auto", seed: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9,
+                 cuda_graph_max_prefill: int = 512,
                  collective_timeout_s: float = 30.0, max_recoveries: int = 5,
                  recovery_window_s: float = 600.0, replace_timeout_s: float = 30.0,
                  ray_address: Optional[str] = None,
@@ -130,7 +136,7 @@ class LLM:
                  ep_groups: int = 1, ep_costs: str = "",
                  ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
                  microbatch_options: Optional[Mapping] = None,
-                 quantization: Optional[str] = None) -> None:
+                 quantization: Optional[str] = None, load_format: str = "auto") -> None:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
@@ -150,19 +156,23 @@ class LLM:
         registered "microbatch" policy: "off", "on", "threshold", "adaptive");
         `microbatch_options`: the rest of `MicrobatchConfig` (`min_tokens`, `samples`,
         `probe`). `quantization`: "fp8" quantizes the checkpoint's projections to
-        block-scaled FP8 on load (an FP8 checkpoint loads as FP8 anyway)."""
+        block-scaled FP8 on load (an FP8 checkpoint loads as FP8 anyway). `load_format`:
+        "auto" (the folder's safetensors) or "dummy" (seeded random weights of the
+        folder's config.json shapes; benchmarks). `cuda_graph_max_prefill`: prefill and
+        mixed steps of up to that many tokens replay CUDA graphs on one GPU (0: eager)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             num_pages=num_pages, enable_prefix_caching=enable_prefix_caching,
             max_model_len=max_model_len, device=device, dtype=dtype, seed=seed,
             enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+            cuda_graph_max_prefill=cuda_graph_max_prefill,
             collective_timeout_s=collective_timeout_s, max_recoveries=max_recoveries,
             recovery_window_s=recovery_window_s, replace_timeout_s=replace_timeout_s,
             ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes,
             ep_policy=ep_policy, ep_groups=ep_groups, ep_costs=ep_costs, ep_options=ep_options,
             microbatch=microbatch, microbatch_options=microbatch_options,
-            quantization=quantization)
+            quantization=quantization, load_format=load_format)
         self.engine: Optional[LLMEngine] = None
         self.cluster = None  # a multi-rank layout's client (actors.cluster.ClusterClient)
         disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)

@@ -57,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--random-shape", action="store_true",
                     help="a random-weight checkpoint of the Qwen3-30B-A3B shape (--layers)")
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                    help="the server's --load-format (default: dummy with --random-shape, "
+                         "whose folder then holds no weights: 48 layers are 61 GB in bf16)")
+    ap.add_argument("--cuda-graph-max-prefill", type=int, default=None,
+                    help="the server's --cuda-graph-max-prefill (default: its own)")
     ap.add_argument("--url", default=None, help="measure this server instead of starting one")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--concurrency", default="1,4,16")
@@ -89,6 +94,10 @@ class Server:
                "--max-num-seqs", str(args.max_num_seqs or max(levels))]
         if args.max_model_len:
             cmd += ["--max-model-len", str(args.max_model_len)]
+        if args.load_format:
+            cmd += ["--load-format", args.load_format]
+        if args.cuda_graph_max_prefill is not None:
+            cmd += ["--cuda-graph-max-prefill", str(args.cuda_graph_max_prefill)]
         self.err = out_dir / "serve.err"
         self.out = out_dir / "serve.out"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -122,14 +131,19 @@ class Server:
                 self.proc.kill()
 
 
-def random_shape_folder(folder: Path, layers: int, seed: int, device: str) -> str:
-    """The Qwen3-30B-A3B shape with random weights and a tokenizer of one token per id
+def random_shape_folder(folder: Path, layers: int, seed: int, device: str,
+                        load_format: str) -> str:
+    """The Qwen3-30B-A3B shape with random weights (written, or with "dummy" drawn by the
+    server as it loads: the same tensors for seed 0) and a tokenizer of one token per id
     ("<i>"), so any id streams back as text."""
     import torch
-    from disagg_checkpoint import write_checkpoint
+    from disagg_checkpoint import write_checkpoint, write_config
     from multi_gpu_model import QWEN3_30B_A3B
     cfg = dict(QWEN3_30B_A3B, num_hidden_layers=layers)
-    write_checkpoint(folder, cfg, seed, torch.device("cuda" if device.startswith("cuda") else "cpu"))
+    if load_format == "dummy":
+        write_config(folder, cfg)
+    else:
+        write_checkpoint(folder, cfg, seed, torch.device("cuda" if device.startswith("cuda") else "cpu"))
     write_id_tokenizer(folder, cfg["vocab_size"])
     return str(folder)
 
@@ -156,7 +170,9 @@ def engine_baseline(folder: str, args, levels: list[int]) -> dict[int, dict]:
     from phalanx.llm import engine_config
     from serve_load import random_prompts as prompts_of
     cfg = engine_config(folder, device=args.device, max_num_seqs=args.max_num_seqs or max(levels),
-                        max_model_len=args.max_model_len)
+                        max_model_len=args.max_model_len, load_format=args.load_format or "auto",
+                        **({} if args.cuda_graph_max_prefill is None
+                           else {"cuda_graph_max_prefill": args.cuda_graph_max_prefill}))
     engine = LLMEngine(cfg)
     engine.warm_up()
     vocab = cfg.model.vocab_size
@@ -293,12 +309,15 @@ def table(runs: dict, engine: dict) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.load_format is None and args.random_shape:
+        args.load_format = "dummy"
     out_dir = Path(os.environ.get("OUT", "."))
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory(prefix="serve_bench_") as tmp:
         folder = args.model
         if args.random_shape:
-            folder = random_shape_folder(Path(tmp), args.layers, args.seed, args.device)
+            folder = random_shape_folder(Path(tmp), args.layers, args.seed, args.device,
+                                         args.load_format)
         elif folder is None and args.url is None:
             from phalanx.models.tiny import default_model_dir
             folder = str(default_model_dir())

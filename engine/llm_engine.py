@@ -51,7 +51,7 @@ class LLMEngine:
         dtype = torch_dtype(config.torch_dtype_name)
         self.model = model if model is not None else load_model(
             config.model_path, config.model, shard, self.device, dtype, comm, ep,
-            quantize=config.quantization == "fp8")
+            quantize=config.quantization == "fp8", load_format=config.load_format)
         cache = config.cache
         self.num_pages = cache.num_pages or num_pages_for_memory(self.model, cache, dtype, self.device)
         self.pool = BlockPool(self.num_pages, cache.page_size, cache.enable_prefix_caching)
@@ -60,7 +60,10 @@ class LLMEngine:
                                   max_model_len=config.max_model_len,
                                   cuda_graph_max_batch=0 if config.enforce_eager
                                   else min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs),
-                                  eos_token_ids=tuple(config.model.eos_token_ids))
+                                  eos_token_ids=tuple(config.model.eos_token_ids),
+                                  prefill_graph_tokens=0 if config.enforce_eager or comm is not None
+                                  or ep is not None else config.cuda_graph_max_prefill,
+                                  max_rows=config.scheduler.max_num_seqs)
         self.runner.grammars = Grammars(config.model_path, config.model.vocab_size,
                                         config.model.eos_token_ids)
         self.scheduler = Scheduler(self.pool, config.scheduler.max_num_seqs,

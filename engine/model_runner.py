@@ -18,6 +18,7 @@ from ..kernels.attention import AttentionMetadata
 from ..models.qwen3_moe import CausalLM, KVCache
 from ..models.stages import interleave, run_to_end
 from .cuda_graphs import DecodeGraphs
+from .prefill_graphs import PrefillGraphs
 from .microbatches import micro_batches
 from .logits_processors import RowHistory
 from .logprobs import TokenLogprob, token_logprobs
@@ -170,7 +171,11 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, caches: list[KVCache], page_size: int,
                  device: torch.device, max_model_len: int = 0, cuda_graph_max_batch: int = 0,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), prefill_graph_tokens: int = 0,
+                 max_rows: int = 0) -> None:
+        """`cuda_graph_max_batch`: decode steps of up to that many rows replay CUDA graphs;
+        `prefill_graph_tokens`: other steps of up to that many tokens over up to
+        `max_rows` rows too (engine/prefill_graphs.py). Both on a GPU only."""
         self.model = model
         self.eos_token_ids = eos_token_ids  # barred from rows short of their min_tokens
         self.grammars = None  # engine/grammars.Grammars once a request has structured output
@@ -187,6 +192,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, caches, cuda_graph_max_batch, max_model_len,
                                        page_size, device)
             self.graphs.capture()
+        self.prefill_graphs = None
+        if device.type == "cuda" and prefill_graph_tokens > 0 and max_rows > 0:
+            self.prefill_graphs = PrefillGraphs(model, caches, prefill_graph_tokens, max_rows,
+                                                max_model_len, page_size, device)
+            self.prefill_graphs.capture()
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         """Flatten the batch: token ids, positions, KV slots, per-sequence lengths."""
@@ -340,6 +350,12 @@ class ModelRunner:
                 and self.graphs.fits(inputs.num_logits)):
             graph_size = self.graphs.size_for(inputs.num_logits)
         if graph_size is None:
+            if (microbatches == 1 and layer_done is None and self.auto_graphs
+                    and self.prefill_graphs is not None and not inputs.decode_only
+                    and self.prefill_graphs.fits(inputs.host["input_ids"].shape[0],
+                                                 inputs.host["seq_lens"].shape[0],
+                                                 inputs.num_logits)):
+                return self.prefill_graphs.run(inputs.host)
             return self._run_eager(inputs, layer_done)
         h = inputs.host
         return self.graphs.run(h["input_ids"], h["positions"], h["slot_mapping"],

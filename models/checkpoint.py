@@ -31,6 +31,17 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
 
+def read_hf_config(folder: str | os.PathLike) -> dict:
+    """config.json of a model folder (FileNotFoundError naming what is missing)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist or is not a directory")
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"model folder {folder} has no {CONFIG_FILE}")
+    return json.loads(config_path.read_text())
+
+
 class Checkpoint:
     """Lazy reader of one Hugging Face model folder.
 
@@ -42,12 +53,7 @@ class Checkpoint:
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
-        if not self.folder.is_dir():
-            raise FileNotFoundError(f"model folder {self.folder} does not exist or is not a directory")
-        config_path = self.folder / CONFIG_FILE
-        if not config_path.is_file():
-            raise FileNotFoundError(f"model folder {self.folder} has no {CONFIG_FILE}")
-        self.hf_config: dict = json.loads(config_path.read_text())
+        self.hf_config: dict = read_hf_config(self.folder)
         self._handles: dict[str, object] = {}
         self._file_of: dict[str, str] = self._map_tensors()
         self.bytes_read = 0

@@ -57,8 +57,10 @@ class EngineBackend(ThreadedBackend):
                        num_pages: int = 0, enable_prefix_caching: bool = True,
                        max_model_len: int = 0, device: str = "cpu", dtype: str = "auto",
                        seed: int = 0, enforce_eager: bool = False,
+                       cuda_graph_max_prefill: int = 512,
                        gpu_memory_utilization: float = 0.9,
-                       quantization: Optional[str] = None) -> "EngineBackend":
+                       quantization: Optional[str] = None,
+                       load_format: str = "auto") -> "EngineBackend":
         """A backend for a Hugging Face model folder (None: the tiny default model),
         configured like `phalanx.LLM` with tp = dp = 1. Raises ValueError for a folder
         that is not a model."""
@@ -68,7 +70,9 @@ class EngineBackend(ThreadedBackend):
             page_size=page_size, num_pages=num_pages,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
             device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization, quantization=quantization)
+            cuda_graph_max_prefill=cuda_graph_max_prefill,
+            gpu_memory_utilization=gpu_memory_utilization, quantization=quantization,
+            load_format=load_format)
         return cls(config, model_name=model_name)
 
     # -- ThreadedBackend -------------------------------------------------------------

@@ -72,7 +72,8 @@ def run_serve(args: argparse.Namespace) -> int:
             max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
             replace_timeout_s=args.replace_timeout,
             ep_exchange=args.ep_exchange, quantization=args.quantization,
-            ray_address=args.address)
+            load_format=args.load_format, ray_address=args.address,
+            cuda_graph_max_prefill=args.cuda_graph_max_prefill)
         _restore(previous)
         _say(_capacity_line(_first_stats(backend), time.monotonic() - started))
         asyncio.run(_serve(backend, args))

@@ -21,6 +21,7 @@ import disagg_checkpoint  # noqa: E402
 from multi_gpu_model import TINY  # noqa: E402
 
 from phalanx.models.loader import read_model_config  # noqa: E402
+from phalanx.models.random_weights import tensor_seed  # noqa: E402
 
 
 def test_checkpoint_is_a_model_folder_of_seeded_draws(tmp_path):
@@ -34,7 +35,7 @@ def test_checkpoint_is_a_model_folder_of_seeded_draws(tmp_path):
     tensors = {k: v for p in folder.glob("*.safetensors") for k, v in load_file(p).items()}
     assert sum(t.nbytes for t in tensors.values()) == nbytes
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    gen = torch.Generator().manual_seed(disagg_checkpoint.tensor_seed(5, name))
+    gen = torch.Generator().manual_seed(tensor_seed(5, name))
     draw = torch.randn(tensors[name].shape, generator=gen) / tensors[name].shape[-1] ** 0.5
     assert torch.equal(tensors[name], draw)
     assert not torch.equal(tensors[name], tensors["model.layers.1.mlp.experts.2.up_proj.weight"])

@@ -36,6 +36,9 @@ def test_tiny_model_gpu_tokens_equal_cpu(tiny_model, eager):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt {i}"
     assert gpu_llm.engine.stats()["num_preemptions"] > 0
     assert (gpu_llm.engine.runner.graphs is None) == eager
+    # prefill and mixed steps (<= 96 tokens here) replay engine/prefill_graphs.py's graphs
+    prefill_graphs = gpu_llm.engine.runner.prefill_graphs
+    assert (prefill_graphs is None) if eager else prefill_graphs.replays > 10
 
 
 def test_seeded_sampling_gpu_alone_and_in_batch(tiny_model):
