@@ -28,7 +28,16 @@ Layout: `_at` maps a chain hash to a run that holds that page; the run's index o
 is the page's position in its sequence minus `run.start` (a chain hash fixes the position).
 Memory is bounded: runs are kept in least-recently-used order and the oldest dropped while
 more than `budget` pages are remembered (the owner sets the budget, e.g. from its tree's
-size); a dropped run's pages are simply hashed again next time.
+size); a dropped run's pages are simply hashed again next time. Dropping is O(1) for the
+call that drops (the run is emptied at once, so it is found no more); its entries in `_at`
+are deleted a bounded number at a time by the calls after it (`_reap`: as many as each
+call remembers, plus `REAP_SPARE`), so that no request pays for a large run at once.
+
+Cost per call: packing the tokens (`struct`, ~6.5 ns a token: reading a Python int is the
+floor, `marshal`/`array`/tuple comparison are no cheaper), one blake2b per page hashed
+(~0.5 µs: a copy of a keyless blake2b-64 object fed the parent and the page), one `memcmp`
+per jump, and remembering the fresh pages (runs keep their tokens in a `bytearray`, so a
+run grows in place, not by copying it).
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ from collections import OrderedDict, deque
 from itertools import compress, repeat
 from operator import is_
 from typing import Optional, Sequence
+
+REAP_SPARE = 64  # `_at` entries of dropped runs deleted per call beyond those it remembered
+_BLAKE8 = hashlib.blake2b(digest_size=8)  # copied per page: cheaper than a new object
 
 def page_hashes(tokens: Sequence[int], page_size: int,
                 parent: Optional[int] = None) -> list[int]:
@@ -64,14 +76,16 @@ def page_hashes(tokens: Sequence[int], page_size: int,
 
 class _Run:
     """Pages `start, start+1, ...` of one sequence: `data` their tokens packed as
-    little-endian int64 (8 * page_size bytes a page, `view` a memoryview of it),
-    `hashes` their chain hashes. Grows at its end only (`PageHasher._extend`), until
-    `sealed` (another sequence branched off at its end)."""
+    little-endian int64 (8 * page_size bytes a page, a `bytearray`: it grows and is cut
+    in place, so no buffer of it may be held across calls), `hashes` their chain hashes.
+    Grows at its end only (`PageHasher._extend`), until `sealed` (another sequence
+    branched off at its end). A dropped run is emptied (no hashes, sealed): an `_at`
+    entry still naming it finds nothing."""
 
-    __slots__ = ("start", "data", "view", "hashes", "sealed")
+    __slots__ = ("start", "data", "hashes", "sealed")
 
-    def __init__(self, start: int, data: bytes, hashes: list[int]) -> None:
-        self.start, self.data, self.view, self.hashes = start, data, memoryview(data), hashes
+    def __init__(self, start: int, data: bytearray, hashes: list[int]) -> None:
+        self.start, self.data, self.hashes = start, data, hashes
         self.sealed = False
 
 
@@ -101,6 +115,8 @@ class PageHasher:
         self._at: dict[int, _Run] = {}
         self._runs: OrderedDict[_Run, None] = OrderedDict()  # least recently used first
         self._pages = 0  # pages held by the runs in `_runs`
+        # dropped runs whose `_at` entries are still to delete: [their hashes, run, done]
+        self._dying: deque[list] = deque()
         self.hashed = 0  # blake2b calls so far (pages hashed, not taken from a run)
         self.reused = 0  # pages whose hash was taken from a run
 
@@ -131,7 +147,7 @@ class PageHasher:
               ) -> tuple[list[int], list[tuple[int, int]], int]:
         """(hashes of the `n` pages packed in `data`, the ranges [a, b) of pages hashed
         that no run holds, how many runs were used)."""
-        blake, from_bytes, at_get = hashlib.blake2b, int.from_bytes, self._at.get
+        new, from_bytes, at_get = _BLAKE8.copy, int.from_bytes, self._at.get
         pb = 8 * self.page_size
         prev = b"" if parent is None else parent.to_bytes(8, "little")
         out: list[int] = []
@@ -142,13 +158,16 @@ class PageHasher:
         while k < n:
             a = k  # hash pages until one starts a remembered run
             for off in range(k * pb, n * pb, pb):
-                prev = blake(prev + data[off:off + pb], digest_size=8).digest()
+                b = new()
+                b.update(prev)
+                b.update(data[off:off + pb])
+                prev = b.digest()
                 h = from_bytes(prev, "little")
                 append(h)
                 run = at_get(h)
                 if run is not None:
                     i = first_page + len(out) - 1 - run.start
-                    hs = run.hashes
+                    hs = run.hashes  # empty for a dropped run: never taken
                     if 0 <= i < len(hs) and hs[i] == h:
                         break
             else:
@@ -164,12 +183,8 @@ class PageHasher:
             limit = min(n - k, len(hs) - i - 1)
             if limit <= 0:
                 continue
-            off, roff = k * pb, (i + 1) * pb
-            view = run.view
-            if data.startswith(view[roff:roff + limit * pb], off):
-                m = limit
-            else:
-                m = _common_pages(data, off, view, roff, pb, limit - 1)
+            m = self._equal_pages(data, k * pb, run, (i + 1) * pb, limit)
+            if m < limit:
                 self._split(run, i + 1 + m)  # our page differs from the run's there
                 if not m:
                     continue
@@ -181,22 +196,42 @@ class PageHasher:
         self.reused += reused
         return out, fresh, runs_used
 
+    def _equal_pages(self, data: bytes, off: int, run: _Run, roff: int, limit: int) -> int:
+        """How many pages (at most `limit`) from byte `off` of `data` equal `run`'s from
+        byte `roff`: one `memcmp` when all do. The buffer of `run.data` is released before
+        returning (the run may be cut or grown next)."""
+        pb = 8 * self.page_size
+        view = memoryview(run.data)
+        if data.startswith(view[roff:roff + limit * pb], off):
+            m = limit
+        else:
+            m = _common_pages(data, off, view, roff, pb, limit - 1)
+        view.release()
+        return m
+
     def _remember(self, data: bytes, hashes: list[int], fresh: list[tuple[int, int]],
                   parent: Optional[int], first_page: int) -> None:
         """Remembers the fresh ranges of pages: each continues the run that ends at its
         parent page when there is one (a chat's next turn grows its conversation's run,
-        so the turn after jumps once, not once per turn), else starts a run."""
+        so the turn after jumps once, not once per turn), else starts a run. Then drops
+        runs past the budget and reaps as many dropped entries as pages remembered (+
+        `REAP_SPARE`), so that the entries of dropped runs never pile up."""
         pb = 8 * self.page_size
+        added = 0
         for a, b in fresh:
             before = hashes[a - 1] if a else parent
             run = self._at.get(before) if before is not None else None
+            chunk = bytearray(memoryview(data)[a * pb:b * pb])
             if run is not None and not run.sealed and run.hashes[-1] == before \
                     and run.start + len(run.hashes) == first_page + a:
-                self._extend(run, data[a * pb:b * pb], hashes[a:b])
+                self._extend(run, chunk, hashes[a:b])
             else:
-                self._add(_Run(first_page + a, data[a * pb:b * pb], hashes[a:b]))
+                self._add(_Run(first_page + a, chunk, hashes[a:b]))
+            added += b - a
         if self._pages > self.budget:
             self.trim(self.budget)
+        if self._dying:
+            self._reap(added + REAP_SPARE)
 
     def _split(self, run: _Run, j: int) -> None:
         """Cuts `run` before its page j (a sequence branched off there): the pages from j
@@ -204,17 +239,15 @@ class PageHasher:
         sequences sharing it find the end of what they share without a search."""
         pb = 8 * self.page_size
         tail = _Run(run.start + j, run.data[j * pb:], run.hashes[j:])
-        run.data = run.data[:j * pb]
-        run.view = memoryview(run.data)
+        del run.data[j * pb:]
         del run.hashes[j:]
         run.sealed = True
         self._at.update(zip(tail.hashes, repeat(tail)))
         self._runs[tail] = None
 
-    def _extend(self, run: _Run, data: bytes, hashes: list[int]) -> None:
+    def _extend(self, run: _Run, data: bytearray, hashes: list[int]) -> None:
         """Appends pages to `run` (they follow its last page in one sequence)."""
         run.data += data
-        run.view = memoryview(run.data)
         run.hashes += hashes
         self._at.update(zip(hashes, repeat(run)))
         self._runs.move_to_end(run)
@@ -227,19 +260,40 @@ class PageHasher:
 
     def trim(self, budget: int) -> None:
         """Forgets the least recently used runs while more than `budget` pages are
-        remembered (the most recent run is always kept)."""
-        at, runs = self._at, self._runs
+        remembered (the most recent run is always kept). A forgotten run is emptied at
+        once (found no more); its `_at` entries go later, a few per call (`_reap`)."""
+        runs = self._runs
         while self._pages > budget and len(runs) > 1:
             run, _ = runs.popitem(last=False)
-            hs = run.hashes
-            self._pages -= len(hs)
-            # the entries that still name this run (a later run may have taken a page)
-            deque(map(at.__delitem__, compress(hs, map(is_, map(at.get, hs), repeat(run)))),
+            self._pages -= len(run.hashes)
+            self._dying.append([run.hashes, run, 0])
+            run.hashes, run.data, run.sealed = [], bytearray(), True
+
+    def _reap(self, limit: int) -> None:
+        """Deletes up to `limit` `_at` entries of dropped runs, oldest run first (only
+        entries that still name the dropped run: a later run may have taken a page)."""
+        at, dying = self._at, self._dying
+        while dying and limit > 0:
+            entry = dying[0]
+            hs, run, done = entry
+            part = hs[done:done + limit]
+            deque(map(at.__delitem__, compress(part, map(is_, map(at.get, part), repeat(run)))),
                   maxlen=0)
+            limit -= len(part)
+            if done + len(part) < len(hs):
+                entry[2] = done + len(part)
+            else:
+                dying.popleft()
+
+    @property
+    def dropped_pages(self) -> int:
+        """Pages of dropped runs whose `_at` entries are not deleted yet."""
+        return sum(len(hs) - done for hs, _, done in self._dying)
 
     def clear(self) -> None:
         self._at.clear()
         self._runs.clear()
+        self._dying.clear()
         self._pages = 0
 
 

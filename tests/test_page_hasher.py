@@ -98,3 +98,28 @@ def test_a_chat_turn_hashes_its_new_pages_and_at_most_two_jumps():
             assert h.hashes(chat) == page_hashes(chat, 4)
             assert h.hashed - before <= new_pages + 2
     assert h.remembered_pages == 8 + sum(len(c) // 4 - 8 for c in chats)
+
+
+def test_a_dropped_run_is_reaped_a_bounded_number_of_entries_per_call():
+    """Dropping a run past the budget costs the dropping call O(1): the run is found no
+    more at once (its pages are hashed again, correctly), and its index entries go a
+    bounded number per later call (as many as the call remembers + REAP_SPARE)."""
+    from phalanx.router.page_hasher import REAP_SPARE
+    rng = random.Random(5)
+    h = PageHasher(2, budget=1 << 20)
+    big = [rng.randrange(1000) for _ in range(2 * 600)]
+    assert h.hashes(big) == page_hashes(big, 2)
+    h.budget = 8
+    seen = h.hashed
+    small = [rng.randrange(1000) for _ in range(2 * 4)]
+    assert h.hashes(small) == page_hashes(small, 2)  # drops `big`'s run
+    assert h.remembered_pages == 4
+    assert h.dropped_pages == 600 - (4 + REAP_SPARE)
+    assert h.hashes(big, remember=False) == page_hashes(big, 2)  # not taken from the run
+    assert h.hashed - seen == 4 + 600
+    while h.dropped_pages:
+        before = h.dropped_pages
+        t = [rng.randrange(1000) for _ in range(2 * 3)]
+        assert h.hashes(t) == page_hashes(t, 2)
+        assert before - h.dropped_pages <= 3 + REAP_SPARE
+    assert len(h._at) == h.remembered_pages  # every entry of a dropped run is gone
