@@ -61,6 +61,9 @@ async def test_ready_line_health_and_layout(serve, client):
     # the disaggregated default: two decode ranks' KV, counted before the ready line
     assert re.search(r"phalanx: KV cache holds [1-9][\d,]* tokens; started in [\d.]+ s",
                      serve.stderr()), serve.stderr()[-2000:]
+    # start-up's objects frozen out of the collector's reach (server/gc_freeze.py)
+    assert re.search(r"phalanx: froze [1-9][\d,]* start-up objects .* ms after\)",
+                     serve.stderr()), serve.stderr()[-2000:]
     assert [m.id for m in (await client.models.list()).data] == [MODEL]
     async with aiohttp.ClientSession() as s:
         async with s.get(serve.url + "/health") as r:
