@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional, Sequence
 
 from phalanx.router.prefix_tree import page_hashes
+from phalanx.router.replay import SimulatedKV
 
 EVICTION_LOG = 1 << 16  # evictions remembered for `evicted_since`
 
@@ -47,36 +48,26 @@ class EngineConfig:
 
 
 class PrefixCache:
-    """Page hashes held, LRU; evictions numbered from 1 (`evictions` = the last one)."""
+    """Page hashes held, LRU (`router.replay.SimulatedKV`), with its evictions numbered
+    from 1 (`evictions` = the last one) and the latest of them logged."""
 
     def __init__(self, capacity_pages: int) -> None:
-        self.capacity_pages = capacity_pages
-        self._pages: OrderedDict[int, None] = OrderedDict()
+        self._kv = SimulatedKV(capacity_pages)
         self._log: deque[int] = deque(maxlen=EVICTION_LOG)  # the last evicted hashes
         self.evictions = 0
 
     def match_pages(self, hashes: Sequence[int]) -> int:
         """Leading pages of `hashes` held (read-only)."""
-        n = 0
-        for h in hashes:
-            if h not in self._pages:
-                break
-            n += 1
-        return n
+        return self._kv.match_pages(hashes)
 
     def insert(self, hashes: Sequence[int]) -> None:
         """Caches a chain as most recent (leaf touched first, so it is evicted first)."""
-        pages = self._pages
-        for h in reversed(hashes[:self.capacity_pages]):
-            pages[h] = None
-            pages.move_to_end(h)
-        while len(pages) > self.capacity_pages:
-            h, _ = pages.popitem(last=False)
-            self._log.append(h)
-            self.evictions += 1
+        evicted = self._kv.insert(hashes)
+        self._log.extend(evicted)
+        self.evictions += len(evicted)
 
     def held(self) -> list[int]:
-        return list(self._pages)
+        return list(self._kv.held())
 
     def evicted_since(self, since: int) -> Optional[list[int]]:
         """Hashes evicted after eviction number `since`; None when the log no longer

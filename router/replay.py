@@ -46,14 +46,17 @@ class SimulatedKV:
             n += 1
         return n
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Caches a chain, most recent; leaves are touched first so they go first."""
+    def insert(self, hashes: Sequence[int]) -> list[int]:
+        """Caches a chain, most recent; leaves are touched first so they go first.
+        Returns the hashes it evicted, oldest first."""
         pages = self._pages
         for h in reversed(hashes[:self.capacity_pages]):
             pages[h] = None
             pages.move_to_end(h)
+        evicted = []
         while len(pages) > self.capacity_pages:
-            pages.popitem(last=False)
+            evicted.append(pages.popitem(last=False)[0])
+        return evicted
 
     def held(self) -> set[int]:
         return set(self._pages)
