@@ -2,10 +2,13 @@
 every stream must equal the fault-free run; measures detection, recovery and stalls.
 
     python bench/kill_drills.py [--layouts disagg,dp2,tp2] [--drills 20] [--streams 16]
-                                [--max-tokens 96] [--seed 0]
+                                [--max-tokens 96] [--seed 0] [--device cuda] [--address A]
 
 Per layout, one server stack in this process (`start_local`: the driver thread, router
-and request records of `phalanx serve`, no HTTP) on the tiny model, CPU, local Ray; then
+and request records of `phalanx serve`, no HTTP) on the tiny model, CPU, local Ray (with
+`--device cuda`: one GPU per rank, float32, NCCL with phalanx's deadlines; `--address`:
+join that Ray cluster, e.g. one started with more GPUs declared than the machine has, so
+that ranks share them); then
 `--drills` drills, each a random plan: (a) a kill while serving and one to three more
 while the group re-forms, (b) two ranks at once, (c) a prefill and a decode rank at
 once, (d) a decode rank while the prefill instance re-forms (disaggregated only). Rank
@@ -90,10 +93,12 @@ def recoveries(client, kills: list, arrivals: list, since: float) -> list[float]
     return [round(after[0] - last, 3)] if after else [float("nan")]
 
 
-async def run_layout(model: str, name: str, drills: int, requests, refs, seed: int) -> dict:
+async def run_layout(model: str, name: str, drills: int, requests, refs, seed: int,
+                     placement: dict) -> dict:
+    """`placement`: where the ranks run (`device`, `dtype`, `ray_address`)."""
     rng = random.Random(seed)
     client = start_local(model, model_name="tiny", collective_timeout_s=5.0, max_recoveries=10_000,
-                         **LAYOUTS[name], **ENGINE)
+                         **LAYOUTS[name], **ENGINE, **placement)
     rows = []
     try:
         for d in range(drills):
@@ -130,6 +135,9 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (ranks in float32: the "
+                    "streams are compared with the CPU's)")
+    ap.add_argument("--address", default=None, help="join this Ray cluster")
     args = ap.parse_args()
     names = args.layouts.split(",")
     unknown = [n for n in names if n not in LAYOUTS]
@@ -137,7 +145,11 @@ def main() -> int:
         ap.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
     model = str(default_model_dir())
     requests, refs = workload(model, args.streams, args.max_tokens, random.Random(args.seed))
-    results = [asyncio.run(run_layout(model, name, args.drills, requests, refs, args.seed + i))
+    placement = {"device": args.device, "ray_address": args.address}
+    if args.device != "cpu":
+        placement["dtype"] = "float32"
+    results = [asyncio.run(run_layout(model, name, args.drills, requests, refs, args.seed + i,
+                                      placement))
                for i, name in enumerate(names)]
     out = os.path.join(os.environ.get("OUT", "."), "kill_drills.json")
     with open(out, "w") as f:
