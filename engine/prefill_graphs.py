@@ -9,10 +9,11 @@ prefill chunk would wait on the host. A step of T <= `max_tokens` tokens over S 
 
 Static buffers hold the inputs. Padding, so that it never touches the real rows:
 tokens [T, B) are token 0 at position 0 with slot -1 (no KV write) and belong to no
-sequence (their attention rows stay 0); rows [S, max_rows) have an empty query
+sequence (their attention rows stay 0). A bucket of B tokens has R = min(B, max_rows)
+rows (a step has no more sequences than tokens): rows [S, R) have an empty query
 (`query_start_loc` stays at T), so their attention programs return at once; logits are
-gathered for `max_rows` rows through `logits_indices`, rows past the step's gather row 0
-and are dropped. Attention runs with `max_query_len` = B: its grid covers every row, and
+gathered for R rows through `logits_indices`, rows past the step's gather row 0 and are
+dropped. Attention runs with `max_query_len` = B: its grid covers every row, and
 its KV tile depends on head_dim alone, so each row reduces the same tiles in the same
 order as the eager path (kernels/gpu/prefill_attention.py).
 """
@@ -43,8 +44,8 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    """Captured forwards (logits of `max_rows` gathered rows) of steps up to `max_tokens`
-    tokens and `max_rows` sequences; `fits` says whether a step can replay one."""
+    """Captured forwards (logits of each bucket's gathered rows) of steps up to
+    `max_tokens` tokens and `max_rows` sequences; `fits` says whether a step can replay one."""
 
     def __init__(self, model: CausalLM, caches: list[KVCache], max_tokens: int,
                  max_rows: int, max_model_len: int, page_size: int,
@@ -68,13 +69,18 @@ class PrefillGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0
 
+    def rows(self, size: int) -> int:
+        """Rows of bucket `size`: a step has at most one sequence per token."""
+        return min(size, self.max_rows)
+
     def _forward(self, size: int) -> torch.Tensor:
+        r = self.rows(size)
         meta = AttentionMetadata(
-            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-            block_tables=self.block_tables, slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[:r + 1], seq_lens=self.seq_lens[:r],
+            block_tables=self.block_tables[:r], slot_mapping=self.slot_mapping[:size],
             max_query_len=size, max_seq_len=self.max_model_len)
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.caches, meta)
-        return self.model.compute_logits(hidden[self.logits_indices])
+        return self.model.compute_logits(hidden[self.logits_indices[:r]])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -97,8 +103,10 @@ class PrefillGraphs:
         torch.cuda.synchronize()
 
     def fits(self, tokens: int, rows: int, logits: int) -> bool:
-        return (bool(self.graphs) and 0 < tokens <= self.sizes[-1]
-                and rows <= self.max_rows and logits <= self.max_rows)
+        if not self.graphs or not 0 < tokens <= self.sizes[-1]:
+            return False
+        r = self.rows(self.sizes[bisect.bisect_left(self.sizes, tokens)])
+        return rows <= r and logits <= r
 
     def run(self, host: dict[str, torch.Tensor]) -> torch.Tensor:
         """Replay for a step given as (pinned) host tensors, as `ModelRunner.prepare`
@@ -108,16 +116,17 @@ class PrefillGraphs:
         if not self.fits(t, s, n):
             raise ValueError(f"a step of {t} tokens, {s} rows, {n} logits fits no bucket")
         size = self.sizes[bisect.bisect_left(self.sizes, t)]
+        r = self.rows(size)
         self.input_ids[:t].copy_(host["input_ids"], non_blocking=True)
         self.positions[:t].copy_(host["positions"], non_blocking=True)
         self.slot_mapping[:t].copy_(host["slot_mapping"], non_blocking=True)
         self.slot_mapping[t:size].fill_(-1)
         self.query_start_loc[:s + 1].copy_(host["query_start_loc"], non_blocking=True)
-        self.query_start_loc[s + 1:].fill_(t)
+        self.query_start_loc[s + 1:r + 1].fill_(t)
         self.seq_lens[:s].copy_(host["seq_lens"], non_blocking=True)
         self.block_tables[:s, :width].copy_(host["block_tables"], non_blocking=True)
         self.logits_indices[:n].copy_(host["logits_indices"], non_blocking=True)
-        self.logits_indices[n:].zero_()
+        self.logits_indices[n:r].zero_()
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size][:n]

@@ -84,8 +84,10 @@ def _waves() -> list[list]:
     return waves
 
 
-def test_replayed_steps_give_the_eager_tokens(tiny_model):
-    cfg = engine_config(tiny_model, page_size=4, max_num_batched_tokens=32, max_num_seqs=8)
+@pytest.mark.parametrize("max_num_seqs", [8, 24])  # 24: bucket 16 has fewer rows
+def test_replayed_steps_give_the_eager_tokens(tiny_model, max_num_seqs):
+    cfg = engine_config(tiny_model, page_size=4, max_num_batched_tokens=32,
+                        max_num_seqs=max_num_seqs)
     want = _run(LLMEngine(cfg), _waves())
     engine = LLMEngine(cfg)
     graphs = _with_graphs(engine, 32)
@@ -103,7 +105,7 @@ def test_a_step_past_the_buckets_is_refused(tiny_model):
     engine = LLMEngine(engine_config(tiny_model, page_size=4, max_num_seqs=4))
     graphs = _with_graphs(engine, 16)
     assert graphs.fits(16, 4, 4) and not graphs.fits(17, 1, 1) and not graphs.fits(8, 5, 1)
-    assert not graphs.fits(0, 0, 0)
+    assert not graphs.fits(0, 0, 0) and not graphs.fits(3, 1, 5)  # more logits than rows
     host = {"input_ids": torch.zeros(17, dtype=torch.int64)}
     host.update(seq_lens=torch.ones(1, dtype=torch.int32),
                 logits_indices=torch.zeros(1, dtype=torch.int64),
