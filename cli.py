@@ -142,6 +142,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "checkpoint loads as FP8 without it)")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     _add_load_format(p)
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="compute and KV cache dtype (auto: the checkpoint's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of each GPU the weights, activations and KV cache may take "
+                        "(0, 1]; the KV cache gets what is left of it")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step runs eagerly")
     p.add_argument("--cuda-graph-max-prefill", type=int, default=512,
                    help="one GPU: prefill and mixed steps of up to this many tokens replay "
                         "CUDA graphs (0: they run eagerly)")

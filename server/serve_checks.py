@@ -3,7 +3,8 @@ at once with one line naming the flag (cli.py prints it, exit status 2), never a
 traceback and never after minutes of loading.
 
 Checked: the host resolves and the port is free and in range; an API key is not empty;
-counts are positive; the layout flags do not conflict; the routing, EP-width and
+counts are positive; `--gpu-memory-utilization` is in (0, 1] and
+`--cuda-graph-max-prefill` 0 or >= 16; the layout flags do not conflict; the routing, EP-width and
 micro-batch policies are registered names; the device is `cpu` or an existing CUDA
 device; `--max-model-len` fits the model folder's context; the folder holds a
 `config.json`; `--allowed-origins` are origins.
@@ -59,6 +60,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             raise ValueError(f"{_flag(name)} must be a positive number of seconds, got {value}")
+    share = getattr(args, "gpu_memory_utilization", None)
+    if share is not None and not 0 < share <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")
+    prefill = getattr(args, "cuda_graph_max_prefill", None)
+    if prefill is not None and prefill != 0 and prefill < 16:
+        raise ValueError(f"--cuda-graph-max-prefill must be 0 (eager) or at least 16, got {prefill}")
 
 
 def _check_policies(args: argparse.Namespace) -> None:

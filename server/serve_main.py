@@ -74,7 +74,9 @@ def run_serve(args: argparse.Namespace) -> int:
             replace_timeout_s=args.replace_timeout,
             ep_exchange=args.ep_exchange, quantization=args.quantization,
             load_format=args.load_format, ray_address=args.address,
-            cuda_graph_max_prefill=args.cuda_graph_max_prefill)
+            cuda_graph_max_prefill=args.cuda_graph_max_prefill, dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager)
         _restore(previous)
         _say(_capacity_line(_first_stats(backend), time.monotonic() - started))
         heap = freeze_start_up_heap()

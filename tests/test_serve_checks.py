@@ -1,6 +1,7 @@
 """`phalanx serve`'s user errors end the command before anything loads, with one line
 naming the flag and exit status 2 (no traceback); vLLM's spellings (`serve MODEL`,
-`-tp`, `--tensor-parallel-size`, `-dp`, `--data-parallel-size`) and `phalanx --version`."""
+`-tp`, `--tensor-parallel-size`, `-dp`, `--data-parallel-size`, `--dtype`,
+`--enforce-eager`, `--gpu-memory-utilization`, `--load-format`) and `phalanx --version`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from phalanx.server.serve_checks import check_serve_args
     (["--allowed-origins", "app.example"], "'app.example' is not an origin"),
     (["/tmp", "--model", "/other"], "two models given"),
     (["/proc"], "--model /proc: not a model folder (no config.json there"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--cuda-graph-max-prefill", "8"], "--cuda-graph-max-prefill must be 0 (eager) or at least 16"),
 ])
 def test_a_user_error_is_one_line_before_loading(capsys, argv, says):
     assert main(["serve", *argv]) == 2
@@ -54,6 +57,11 @@ def test_vllm_spellings_and_version(capsys, tiny_model):
     check_serve_args(args)  # a good command passes
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "1", "-dp", "2"])
     assert (args.tp, args.dp) == (1, 2)
+    args = build_parser().parse_args(["serve", "--dtype", "float16", "--enforce-eager",
+                                      "--gpu-memory-utilization", "0.5",
+                                      "--load-format", "dummy"])
+    assert (args.dtype, args.enforce_eager, args.gpu_memory_utilization, args.load_format) == \
+        ("float16", True, 0.5, "dummy")
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"phalanx {__version__}"
