@@ -175,24 +175,31 @@ class LLM:
             quantization=quantization, load_format=load_format)
         self.engine: Optional[LLMEngine] = None
         self.cluster = None  # a multi-rank layout's client (actors.cluster.ClusterClient)
-        disagg = (prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size)
+        self._start((prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size),
+                    tp * dp, collective_timeout_s, ray_address)
+        self._tokenizer = None
+        self._ids = itertools.count()
+        self._seeds = random.Random(seed)  # base seeds of unseeded requests with n > 1
+
+    def _start(self, disagg: tuple, ranks: int, collective_timeout_s: float,
+               ray_address: Optional[str]) -> None:
+        """The engine (one rank) or the rank actors of the layout: disaggregated when any
+        of `disagg` (prefill_tp, decode_dp, decode_tp, prefill_instances,
+        prefill_page_size) is given, else colocated over `ranks` = tp * dp."""
         if any(v is not None for v in disagg):
-            if tp * dp != 1:
+            if ranks != 1:
                 raise ValueError("tp/dp: give either tp/dp (colocated) or the prefill_*/decode_* "
                                  "layout (disaggregated), not both")
             from .actors.cluster_builder import build_cluster
             layout = disagg_config(*disagg, collective_timeout_s)
             check_fp8_disagg(self.config, layout)
             self.cluster = build_cluster(self.config, layout, ray_address)
-        elif tp * dp == 1:
+        elif ranks == 1:
             self.engine = LLMEngine(self.config)
             self.engine.warm_up()  # GPU: nothing compiles once requests come
         else:
             from .actors.cluster_builder import build_cluster
             self.cluster = build_cluster(self.config, None, ray_address)
-        self._tokenizer = None
-        self._ids = itertools.count()
-        self._seeds = random.Random(seed)  # base seeds of unseeded requests with n > 1
 
     @property
     def tokenizer(self):
