@@ -2,7 +2,7 @@
 and Hugging Face transformers in the same run.
 
     python bench/decode_gpu.py [--layers 48] [--batches 1,16,64,128] [--skip-hf]
-                               [--quantization fp8]
+                               [--quantization fp8] [--baselines nopdl,cublas]
 
 Random bf16 weights (no download). The transformers model is built first; phalanx's
 model shares its weight tensors (the expert layout [E, 2I, H] / [E, H, I] is the same),
@@ -248,6 +248,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--compare-overlap", action="store_true",
                     help="also run batch 1 and 64 with overlapped steps off (rows 'decode-serial')")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the 8x2048 prefill row")
+    ap.add_argument("--baselines", default="",
+                    help="comma list of nopdl,cublas: rows with that part off (bench/decode_baselines.py)")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "
                          "'decode-fp8' / 'prefill-fp8' the FP8 weights (bench/decode_fp8.py)")
@@ -314,7 +317,10 @@ def print_table(rows: list[dict], ceil: dict, args, num_pages: int) -> None:
                   f"{r['replay_ms']:.2f} ms; kernels (us/step): "
                   + ", ".join(f"{k}={v:.0f}" for k, v in r["kernels_us"].items()))
             print("\n".join(r.get("host_profile", [])))
-        if "agreement" in r:
+        if "main_over_this" in r:
+            print(f"{r['kind']} batch {r['batch']}: tokens vs the main rows {r['agreement']}; "
+                  f"main tok/s over this {r['main_over_this']:.3f}")
+        elif "agreement" in r:
             print(f"{r['kind']} batch {r['batch']}: tokens vs the bf16 twin {r['agreement']}")
     fp8 = f", FP8 matmul {ceil['fp8_matmul_flops_per_s'] / 1e12:.0f}" if "fp8_matmul_flops_per_s" in ceil else ""
     print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} "
@@ -351,15 +357,24 @@ def main() -> None:
                        lambda b, c: decode_bytes(cfg, b, c), hf_rates)
     if args.compare_overlap:
         rows += compare_overlap(engine, batches, args, ceil, cfg, hf_rates, rows)
-    pf = phalanx_prefill(engine, 8, 2048)
-    pf_floor = 8 * 2048 / (prefill_flops(cfg, 8, 2048) / ceil["matmul_flops_per_s"])
-    rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
-                     hf_tok_s=None, vs_hf=None))
+    if not args.no_prefill:
+        pf = phalanx_prefill(engine, 8, 2048)
+        pf_floor = 8 * 2048 / (prefill_flops(cfg, 8, 2048) / ceil["matmul_flops_per_s"])
+        rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
+                         hf_tok_s=None, vs_hf=None))
     num_pages = engine.num_pages
+    del engine  # the runs below build engines of their own
+    gc.collect()
+    torch.cuda.empty_cache()
+    if args.baselines:
+        from decode_baselines import baseline_rows
+        rows += baseline_rows(
+            args.baselines.split(","),
+            lambda: make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches)),
+            lambda eng, kind, bs: decode_rows(eng, kind, bs, args, ceil["copy_bytes_per_s"],
+                                              lambda b, c: decode_bytes(cfg, b, c), hf_rates),
+            rows, batches)
     if args.quantization == "fp8":
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
         rows += fp8_rows(hf, cfg, batches, args, ceil, rows)
     result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=num_pages,
                   quantization=args.quantization, rows=rows, device=torch.cuda.get_device_name())

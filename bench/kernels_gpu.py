@@ -17,6 +17,7 @@ GPU machine (from the repository root)::
     python3 bench/kernels_gpu.py                 # all; JSON to $OUT/kernels_gpu.json
     python3 bench/kernels_gpu.py --only decode,moe --no-timing
     python3 bench/kernels_gpu.py --only linear   # skinny GEMM checks, timings, tile sweep
+    python3 bench/kernels_gpu.py --only gemv     # few-row GEMV + folded norms, 48-layer chains
 
 CPU smoke run of the script's own code (tiny float32 checks under the interpreter)::
 
@@ -24,7 +25,8 @@ CPU smoke run of the script's own code (tiny float32 checks under the interprete
 
 Code: this file runs the groups and reports; shapes and inputs are in
 kernels_gpu_inputs.py, the checks in kernels_gpu_checks.py, the timings in
-kernels_gpu_timing.py, the linear group in kernels_gpu_linear.py.
+kernels_gpu_timing.py, the linear group in kernels_gpu_linear.py, the gemv group in
+kernels_gpu_gemv.py.
 Imports nothing GPU-specific at module import time.
 """
 
@@ -40,13 +42,14 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels_gpu_checks  # noqa: E402
+import kernels_gpu_gemv  # noqa: E402
 import kernels_gpu_linear  # noqa: E402
 import kernels_gpu_timing  # noqa: E402
 from kernels_gpu_inputs import Ctx  # noqa: E402
 
 BW, PEAK = 4.0e12, 7.7e14  # B/s (device-to-device copy), bf16 dense FLOP/s
 TOL = 1e-2
-GROUPS = ["decode", "moe", "prefill", "attn", "norm", "rope", "linear", "split"]
+GROUPS = ["decode", "moe", "prefill", "attn", "norm", "rope", "linear", "gemv", "split"]
 
 
 def _import_phalanx():
@@ -87,7 +90,7 @@ def _bench(fn, graph: bool):
 def _group_fn(kind: str, group: str):
     """`<kind>_<group>` (kind: check or time) of the group modules; KeyError if none."""
     name = f"{kind}_{group}"
-    for mod in (kernels_gpu_checks, kernels_gpu_timing, kernels_gpu_linear):
+    for mod in (kernels_gpu_checks, kernels_gpu_timing, kernels_gpu_linear, kernels_gpu_gemv):
         if hasattr(mod, name):
             return getattr(mod, name)
     raise KeyError(name)
@@ -131,7 +134,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="all",
                     help="comma list of: " + ", ".join(GROUPS) + " (attn = write_kv; norm includes silu_and_mul;"
-                         " linear = skinny GEMM vs cuBLAS)")
+                         " linear = skinny GEMM vs cuBLAS; gemv = few-row GEMV, folded norms, PDL chains)")
     ap.add_argument("--no-timing", action="store_true", help="correctness checks only")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke run: tiny float32 checks through the Triton interpreter, no timing")

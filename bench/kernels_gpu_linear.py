@@ -32,9 +32,10 @@ def _tiles(cfg: dict) -> str:
 
 
 def check_linear(c: Ctx, rec):
-    """linear (skinny path) vs F.linear in float32 on the same bf16 inputs, M = 1/4/16
-    (3 for the odd shape), bias at M = 4; every swept tile at M = 16; split-K twice the
-    same bits; on the GPU a row's bits alone equal its bits in a 16-row batch."""
+    """linear (the GEMV at M <= 4, else the skinny GEMM) vs F.linear in float32 on the
+    same bf16 inputs, M = 1/4/16 (3 for the odd shape), bias at M = 4; every swept tile
+    at M = 16; split-K twice the same bits; on the GPU a row's bits alone equal its bits
+    in a 16-row batch of the skinny GEMM."""
     import torch.nn.functional as F
 
     from phalanx.kernels.gpu.linear import skinny_linear_triton
@@ -56,9 +57,9 @@ def check_linear(c: Ctx, rec):
         rec("linear", f"{name} split-K deterministic",
             torch.equal(skinny_linear_triton(x, w, b, cfg=split), skinny_linear_triton(x, w, b, cfg=split)))
         if not c.small:  # under the interpreter tl.dot is numpy's BLAS: not row-invariant
-            full = linear(x, w)
+            full = skinny_linear_triton(x, w)  # (linear takes the GEMV at M <= 4)
             rec("linear", f"{name} row bits M=1 == M=16",
-                all(torch.equal(full[i:i + 1], linear(x[i:i + 1], w)) for i in (0, 5, 15)))
+                all(torch.equal(full[i:i + 1], skinny_linear_triton(x[i:i + 1], w)) for i in (0, 5, 15)))
 
 
 def time_linear(c: Ctx, row):

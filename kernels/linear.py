@@ -1,18 +1,20 @@
-"""Dense linear layers: ``F.linear`` semantics, a Triton skinny GEMM for few rows.
+"""Dense linear layers: ``F.linear`` semantics, Triton kernels for few rows.
 
-At decode a projection sees M = batch rows (1..16 at small batch) against a weight of
-millions of elements: the cost is the weight stream, and cuBLAS's M = 1 kernels reach
-about half the HBM bandwidth there (bench/NOTES.md). :func:`linear` sends such calls to
-:func:`phalanx.kernels.gpu.linear.skinny_linear_triton` and everything else (prefill,
-big batches, CPU tensors, odd dtypes or layouts) to ``F.linear``.
+At decode a projection sees M = batch rows against a weight of millions of elements: the
+cost is the weight stream, and cuBLAS's M = 1 kernels reach about half the HBM bandwidth
+there (bench/NOTES.md). Two Triton paths:
 
-Not wired into the model: on the H200 (graph replay, 48-layer Qwen3-30B-A3B shape) the
-default tiles made the batch-1 step slower than cuBLAS (1220 vs ~1050 µs/step for qkv +
-o + router); with the sweep's best tiles (qkv 64/128, o 16/256 split 2, router 16/256
-split 8) the model gained 1% at batch 1 (1020 vs 1043 µs/step, replay 3.45 vs 3.49 ms)
-and lost 1.4% at batch 16 (bench/NOTES.md, v6), so it stays on ``F.linear``. What
-would make it pay: programmatic dependent launch with the weight tile loaded before the
-wait on the previous kernel (bench/probes/pdl_gpu.py), which cuBLAS cannot do.
+* :func:`phalanx.kernels.gpu.gemv.gemv_triton` for M <= ``GEMV_MAX_M`` (1): the weight
+  tile in registers, launched with programmatic dependent launch on sm90+ so its weight
+  reads overlap the kernel before it (cuBLAS cannot); also the fused residual add +
+  RMSNorm in front of a projection (:mod:`phalanx.kernels.norm_linear`). The model's
+  projections take it (:func:`project`).
+* :func:`phalanx.kernels.gpu.linear.skinny_linear_triton` for M <= 16: a ``tl.dot``
+  skinny GEMM. Not used by the model: with the sweep's best tiles it gained 1% at batch 1
+  and lost 1.4% at batch 16 against cuBLAS (bench/NOTES.md, v6). :func:`linear`
+  dispatches to it above ``GEMV_MAX_M`` rows.
+
+Everything else (prefill, big batches, CPU tensors, odd dtypes or layouts) is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ import torch.nn.functional as F
 
 from .backend import use_triton
 
-__all__ = ["linear", "linear_ref", "use_skinny", "SKINNY_MAX_M"]
+__all__ = ["linear", "linear_ref", "project", "use_gemv", "use_skinny", "GEMV_MAX_M", "GEMV_ROW_BYTES",
+           "SKINNY_MAX_M"]
 
-SKINNY_MAX_M = 16  # most rows of x for the Triton path (its x tile is 16 rows)
+SKINNY_MAX_M = 16  # most rows of x for the skinny GEMM (its x tile is 16 rows)
+# Most rows of x for the GEMV (kernels/gpu/gemv.py takes up to 4; each row is a pass over
+# the tile). On the H200 a 48-layer chain of qkv/o/router at M = 4 took 1721 µs against
+# cuBLAS's 1317 (at M = 1: 701 against 1304), so only single rows take it.
+GEMV_MAX_M = 1
+# One weight row (K rounded up to a power of two) must fit a GEMV program's tile: the
+# GEMV_TILE_BYTES of kernels/gpu/gemv.py (tests/test_gemv_triton.py checks they agree).
+GEMV_ROW_BYTES = 64 << 10
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -49,14 +59,44 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return use_triton(x)
 
 
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the GEMV takes these arguments: :func:`use_skinny`'s conditions with
+    1..``GEMV_MAX_M`` rows, and one weight row (K rounded up to a power of two) within a
+    program's 64 KiB tile."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
+        return False
+    k_bytes = (1 << max(0, int(x.shape[1]) - 1).bit_length()) * x.element_size()
+    return k_bytes <= GEMV_ROW_BYTES and use_skinny(x, weight, bias)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            scales: torch.Tensor | None = None) -> torch.Tensor:
+    """A model projection ``x @ weight.T + bias``: FP8 codes with ``scales``
+    (:func:`phalanx.kernels.fp8.fp8_linear`), the GEMV for a few rows (:func:`use_gemv`),
+    else ``F.linear``."""
+    if scales is not None:
+        from .fp8 import fp8_linear
+
+        return fp8_linear(x, weight, scales, bias)
+    if use_gemv(x, weight, bias):
+        from .gpu.gemv import gemv_triton
+
+        return gemv_triton(x, weight, bias)[0]
+    return F.linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x [M, K], weight [N, K], bias [N] or None -> [M, N].
 
-    Output in ``x.dtype``, float32 accumulation. Takes the Triton skinny GEMM when
-    :func:`use_skinny` says so (one or two launches, no host sync: CUDA-graph
-    capturable), else ``F.linear``. Results of the two paths agree within float32
-    accumulation-order rounding, not bit for bit.
+    Output in ``x.dtype``, float32 accumulation. Takes the GEMV when :func:`use_gemv`
+    says so, else the Triton skinny GEMM when :func:`use_skinny` does (one or two
+    launches, no host sync: CUDA-graph capturable), else ``F.linear``. Results of the
+    paths agree within float32 accumulation-order rounding, not bit for bit.
     """
+    if use_gemv(x, weight, bias):
+        from .gpu.gemv import gemv_triton
+
+        return gemv_triton(x, weight, bias)[0]
     if use_skinny(x, weight, bias):
         from .gpu.linear import skinny_linear_triton
 

@@ -23,9 +23,10 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..kernels.activation import silu_and_mul
 from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention
-from ..kernels.fp8 import fp8_linear
+from ..kernels.linear import project
 from ..kernels.moe import fused_experts, make_expert_map, route
-from ..kernels.norm import add_rms_norm, rms_norm
+from ..kernels.norm import add_rms_norm
+from ..kernels.norm_linear import norm_linear
 from ..kernels.rope import RotaryEmbedding
 from .parallel import ExpertParallel, LocalComm, ModelComm
 from .shard import ModelShard
@@ -42,11 +43,6 @@ def _fp8_scales(module: nn.Module, *weights: str) -> None:
     row and 128-column block; the weight itself is then float8_e4m3fn)."""
     for name in weights:
         module.register_buffer(f"{name}_scale", None)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            scales: Optional[torch.Tensor]) -> torch.Tensor:
-    return F.linear(x, weight, bias) if scales is None else fp8_linear(x, weight, scales, bias)
 
 
 class Attention(nn.Module):
@@ -67,10 +63,18 @@ class Attention(nn.Module):
         self.k_norm = _empty(cfg.head_dim) if cfg.qk_norm else None
         _fp8_scales(self, "qkv_proj", "o_proj")
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def project(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv, new residual) of the layer's input: the residual add and input norm in
+        front of the qkv projection (one launch at a few rows, kernels/norm_linear.py)."""
+        qkv, _, residual = norm_linear(x, residual, norm_weight, eps, self.qkv_proj, self.qkv_bias,
+                                       self.qkv_proj_scale)
+        return qkv, residual
+
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = _linear(x, self.qkv_proj, self.qkv_bias, self.qkv_proj_scale)
+        """This rank's partial attention output of `project`'s qkv rows."""
+        t = qkv.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -87,7 +91,7 @@ class Attention(nn.Module):
             out = prefill_attention(q, cache[0], cache[1], meta, self.scale, *rows)
         else:
             out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
-        return _linear(out.reshape(t, q_size), self.o_proj, None, self.o_proj_scale)
+        return project(out.reshape(t, q_size), self.o_proj, None, self.o_proj_scale)
 
 
 class DenseMLP(nn.Module):
@@ -100,8 +104,8 @@ class DenseMLP(nn.Module):
         _fp8_scales(self, "gate_up_proj", "down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = silu_and_mul(_linear(x, self.gate_up_proj, None, self.gate_up_proj_scale))
-        return _linear(h, self.down_proj, None, self.down_proj_scale)
+        h = silu_and_mul(project(x, self.gate_up_proj, None, self.gate_up_proj_scale))
+        return project(h, self.down_proj, None, self.down_proj_scale)
 
 
 class SparseMoE(nn.Module):
@@ -134,9 +138,12 @@ class SparseMoE(nn.Module):
         """The block's output, already summed over the TP group."""
         return run_to_end(self.stages(x))
 
-    def stages(self, x: torch.Tensor) -> Stages[torch.Tensor]:
-        """`forward` as a stage generator (yields while its EP exchanges are in flight)."""
-        weights, ids = route(F.linear(x, self.gate), self.top_k, self.renormalize, x.dtype)
+    def stages(self, x: torch.Tensor, logits: Optional[torch.Tensor] = None) -> Stages[torch.Tensor]:
+        """`forward` as a stage generator (yields while its EP exchanges are in flight).
+        `logits`: the router's projection of x when the caller has it already."""
+        if logits is None:
+            logits = project(x, self.gate)
+        weights, ids = route(logits, self.top_k, self.renormalize, x.dtype)
         if self.ep is None:
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map, self._scales())
         else:
@@ -200,14 +207,15 @@ class DecoderLayer(nn.Module):
                rope: RotaryEmbedding, cache: KVCache,
                meta: AttentionMetadata) -> Stages[tuple[torch.Tensor, torch.Tensor]]:
         """`forward` as a stage generator (a MoE layer yields while exchanging)."""
-        if residual is None:
-            x, residual = rms_norm(x, self.input_norm, self.eps), x
-        else:
-            x, residual = add_rms_norm(x, residual, self.input_norm, self.eps)
-        x = self.comm.all_reduce_tp(self.attn(x, positions, rope, cache, meta))
-        x, residual = add_rms_norm(x, residual, self.post_attention_norm, self.eps)
+        qkv, residual = self.attn.project(x, residual, self.input_norm, self.eps)
+        x = self.comm.all_reduce_tp(self.attn(qkv, positions, rope, cache, meta))
         if isinstance(self.mlp, SparseMoE):
-            return (yield from self.mlp.stages(x)), residual
+            # The post-attention norm in front of the router's projection; the experts
+            # read the normed rows it returns.
+            logits, x, residual = norm_linear(x, residual, self.post_attention_norm, self.eps,
+                                              self.mlp.gate, want_normed=True)
+            return (yield from self.mlp.stages(x, logits)), residual
+        x, residual = add_rms_norm(x, residual, self.post_attention_norm, self.eps)
         return self.comm.all_reduce_tp(self.mlp(x)), residual
 
 

@@ -445,7 +445,7 @@ LINEAR_TOL = 1e-5  # float32 under the interpreter, the skinny GEMM vs F.linear
 
 
 def check_linear(g: torch.Generator) -> float:
-    """linear (skinny Triton GEMM) vs F.linear: M 1/3/16 x N 8/100/128 x K 16/72/128, with
+    """linear (the GEMV up to 4 rows, the skinny Triton GEMM up to 16) vs F.linear: M 1/3/16 x N 8/100/128 x K 16/72/128, with
     and without bias; x as a column-slice view (row stride > K) and a stride-2 view;
     split-K and small tiles (several K steps, a partial last one); split-K deterministic.
     (A row's bits alone vs in a 16-row batch are checked on the GPU only, by
@@ -479,23 +479,27 @@ def check_linear(g: torch.Generator) -> float:
 
 
 def check_linear_dispatch(g: torch.Generator) -> float:
-    """linear takes the skinny Triton GEMM for 2-D x with 1..SKINNY_MAX_M rows (under
-    force_triton), F.linear for M = 17, 3-D x, mixed dtypes and force_triton(False)."""
+    """linear takes the GEMV for 2-D x with 1..GEMV_MAX_M rows and the skinny Triton GEMM
+    up to SKINNY_MAX_M (under force_triton), F.linear for M = 17, 3-D x, mixed dtypes and
+    force_triton(False)."""
     import torch.nn.functional as F
 
     from phalanx.kernels import linear as lin
     from phalanx.kernels.backend import force_triton
+    from phalanx.kernels.gpu import gemv as gpu_gemv
     from phalanx.kernels.gpu import linear as gpu_lin
 
-    assert lin.SKINNY_MAX_M == 16
+    assert lin.SKINNY_MAX_M == 16 and lin.GEMV_MAX_M == 1
     calls: list[str] = []
-    real_skinny, real_f = gpu_lin.skinny_linear_triton, F.linear
+    real_skinny, real_gemv, real_f = gpu_lin.skinny_linear_triton, gpu_gemv.gemv_triton, F.linear
     gpu_lin.skinny_linear_triton = lambda *a, **kw: (calls.append("skinny"), real_skinny(*a, **kw))[1]
+    gpu_gemv.gemv_triton = lambda *a, **kw: (calls.append("gemv"), real_gemv(*a, **kw))[1]
     F.linear = lambda *a, **kw: (calls.append("F.linear"), real_f(*a, **kw))[1]
     errs = []
     try:
         w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
-        for shape, forced_on, want in [((1, 40), True, "skinny"), ((16, 40), True, "skinny"),
+        for shape, forced_on, want in [((1, 40), True, "gemv"), ((2, 40), True, "skinny"),
+                                       ((16, 40), True, "skinny"),
                                        ((17, 40), True, "F.linear"), ((2, 3, 40), True, "F.linear"),
                                        ((4, 40), False, "F.linear")]:
             x = torch.randn(*shape, generator=g)
@@ -511,7 +515,7 @@ def check_linear_dispatch(g: torch.Generator) -> float:
             pass
         assert calls == ["F.linear"], calls
     finally:
-        gpu_lin.skinny_linear_triton, F.linear = real_skinny, real_f
+        gpu_lin.skinny_linear_triton, gpu_gemv.gemv_triton, F.linear = real_skinny, real_gemv, real_f
     return max(errs)
 
 
@@ -545,7 +549,8 @@ def check_dispatch(g: torch.Generator) -> float:
     targets = {"norm": ["rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton"],
                "attention": ["write_kv_triton", "decode_attention_triton"],
                "prefill_attention": ["prefill_attention_triton"],
-               "moe": ["fused_experts_triton"], "rope": ["rope_triton"], "linear": ["skinny_linear_triton"]}
+               "moe": ["fused_experts_triton"], "rope": ["rope_triton"], "linear": ["skinny_linear_triton"],
+               "gemv": ["gemv_triton"]}
     for mod_name, fns in targets.items():
         mod = importlib.import_module(f"phalanx.kernels.gpu.{mod_name}")
         for fn in fns:
@@ -569,7 +574,8 @@ def check_dispatch(g: torch.Generator) -> float:
                       torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 4, generator=g))
     from phalanx.kernels.linear import linear
 
-    linear(x, torch.randn(4, 8, generator=g))
+    linear(x[:1], torch.randn(4, 8, generator=g))  # 1 row: the GEMV
+    linear(x, torch.randn(4, 8, generator=g))  # 2 rows: the skinny GEMM
     missing = sorted({f for fns in targets.values() for f in fns} - set(calls))
     assert not missing, f"not dispatched to Triton: {missing}"
     return 0.0

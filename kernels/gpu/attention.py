@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
+
 __all__ = ["write_kv_triton", "decode_attention_triton"]
 
 _LOG2E = 1.4426950408889634
@@ -124,12 +126,18 @@ def _decode_split_kernel(
     sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h,
     scale_log2, G, HD, PAGE, PART,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, PREC: tl.constexpr,
+    DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     # Program (split, kv_head, seq): the G query heads of kv_head over KV positions
     # [split*PART, min((split+1)*PART, seq_len)). DIRECT (one split) writes the final
     # output; otherwise the normalized partial output [S, H, NSPLIT, D] (float32) and
-    # its log2-sum-exp [S, H, NSPLIT] for _decode_reduce_kernel.
+    # its log2-sum-exp [S, H, NSPLIT] for _decode_reduce_kernel. PDL (kernels/gpu/pdl.py):
+    # launched dependent, wait for the previous kernel first. TRIGGER: let a PDL-launched
+    # next kernel (the o projection's GEMV) start its weight reads now.
+    if PDL:
+        gdc_wait()
+    if PDL or TRIGGER:
+        gdc_launch_dependents()
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2).to(tl.int64)
@@ -170,9 +178,14 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
     sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h, HD, PART,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     # Program (head, seq): merge the cdiv(seq_len, PART) partials in split order.
+    # PDL, TRIGGER: as the split kernel's.
+    if PDL:
+        gdc_wait()
+    if PDL or TRIGGER:
+        gdc_launch_dependents()
     h = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + s)
@@ -253,12 +266,14 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), scale * _LOG2E, G, D, page, part,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DIRECT=direct, PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        DIRECT=direct, PREC=dot_precision(q.dtype), TRIGGER=direct and pdl_enabled(q.device),
+        num_warps=4, num_stages=2, **pdl_launch(q.device, "attention"),
     )
     if not direct:
         _decode_reduce_kernel[(H, S)](
             part_o, part_lse, seq_lens, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1), D, part, BLOCK_D=block_d, num_warps=1,
+            out.stride(0), out.stride(1), D, part, BLOCK_D=block_d, TRIGGER=pdl_enabled(q.device),
+            num_warps=1, **pdl_launch(q.device, "attention"),
         )
     return out

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from .arrivals import arrival_counts
 from .attention import dot_precision
+from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
 __all__ = ["fused_experts_small_triton", "small_config", "SMALL_MODES"]
 
@@ -64,9 +65,13 @@ def _small_gate_up_kernel(
     x_ptr, ids_ptr, emap_ptr, w_ptr, inter_ptr, ws_ptr,
     K_TOP, HID, I, E, sx_t, sw_e, sw_n, si_p, sws_e, sws_n,
     HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
-    # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1), HID contiguous.
+    # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1), HID contiguous. PDL
+    # (kernels/gpu/pdl.py): launched dependent; wait for the previous kernel first.
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     p = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     e = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
@@ -199,12 +204,19 @@ def _small_down_pair_kernel(
     inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, pair_out_ptr, out_ptr, arrived_ptr, ws_ptr,
     HID, I, E, K_TOP, si_p, sw_e, sw_n, so_p, sws_e, sws_n,
     HAS_MAP: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr, FP8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     # "dot" mode with the slots spread over programs: pair_out[p, tile] =
     # round(round(w2[e] @ inter[p]) * weight[p]); non-local pairs write nothing. With
     # MERGE every pair of a token arrives at the token's tile counter (arrivals.py) and
-    # the last one writes out[t, tile]: the slot sum of _small_combine_kernel.
+    # the last one writes out[t, tile]: the slot sum of _small_combine_kernel. PDL: as
+    # the gate_up kernel's. TRIGGER: let a PDL-launched next kernel (the next layer's qkv
+    # GEMV) start its weight reads now.
+    if PDL:
+        gdc_wait()
+    if PDL or TRIGGER:
+        gdc_launch_dependents()
     p = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     e = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
@@ -317,6 +329,7 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
         x, ids, emap, w13, inter, s13,
         k_top, hid, inter_dim, E, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         s13.stride(0), s13.stride(1), BLOCK_N=c["N1"], BLOCK_K=c["K1"], **meta,
+        **pdl_launch(x.device, "moe"),
     )
     if mode == "dot" and c.get("split"):
         _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top)
@@ -343,8 +356,9 @@ def _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top) -> None:
         inter, ids, emap, weights, w2, pair_out, out, arrived, s2,
         hid, inter_dim, E, k_top, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         s2.stride(0), s2.stride(1), HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], MERGE=merge,
-        FP8=meta["FP8"], BLOCK_N=c["N2"], BLOCK_K=c["K2"],
-        PREC=meta["PREC"], num_warps=meta["num_warps"], num_stages=meta["num_stages"],
+        FP8=meta["FP8"], BLOCK_N=c["N2"], BLOCK_K=c["K2"], PREC=meta["PREC"],
+        TRIGGER=merge and pdl_enabled(out.device), num_warps=meta["num_warps"],
+        num_stages=meta["num_stages"], **pdl_launch(out.device, "moe"),
     )
     if merge:
         return

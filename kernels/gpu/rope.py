@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
+
 __all__ = ["rope_triton", "caches_on"]
 
 
@@ -56,11 +58,15 @@ def _rope_kernel(
     sqt, sqh, skt, skh, NQ, NK, HALF,
     v_ptr, kc_ptr, vc_ptr, slot_ptr, svt, svh, kcp, kch, kct, vcp, vch, vct, PAGE,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D2: tl.constexpr,
-    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, STORE_K: tl.constexpr,
+    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, STORE_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per token. WRITE_KV: also store the rotated k and the token's v at its
     # KV slot (write_kv's contract: page-major HND pages, slot < 0 = padding, no store).
     # STORE_K: store the rotated k to ko_ptr too (off when only the cache needs it).
+    # PDL (kernels/gpu/pdl.py): launched dependent; wait for the previous kernel first.
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D2)
@@ -135,6 +141,6 @@ def rope_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), nq, nk, half, *cache_args,
         BLOCK_HQ=triton.next_power_of_2(nq), BLOCK_HK=triton.next_power_of_2(nk),
         BLOCK_D2=triton.next_power_of_2(half), HAS_NORM=q_norm is not None,
-        WRITE_KV=kv_write is not None, STORE_K=keep_k, num_warps=4,
+        WRITE_KV=kv_write is not None, STORE_K=keep_k, num_warps=4, **pdl_launch(q.device, "rope"),
     )
     return q_out, k_out

@@ -11,13 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
+
 __all__ = ["route_triton"]
 
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, s_t,
                   K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  RENORM: tl.constexpr):
+                  RENORM: tl.constexpr, PDL: tl.constexpr):
+    # PDL (kernels/gpu/pdl.py): launched dependent; wait for the previous kernel first.
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -53,5 +59,6 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         router_logits = router_logits.contiguous()
     _route_kernel[(T,)](router_logits, weights, ids, E, router_logits.stride(0),
                         K=top_k, BLOCK_E=triton.next_power_of_2(E),
-                        BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=1)
+                        BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize, num_warps=1,
+                        **pdl_launch(router_logits.device, "route"))
     return weights, ids

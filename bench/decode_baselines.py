@@ -1,0 +1,79 @@
+"""Baseline rows for `bench/decode_gpu.py --baselines`: the same model and batches with one
+few-row part turned off, in the same process, tokens checked against the main rows.
+
+* ``nopdl``: kernels launched without programmatic dependent launch
+  (`kernels/gpu/pdl.py` ``set_pdl(False)``); the arithmetic is the same, so the greedy
+  tokens must equal the main rows' exactly. Every batch.
+* ``pdlgemv``: PDL for the projections' GEMVs only (the other kernels of the layer
+  launched plainly). Every batch.
+* ``cublas``: no few-row GEMV (``kernels.linear.GEMV_MAX_M = 0``): cuBLAS projections and
+  the norm kernels on their own, as before the GEMV; tokens agree within bf16 rounding.
+  The batches the GEMV takes (at most ``GEMV_MAX_M``).
+* ``moe32``: the small MoE path's gate_up with 32-row tiles instead of 64 (twice the
+  programs); an MMA's result does not depend on the N tiling, so tokens equal.
+* ``part128``: decode attention with 128 positions per split at batch 1 (64 by default).
+
+Each baseline builds a fresh engine (its graphs are captured with the part off).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
+
+BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128")
+_SAVED: dict = {}
+
+
+def _switch(name: str, on: bool) -> None:
+    from phalanx.kernels import linear
+    from phalanx.kernels.gpu.pdl import set_pdl
+
+    if name == "nopdl":
+        set_pdl(not on)
+    elif name == "pdlgemv":
+        set_pdl({"gemv"} if on else True)
+    elif name == "cublas":
+        linear.GEMV_MAX_M = 0 if on else _GEMV_MAX_M
+    elif name == "moe32":
+        from phalanx.kernels.gpu import moe_decode
+        moe_decode._CONFIGS["dot"]["N1"] = 32 if on else 64
+    elif name == "part128":
+        from phalanx.kernels.gpu import attention
+        if on:
+            real = _SAVED["part"] = attention._decode_partition
+            attention._decode_partition = lambda s, *a: max(128, real(s, *a)) if s == 1 else real(s, *a)
+        else:
+            attention._decode_partition = _SAVED.pop("part")
+
+
+def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[dict],
+                  batches: list[int]) -> list[dict]:
+    """Rows ``decode-<name>`` for each baseline; ``build_engine()`` makes a new engine,
+    ``decode_rows(engine, kind, batches)`` measures it. Tokens: `token_agreement` with
+    the main rows of the same batch."""
+    from decode_fp8 import token_agreement
+
+    rows = []
+    for name in names:
+        if name not in BASELINES:
+            raise SystemExit(f"--baselines: {name!r} is not one of {BASELINES}")
+        _switch(name, True)
+        try:
+            engine = build_engine()
+            got = decode_rows(engine, f"decode-{name}",
+                              [b for b in batches if name != "cublas" or b <= _GEMV_MAX_M])
+        finally:
+            _switch(name, False)
+            engine = None
+            gc.collect()
+            torch.cuda.empty_cache()
+        for r in got:
+            main = next(o for o in main_rows if o["kind"] == "decode" and o["batch"] == r["batch"])
+            r["agreement"] = token_agreement(main["tokens"], r["tokens"])
+            r["main_over_this"] = main["tok_s"] / r["tok_s"]
+        rows += got
+    return rows

@@ -1,0 +1,140 @@
+"""The `gemv` group of `bench/kernels_gpu.py`: the few-row GEMV and the norm folded into
+a projection (kernels/gpu/gemv.py, kernels/norm_linear.py), checked against the torch
+references and timed against cuBLAS + the norm kernel, alone and as a chain of layers
+in one CUDA graph with programmatic dependent launch on and off.
+
+Imports nothing GPU-specific (nor phalanx) at module import time.
+"""
+
+from __future__ import annotations
+
+from kernels_gpu_inputs import HD, HID, NE, NKV, NQ, Ctx
+
+GEMV_BW = 4.2e12  # B/s: the floor of a row is its weight bytes / GEMV_BW
+QKV, O, ROUTER = (NQ * HD + 2 * NKV * HD, HID), (HID, NQ * HD), (NE, HID)  # (N, K)
+CHAIN_LAYERS = 48
+# Tiles tried on the M = 1 chain (defaults: qkv 16 rows / 8 warps, o 8 rows / 8 warps).
+CHAIN_SWEEP = {
+    "qkv8w8 o4w8": {"qkv": dict(BLOCK_N=8, warps=8), "o": dict(BLOCK_N=4, warps=8)},
+    "qkv8w4 o4w4": {"qkv": dict(BLOCK_N=8, warps=4), "o": dict(BLOCK_N=4, warps=4)},
+    "qkv16w4 o8w4": {"qkv": dict(BLOCK_N=16, warps=4), "o": dict(BLOCK_N=8, warps=4)},
+    "qkv4w4 o2w4": {"qkv": dict(BLOCK_N=4, warps=4), "o": dict(BLOCK_N=2, warps=4)},
+    "qkv16w16 o8w16": {"qkv": dict(BLOCK_N=16, warps=16), "o": dict(BLOCK_N=8, warps=16)},
+}
+
+
+def _shapes(c: Ctx) -> dict:
+    if c.small:
+        return {"qkv": (96, 64), "o": (64, 128), "router": (16, 64), "odd": (100, 72)}
+    return {"qkv": QKV, "o": O, "router": ROUTER, "odd": (100, 72)}
+
+
+def check_gemv(c: Ctx, rec):
+    """The GEMV and its folded norm (`gemv_triton`, M = 1..4; the model dispatches M = 1)
+    vs float32 references on the same inputs, residual or none, bias on the odd shape; on
+    the GPU a row's bits alone equal its bits among 4 rows, and PDL on and off give the
+    same bits."""
+    import torch.nn.functional as F
+
+    from phalanx.kernels.gpu.gemv import gemv_triton
+    from phalanx.kernels.gpu.pdl import set_pdl
+    from phalanx.kernels.norm_linear import norm_linear_ref
+
+    def linear(x, w, b=None):
+        return gemv_triton(x, w, b)[0]
+
+    def norm_linear(x, res, nw, eps, w, b=None, want_normed=False):
+        return gemv_triton(x, w, b, norm=(res, nw, eps), want_normed=want_normed)
+
+    torch = c.torch
+    for name, (N, K) in _shapes(c).items():
+        w, b = c.randn(N, K, scale=K**-0.5), c.randn(N) if name == "odd" else None
+        nw = 1 + 0.1 * c.randn(K)
+        for M in (1, 2, 3, 4):
+            x, r = c.randn(M, K), c.randn(M, K)
+            ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+            c.poison(); rec("gemv", f"{name} {N}x{K} M={M}", linear(x, w, b), ref)
+            for res in (None, r):
+                ry, rn, rr = norm_linear_ref(x.float(), None if res is None else res.float(), nw.float(),
+                                             1e-6, w.float(), None if b is None else b.float())
+                c.poison()
+                y, n, nr = norm_linear(x, res, nw, 1e-6, w, b, want_normed=True)
+                case = f"{name} M={M} {'add+' if res is not None else ''}norm"
+                rec("norm_linear", case + " y", y, ry)
+                rec("norm_linear", case + " normed", n, rn)
+                rec("norm_linear", case + " residual", nr, rr)
+        if not c.small:
+            x = c.randn(4, K)
+            full = linear(x, w, b)
+            rec("gemv", f"{name} row bits M=1 == M=4",
+                all(torch.equal(full[i:i + 1], linear(x[i:i + 1], w, b)) for i in range(4)))
+            old = set_pdl(False)
+            try:
+                rec("gemv", f"{name} PDL off == on", torch.equal(full, linear(x, w, b)))
+            finally:
+                set_pdl(old)
+
+
+def _chain(c: Ctx, M: int, cfg: dict | None = None):
+    """Per layer: (x, residual) -> norm_linear(qkv) -> o on the q columns -> norm_linear
+    (router, normed rows kept), as the decode step chains them; distinct weights per layer
+    (nothing stays in L2). Returns (fused, unfused) callables over the same buffers.
+    ``cfg``: {"qkv": tiles, "o": tiles} for the GEMVs (`gemv_triton`'s cfg)."""
+    import torch.nn.functional as F
+
+    from phalanx.kernels.gpu.gemv import gemv_triton
+    from phalanx.kernels.norm import add_rms_norm
+
+    layers = [dict(qkv=c.randn(*QKV, scale=QKV[1] ** -0.5), o=c.randn(*O, scale=O[1] ** -0.5),
+                   router=c.randn(*ROUTER, scale=HID ** -0.5), n1=1 + 0.1 * c.randn(HID),
+                   n2=1 + 0.1 * c.randn(HID)) for _ in range(CHAIN_LAYERS)]
+    x0, r0 = c.randn(M, HID), c.randn(M, HID)
+
+    def fused():
+        x, r = x0, r0
+        for w in layers:
+            qkv, _, r = gemv_triton(x, w["qkv"], norm=(r, w["n1"], 1e-6), cfg=(cfg or {}).get("qkv"))
+            x = gemv_triton(qkv[:, : NQ * HD], w["o"], cfg=(cfg or {}).get("o"))[0]
+            _, x, r = gemv_triton(x, w["router"], norm=(r, w["n2"], 1e-6), want_normed=True)
+        return x
+
+    def unfused():
+        x, r = x0, r0
+        for w in layers:
+            h, r = add_rms_norm(x, r, w["n1"], 1e-6)
+            qkv = F.linear(h, w["qkv"])
+            x = F.linear(qkv[:, : NQ * HD], w["o"])
+            x, r = add_rms_norm(x, r, w["n2"], 1e-6)
+            F.linear(x, w["router"])
+        return x
+
+    nbytes = CHAIN_LAYERS * sum(w[k].numel() for w in layers[:1] for k in ("qkv", "o", "router")) * 2
+    return fused, unfused, nbytes
+
+
+def time_gemv(c: Ctx, row):
+    """Each projection alone (GEMV vs cuBLAS, M = 1/2; single kernels replayed in a graph
+    read from L2), then the 48-layer chain as one graph (1.9 GB of weights): fused (norms
+    folded, GEMVs) with PDL, the same without PDL, and cuBLAS + norm kernels."""
+    import torch.nn.functional as F
+
+    from phalanx.kernels.gpu.gemv import gemv_triton
+    from phalanx.kernels.gpu.pdl import set_pdl
+
+    for M in (1, 2):
+        for name, (N, K) in {"qkv": QKV, "o": O, "router": ROUTER}.items():
+            x, w = c.randn(M, K), c.randn(N, K, scale=K**-0.5)
+            row("gemv", f"{name} M={M}", lambda: gemv_triton(x, w)[0], lambda: F.linear(x, w), None,
+                nbytes=N * K * 2, bw=GEMV_BW)
+    for M in (1, 2):
+        fused, unfused, nbytes = _chain(c, M)
+        row("chain-pdl", f"48 layers M={M}", fused, unfused, None, nbytes=nbytes, bw=GEMV_BW)
+        old = set_pdl(False)
+        try:
+            row("chain-nopdl", f"48 layers M={M}", fused, unfused, None, nbytes=nbytes, bw=GEMV_BW)
+        finally:
+            set_pdl(old)
+        row("chain-cublas", f"48 layers M={M}", unfused, unfused, None, nbytes=nbytes, bw=GEMV_BW)
+    for name, cfg in CHAIN_SWEEP.items():  # M = 1, PDL on
+        fused, _, nbytes = _chain(c, 1, cfg)
+        row("chain-pdl", f"M=1 {name}", fused, fused, None, nbytes=nbytes, bw=GEMV_BW)

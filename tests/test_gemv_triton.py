@@ -1,0 +1,167 @@
+"""The few-row GEMV (`kernels/gpu/gemv.py`) and the norm folded into a projection
+(`kernels/norm_linear.py`), on CPU under Triton's interpreter (the subprocess scheme of
+test_kernels_triton.py), against `F.linear` and `norm_linear_ref`; then a decoder's
+decode step through them against the torch reference path. Inputs are fresh random
+float32 values (never zeros). PDL itself is GPU-only (tests/test_gpu.py runs it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from interpreter_checks import assert_within, checks_in, results_fixture, run_kernel_checks
+
+TOL = 1e-5  # float32 under the interpreter, against float32 references
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check_gemv(g: torch.Generator) -> float:
+    """The GEMV: M 1..4 (linear dispatches M = 1 to it), N 1/8/100/300 (one to many rows
+    a program, a partial last program), K 16/72/200 (masked tails), with and without
+    bias; x a column slice (row stride > K)."""
+    from phalanx.kernels.gpu import gemv
+    from phalanx.kernels.linear import linear, use_gemv
+
+    errs = []
+    for m in (1, 2, 3, 4):
+        for n in (1, 8, 100, 300):
+            for k in (16, 72, 200):
+                x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+                assert use_gemv(x, w) == (m == 1)
+                for bias in (None, b):
+                    errs.append(_rel(gemv.gemv_triton(x, w, bias)[0], F.linear(x, w, bias)))
+                    if m == 1:
+                        errs.append(_rel(linear(x, w, bias), F.linear(x, w, bias)))
+    x, w = torch.randn(3, 72, generator=g), torch.randn(100, 72, generator=g)
+    view = torch.cat([x, x], 1)[:, 72:]
+    errs.append(_rel(gemv.gemv_triton(view, w)[0], F.linear(x, w)))
+    return max(errs)
+
+
+def check_norm_linear(g: torch.Generator) -> float:
+    """The norm folded into the GEMV (every program recomputes it; norm_linear at one row,
+    gemv_triton's norm at 2-4) vs the reference: y, the normed rows and the new residual;
+    with and without a residual and a bias; the normed rows None unless asked for; inputs
+    untouched; the same bits on a second call."""
+    from phalanx.kernels.gpu.gemv import gemv_triton
+    from phalanx.kernels.norm_linear import norm_linear as dispatched
+    from phalanx.kernels.norm_linear import norm_linear_ref
+
+    def norm_linear(x, residual, nw, eps, w, bias=None, want_normed=False):
+        if x.shape[0] == 1:
+            return dispatched(x, residual, nw, eps, w, bias, want_normed=want_normed)
+        return gemv_triton(x, w, bias, norm=(residual, nw, eps), want_normed=want_normed)
+
+    errs = []
+    for m, n, k in [(1, 100, 72), (4, 8, 200), (2, 300, 16), (1, 1, 40)]:
+        x, r = torch.randn(m, k, generator=g) * 2, torch.randn(m, k, generator=g)
+        nw, w, b = 1 + 0.1 * torch.randn(k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        x0, r0 = x.clone(), r.clone()
+        for residual in (None, r):
+            for bias in (None, b):
+                y, normed, res = norm_linear(x, residual, nw, 1e-6, w, bias, want_normed=True)
+                ry, rnormed, rres = norm_linear_ref(x, residual, nw, 1e-6, w, bias)
+                errs += [_rel(y, ry), _rel(normed, rnormed), _rel(res, rres)]
+                again = norm_linear(x, residual, nw, 1e-6, w, bias, want_normed=True)
+                assert all(torch.equal(a, c) for a, c in zip(again, (y, normed, res))), "not deterministic"
+            y2, none, _ = norm_linear(x, residual, nw, 1e-6, w)
+            assert none is None and torch.equal(y2, norm_linear(x, residual, nw, 1e-6, w)[0])
+        assert torch.equal(x, x0) and torch.equal(r, r0), "inputs modified"
+    return max(errs)
+
+
+def check_norm_linear_fallback(g: torch.Generator) -> float:
+    """More rows than the GEMV takes: the norm kernel and then the projection, same
+    contract (the normed rows returned even when not asked for)."""
+    from phalanx.kernels.norm_linear import norm_linear, norm_linear_ref
+
+    x, r = torch.randn(9, 40, generator=g), torch.randn(9, 40, generator=g)
+    nw, w = 1 + 0.1 * torch.randn(40, generator=g), torch.randn(24, 40, generator=g)
+    out, ref = norm_linear(x, r, nw, 1e-5, w), norm_linear_ref(x, r, nw, 1e-5, w)
+    return max(_rel(a, c) for a, c in zip(out, ref))
+
+
+def check_decoder_decode_step(g: torch.Generator) -> float:
+    """A 2-layer Qwen3-MoE decoder (q/k norms; one MoE layer, one dense) stepping 1, 3 and
+    4 sequences of a decode batch, through the Triton kernels (the norms folded into the
+    qkv and router projections) vs the torch reference path on the same weights and
+    cache contents: hidden states and the K/V written."""
+    from phalanx.config import ModelConfig
+    from phalanx.kernels.attention import AttentionMetadata
+    from phalanx.kernels.backend import force_triton
+    from phalanx.models.qwen3_moe import CausalLM
+
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                      qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                      norm_topk_prob=True, mlp_only_layers=(1,))
+    model = CausalLM(cfg)
+    for name, p in model.named_parameters():
+        p.data.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                     else torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    errs = []
+    for batch in (1, 3, 4):
+        page, pages = 4, 3
+        lens = torch.randint(2, page * pages, (batch,), generator=g).to(torch.int32)
+        tables = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+        slots = torch.stack([tables[i, (lens[i] - 1) // page] * page + (lens[i] - 1) % page
+                             for i in range(batch)]).long()
+        meta = AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32), lens, tables, slots, 1,
+                                 int(lens.max()))
+        ids, pos = torch.randint(0, 64, (batch,), generator=g), (lens - 1).long()
+        fill = [(torch.randn(batch * pages, 2, page, 16, generator=g),
+                 torch.randn(batch * pages, 2, page, 16, generator=g)) for _ in range(2)]
+        outs = {}
+        for forced in (True, False):
+            caches = [(k.clone(), v.clone()) for k, v in fill]
+            with force_triton(forced):
+                outs[forced] = (model(ids, pos, caches, meta), caches)
+        errs.append(_rel(outs[True][0], outs[False][0]))
+        for (kt, vt), (kr, vr) in zip(outs[True][1], outs[False][1]):
+            errs += [_rel(kt, kr), _rel(vt, vr)]
+    return max(errs)
+
+
+if __name__ == "__main__":
+    run_kernel_checks(globals())
+
+# ---------------------------------------------------------------- pytest side
+
+CHECKS = checks_in(globals())
+interpreter_results = results_fixture(__file__)
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_gemv_kernel_matches_reference(interpreter_results, name):
+    assert_within(interpreter_results, name, TOL)
+
+
+def test_gemv_tiles():
+    """Rows per program: about 128 programs or more, the tile within 64 KiB, <= 16 rows;
+    0 when one row does not fit (use_gemv then declines)."""
+    pytest.importorskip("triton")
+    from phalanx.kernels.gpu.gemv import GEMV_TILE_BYTES, gemv_block_n
+    from phalanx.kernels.linear import GEMV_ROW_BYTES, use_gemv
+
+    assert GEMV_ROW_BYTES == GEMV_TILE_BYTES  # what dispatch admits, the kernel can tile
+
+    assert gemv_block_n(5120, 2048, 2) == 16  # qkv: 320 programs
+    assert gemv_block_n(2048, 4096, 2) == 8  # o: 256 programs, 64 KiB tiles
+    assert gemv_block_n(128, 2048, 2) == 1  # router: 128 programs
+    assert gemv_block_n(5120, 2048, 4) == 8  # float32 halves the rows
+    assert gemv_block_n(100, 72, 4) == 1
+    assert gemv_block_n(10, 40000, 2) == 0
+    from phalanx.kernels.backend import force_triton
+
+    with force_triton(True):  # only asks; nothing is launched
+        assert use_gemv(torch.randn(1, 2048), torch.randn(3, 2048))
+        assert not use_gemv(torch.randn(1, 40000), torch.randn(3, 40000))  # a row past 64 KiB
+        assert not use_gemv(torch.randn(2, 2048), torch.randn(3, 2048))  # 2 rows: cuBLAS
+        assert not use_gemv(torch.randn(1, 2048), torch.randn(3, 2048).double())
