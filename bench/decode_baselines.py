@@ -11,7 +11,10 @@ few-row part turned off, in the same process, tokens checked against the main ro
   The batches the GEMV takes (at most ``GEMV_MAX_M``).
 * ``moe32``: the small MoE path's gate_up with 32-row tiles instead of 64 (twice the
   programs); an MMA's result does not depend on the N tiling, so tokens equal.
-* ``part128``: decode attention with 128 positions per split at batch 1 (64 by default).
+* ``part128`` / ``part32``: decode attention with 128 / 32 positions per split at batch 1
+  (64 by default).
+* ``moew8`` / ``moes<N>``: the small MoE path with 8 warps / N pipeline stages
+  (default 4 / 3).
 
 Each baseline builds a fresh engine (its graphs are captured with the part off).
 """
@@ -24,7 +27,8 @@ import torch
 
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
-BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128")
+BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes4",
+             "moes5", "moes6")
 _SAVED: dict = {}
 
 
@@ -41,13 +45,22 @@ def _switch(name: str, on: bool) -> None:
     elif name == "moe32":
         from phalanx.kernels.gpu import moe_decode
         moe_decode._CONFIGS["dot"]["N1"] = 32 if on else 64
-    elif name == "part128":
+    elif name in ("part128", "part32"):
         from phalanx.kernels.gpu import attention
         if on:
             real = _SAVED["part"] = attention._decode_partition
-            attention._decode_partition = lambda s, *a: max(128, real(s, *a)) if s == 1 else real(s, *a)
+            want = int(name[4:])
+            attention._decode_partition = lambda s, *a: want if s == 1 else real(s, *a)
         else:
             attention._decode_partition = _SAVED.pop("part")
+    elif name == "moew8" or name.startswith("moes"):
+        from phalanx.kernels.gpu import moe_decode
+        key, value = ("warps", 8) if name == "moew8" else ("stages", int(name[4:]))
+        if on:
+            _SAVED[key] = moe_decode._CONFIGS["dot"][key]
+            moe_decode._CONFIGS["dot"][key] = value
+        else:
+            moe_decode._CONFIGS["dot"][key] = _SAVED.pop(key)
 
 
 def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[dict],

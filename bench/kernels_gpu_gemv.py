@@ -13,13 +13,15 @@ from kernels_gpu_inputs import HD, HID, NE, NKV, NQ, Ctx
 GEMV_BW = 4.2e12  # B/s: the floor of a row is its weight bytes / GEMV_BW
 QKV, O, ROUTER = (NQ * HD + 2 * NKV * HD, HID), (HID, NQ * HD), (NE, HID)  # (N, K)
 CHAIN_LAYERS = 48
-# Tiles tried on the M = 1 chain (defaults: qkv 16 rows / 8 warps, o 8 rows / 8 warps).
+# Tiles tried on the M = 1 chain (defaults: qkv 16 rows, o 8, router 1; 4 warps).
+# The first runs (bench/NOTES.md) chose 4 warps; these try the router's tile and 2 warps.
 CHAIN_SWEEP = {
-    "qkv8w8 o4w8": {"qkv": dict(BLOCK_N=8, warps=8), "o": dict(BLOCK_N=4, warps=8)},
-    "qkv8w4 o4w4": {"qkv": dict(BLOCK_N=8, warps=4), "o": dict(BLOCK_N=4, warps=4)},
-    "qkv16w4 o8w4": {"qkv": dict(BLOCK_N=16, warps=4), "o": dict(BLOCK_N=8, warps=4)},
-    "qkv4w4 o2w4": {"qkv": dict(BLOCK_N=4, warps=4), "o": dict(BLOCK_N=2, warps=4)},
-    "qkv16w16 o8w16": {"qkv": dict(BLOCK_N=16, warps=16), "o": dict(BLOCK_N=8, warps=16)},
+    "router2": {"router": dict(BLOCK_N=2)},
+    "router4": {"router": dict(BLOCK_N=4)},
+    "router8": {"router": dict(BLOCK_N=8)},
+    "router1w2": {"router": dict(BLOCK_N=1, warps=2)},
+    "qkv16w2 o8w2": {"qkv": dict(BLOCK_N=16, warps=2), "o": dict(BLOCK_N=8, warps=2)},
+    "qkv8w2 o4w2": {"qkv": dict(BLOCK_N=8, warps=2), "o": dict(BLOCK_N=4, warps=2)},
 }
 
 
@@ -95,7 +97,8 @@ def _chain(c: Ctx, M: int, cfg: dict | None = None):
         for w in layers:
             qkv, _, r = gemv_triton(x, w["qkv"], norm=(r, w["n1"], 1e-6), cfg=(cfg or {}).get("qkv"))
             x = gemv_triton(qkv[:, : NQ * HD], w["o"], cfg=(cfg or {}).get("o"))[0]
-            _, x, r = gemv_triton(x, w["router"], norm=(r, w["n2"], 1e-6), want_normed=True)
+            _, x, r = gemv_triton(x, w["router"], norm=(r, w["n2"], 1e-6), want_normed=True,
+                                  cfg=(cfg or {}).get("router"))
         return x
 
     def unfused():
@@ -113,7 +116,7 @@ def _chain(c: Ctx, M: int, cfg: dict | None = None):
 
 
 def time_gemv(c: Ctx, row):
-    """Each projection alone (GEMV vs cuBLAS, M = 1/2; single kernels replayed in a graph
+    """Each projection alone (GEMV vs cuBLAS, M = 1; single kernels replayed in a graph
     read from L2), then the 48-layer chain as one graph (1.9 GB of weights): fused (norms
     folded, GEMVs) with PDL, the same without PDL, and cuBLAS + norm kernels."""
     import torch.nn.functional as F
@@ -121,12 +124,12 @@ def time_gemv(c: Ctx, row):
     from phalanx.kernels.gpu.gemv import gemv_triton
     from phalanx.kernels.gpu.pdl import set_pdl
 
-    for M in (1, 2):
+    for M in (1,):
         for name, (N, K) in {"qkv": QKV, "o": O, "router": ROUTER}.items():
             x, w = c.randn(M, K), c.randn(N, K, scale=K**-0.5)
             row("gemv", f"{name} M={M}", lambda: gemv_triton(x, w)[0], lambda: F.linear(x, w), None,
                 nbytes=N * K * 2, bw=GEMV_BW)
-    for M in (1, 2):
+    for M in (1,):
         fused, unfused, nbytes = _chain(c, M)
         row("chain-pdl", f"48 layers M={M}", fused, unfused, None, nbytes=nbytes, bw=GEMV_BW)
         old = set_pdl(False)

@@ -26,7 +26,7 @@ from ..kernels.attention import AttentionMetadata, decode_attention, prefill_att
 from ..kernels.linear import project
 from ..kernels.moe import fused_experts, make_expert_map, route
 from ..kernels.norm import add_rms_norm
-from ..kernels.norm_linear import norm_linear
+from ..kernels.norm_linear import norm_linear, norm_qkv_rope
 from ..kernels.rope import RotaryEmbedding
 from .parallel import ExpertParallel, LocalComm, ModelComm
 from .shard import ModelShard
@@ -71,10 +71,19 @@ class Attention(nn.Module):
                                        self.qkv_proj_scale)
         return qkv, residual
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """This rank's partial attention output of `project`'s qkv rows."""
-        t = qkv.shape[0]
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
+                eps: float, positions: torch.Tensor, rope: RotaryEmbedding, cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's partial attention output, the new residual) of the layer's input:
+        the residual add and input norm, qkv, rope and the KV write, attention, o."""
+        t = x.shape[0]
+        if meta.is_decode_only:
+            q, residual = norm_qkv_rope(x, residual, norm_weight, eps, self.qkv_proj, self.qkv_bias,
+                                        self.qkv_proj_scale, rope, positions, self.q_norm, self.k_norm,
+                                        cache, meta.slot_mapping, (self.num_heads, self.num_kv_heads))
+            out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
+            return project(out.reshape(t, -1), self.o_proj, None, self.o_proj_scale), residual
+        qkv, residual = self.project(x, residual, norm_weight, eps)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -82,16 +91,12 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         # A prefill keeps the rotated k: its attention reads this step's K/V rows from
         # them rather than through the page table (same values as the cache's).
-        prefill = not meta.is_decode_only
         q, k_rot = rope.apply_and_cache(q, k, positions, self.q_norm, self.k_norm, self.eps,
                                         kv_write=(v, cache[0], cache[1], meta.slot_mapping),
-                                        keep_k=prefill)
-        if prefill:
-            rows = (k_rot, v) if k_rot.dtype == cache[0].dtype else (None, None)
-            out = prefill_attention(q, cache[0], cache[1], meta, self.scale, *rows)
-        else:
-            out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
-        return project(out.reshape(t, q_size), self.o_proj, None, self.o_proj_scale)
+                                        keep_k=True)
+        rows = (k_rot, v) if k_rot.dtype == cache[0].dtype else (None, None)
+        out = prefill_attention(q, cache[0], cache[1], meta, self.scale, *rows)
+        return project(out.reshape(t, q_size), self.o_proj, None, self.o_proj_scale), residual
 
 
 class DenseMLP(nn.Module):
@@ -207,8 +212,8 @@ class DecoderLayer(nn.Module):
                rope: RotaryEmbedding, cache: KVCache,
                meta: AttentionMetadata) -> Stages[tuple[torch.Tensor, torch.Tensor]]:
         """`forward` as a stage generator (a MoE layer yields while exchanging)."""
-        qkv, residual = self.attn.project(x, residual, self.input_norm, self.eps)
-        x = self.comm.all_reduce_tp(self.attn(qkv, positions, rope, cache, meta))
+        x, residual = self.attn(x, residual, self.input_norm, self.eps, positions, rope, cache, meta)
+        x = self.comm.all_reduce_tp(x)
         if isinstance(self.mlp, SparseMoE):
             # The post-attention norm in front of the router's projection; the experts
             # read the normed rows it returns.

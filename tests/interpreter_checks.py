@@ -87,3 +87,25 @@ def run_module(path: str, timeout_s: float = 600) -> dict:
         pytest.fail(f"check script failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
                     f"{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def rel_err(out, ref) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (inf if out is not finite); shapes and
+    dtypes must match."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
+    out, ref = out.double(), ref.double()
+    if not out.isfinite().all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def reference_test(namespace: dict, tol: float):
+    """The pytest side of a kernel-check module: one test per check (parametrized by
+    name) that it ran and its relative error is below `tol`; it takes the module's
+    `interpreter_results` fixture (`results_fixture`)."""
+
+    @pytest.mark.parametrize("name", checks_in(namespace))
+    def test_kernel_matches_reference(interpreter_results, name):
+        assert_within(interpreter_results, name, tol)
+
+    return test_kernel_matches_reference

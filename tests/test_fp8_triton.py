@@ -13,17 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_checks import assert_within, checks_in, results_fixture, run_kernel_checks
+from interpreter_checks import reference_test, rel_err, results_fixture, run_kernel_checks
 
 TOL = 1e-4
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape)
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _weight(g: torch.Generator, *shape: int):
@@ -64,10 +56,10 @@ def check_fp8_linear_decode(g: torch.Generator) -> float:
     for m, n, k in [(1, 70, 200), (5, 256, 384), (16, 33, 128), (40, 64, 256)]:
         q, s = _weight(g, n, k)
         x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
-        errs.append(_rel(fp8_linear(x, q, s, bias), fp8_linear_ref(x, q, s, bias)))
-        errs.append(_rel(fp8_linear(x, q, s), fp8_linear_ref(x, q, s)))
+        errs.append(rel_err(fp8_linear(x, q, s, bias), fp8_linear_ref(x, q, s, bias)))
+        errs.append(rel_err(fp8_linear(x, q, s), fp8_linear_ref(x, q, s)))
         scaled_after = fp8_linear_triton(x, q, s, bias, config=dict(SCALE_AFTER=True, BLOCK_N=16))
-        errs.append(_rel(scaled_after, fp8_linear_ref(x, q, s, bias)))
+        errs.append(rel_err(scaled_after, fp8_linear_ref(x, q, s, bias)))
     return max(errs)
 
 
@@ -80,7 +72,7 @@ def check_fp8_linear_prefill(g: torch.Generator) -> float:
         q, s = _weight(g, n, k)
         x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
         ref = F.linear(_deq_acts(x), dequantize(q, s, torch.float32), bias)
-        errs.append(_rel(fp8_linear_triton(x, q, s, bias, a_fp8=True), ref))
+        errs.append(rel_err(fp8_linear_triton(x, q, s, bias, a_fp8=True), ref))
     return max(errs)
 
 
@@ -107,10 +99,10 @@ def check_fused_experts_fp8_decode(g: torch.Generator) -> float:
         x, w, ids, w13, s13, w2, s2, emap = _moe_case(g, t)
         out = fused_experts(x, w, ids, w13, w2, emap, (s13, s2))
         ref = fused_experts_ref(x, w, ids, dequantize(w13, s13, x.dtype), dequantize(w2, s2, x.dtype), emap)
-        errs.append(_rel(out, ref))
+        errs.append(rel_err(out, ref))
         scaled_after = fused_experts_fp8_triton(x, w, ids, w13, s13, w2, s2, emap,
                                                 config=dict(SCALE_AFTER=True, N1=32, N2=128))
-        errs.append(_rel(scaled_after, ref))
+        errs.append(rel_err(scaled_after, ref))
     return max(errs)
 
 
@@ -141,17 +133,12 @@ def check_fused_experts_fp8_prefill(g: torch.Generator) -> float:
     for t in (3, 40):
         x, w, ids, w13, s13, w2, s2, emap = _moe_case(g, t)
         out = fused_experts_fp8_triton(x, w, ids, w13, s13, w2, s2, emap, a_fp8=True)
-        errs.append(_rel(out, _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap)))
+        errs.append(rel_err(out, _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap)))
     return max(errs)
 
 
 if __name__ == "__main__":
     run_kernel_checks(globals())
 
-CHECKS = checks_in(globals())
 interpreter_results = results_fixture(__file__)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_fp8_kernel_matches_reference(interpreter_results, name):
-    assert_within(interpreter_results, name, TOL)
+test_fp8_kernel_matches_reference = reference_test(globals(), TOL)

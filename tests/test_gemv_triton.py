@@ -9,17 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_checks import assert_within, checks_in, results_fixture, run_kernel_checks
+from interpreter_checks import reference_test, rel_err, results_fixture, run_kernel_checks
 
 TOL = 1e-5  # float32 under the interpreter, against float32 references
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def check_gemv(g: torch.Generator) -> float:
@@ -36,12 +28,12 @@ def check_gemv(g: torch.Generator) -> float:
                 x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
                 assert use_gemv(x, w) == (m == 1)
                 for bias in (None, b):
-                    errs.append(_rel(gemv.gemv_triton(x, w, bias)[0], F.linear(x, w, bias)))
+                    errs.append(rel_err(gemv.gemv_triton(x, w, bias)[0], F.linear(x, w, bias)))
                     if m == 1:
-                        errs.append(_rel(linear(x, w, bias), F.linear(x, w, bias)))
+                        errs.append(rel_err(linear(x, w, bias), F.linear(x, w, bias)))
     x, w = torch.randn(3, 72, generator=g), torch.randn(100, 72, generator=g)
     view = torch.cat([x, x], 1)[:, 72:]
-    errs.append(_rel(gemv.gemv_triton(view, w)[0], F.linear(x, w)))
+    errs.append(rel_err(gemv.gemv_triton(view, w)[0], F.linear(x, w)))
     return max(errs)
 
 
@@ -68,7 +60,7 @@ def check_norm_linear(g: torch.Generator) -> float:
             for bias in (None, b):
                 y, normed, res = norm_linear(x, residual, nw, 1e-6, w, bias, want_normed=True)
                 ry, rnormed, rres = norm_linear_ref(x, residual, nw, 1e-6, w, bias)
-                errs += [_rel(y, ry), _rel(normed, rnormed), _rel(res, rres)]
+                errs += [rel_err(y, ry), rel_err(normed, rnormed), rel_err(res, rres)]
                 again = norm_linear(x, residual, nw, 1e-6, w, bias, want_normed=True)
                 assert all(torch.equal(a, c) for a, c in zip(again, (y, normed, res))), "not deterministic"
             y2, none, _ = norm_linear(x, residual, nw, 1e-6, w)
@@ -85,7 +77,43 @@ def check_norm_linear_fallback(g: torch.Generator) -> float:
     x, r = torch.randn(9, 40, generator=g), torch.randn(9, 40, generator=g)
     nw, w = 1 + 0.1 * torch.randn(40, generator=g), torch.randn(24, 40, generator=g)
     out, ref = norm_linear(x, r, nw, 1e-5, w), norm_linear_ref(x, r, nw, 1e-5, w)
-    return max(_rel(a, c) for a, c in zip(out, ref))
+    return max(rel_err(a, c) for a, c in zip(out, ref))
+
+
+def check_norm_qkv_rope(g: torch.Generator) -> float:
+    """The qkv projection with the input norm, the q/k norms, rope and the KV write folded
+    into one launch, against the unfolded torch path on copies of the same cache: q, the
+    new residual, every K/V page (untouched ones too); with and without a residual, q/k
+    norms and a bias; a padding row (slot -1) writes nothing; counters back at zero."""
+    from phalanx.kernels.backend import force_triton
+    from phalanx.kernels.gpu.arrivals import all_zero
+    from phalanx.kernels.norm_linear import norm_qkv_rope
+    from phalanx.kernels.rope import RotaryEmbedding
+
+    errs = []
+    hid, nq, nk, hd, page = 48, 4, 2, 16, 4
+    rope = RotaryEmbedding(hd, 64, 10000.0)
+    w, b = torch.randn((nq + 2 * nk) * hd, hid, generator=g) / hid**0.5, torch.randn((nq + 2 * nk) * hd, generator=g)
+    nw, qn, kn = (1 + 0.1 * torch.randn(n, generator=g) for n in (hid, hd, hd))
+    for slot, residual, norms, bias in [(5, True, True, False), (0, False, True, True), (9, True, False, False),
+                                        (-1, True, True, False)]:
+        x, r = torch.randn(1, hid, generator=g), torch.randn(1, hid, generator=g)
+        pos = torch.tensor([int(torch.randint(0, 64, (1,), generator=g))])
+        caches = (torch.randn(4, nk, page, hd, generator=g), torch.randn(4, nk, page, hd, generator=g))
+        outs = {}
+        for forced in (True, False):
+            cache = tuple(c.clone() for c in caches)
+            with force_triton(forced):
+                q, res = norm_qkv_rope(x, r if residual else None, nw, 1e-6, w, b if bias else None, None, rope,
+                                       pos, qn if norms else None, kn if norms else None, cache,
+                                       torch.tensor([slot]), (nq, nk))
+            outs[forced] = (q, res, *cache)
+        for got, ref in zip(outs[True], outs[False]):
+            errs.append(rel_err(got, ref))
+        if slot < 0:
+            assert all(torch.equal(a, c) for a, c in zip(outs[True][2:], caches)), "padding row wrote the cache"
+    assert all_zero(), "a head left its arrival count set"
+    return max(errs)
 
 
 def check_decoder_decode_step(g: torch.Generator) -> float:
@@ -123,9 +151,9 @@ def check_decoder_decode_step(g: torch.Generator) -> float:
             caches = [(k.clone(), v.clone()) for k, v in fill]
             with force_triton(forced):
                 outs[forced] = (model(ids, pos, caches, meta), caches)
-        errs.append(_rel(outs[True][0], outs[False][0]))
+        errs.append(rel_err(outs[True][0], outs[False][0]))
         for (kt, vt), (kr, vr) in zip(outs[True][1], outs[False][1]):
-            errs += [_rel(kt, kr), _rel(vt, vr)]
+            errs += [rel_err(kt, kr), rel_err(vt, vr)]
     return max(errs)
 
 
@@ -134,13 +162,8 @@ if __name__ == "__main__":
 
 # ---------------------------------------------------------------- pytest side
 
-CHECKS = checks_in(globals())
 interpreter_results = results_fixture(__file__)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_gemv_kernel_matches_reference(interpreter_results, name):
-    assert_within(interpreter_results, name, TOL)
+test_gemv_kernel_matches_reference = reference_test(globals(), TOL)
 
 
 def test_gemv_tiles():

@@ -14,19 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreter_checks import assert_within, checks_in, results_fixture, run_kernel_checks
+from interpreter_checks import reference_test, rel_err, results_fixture, run_kernel_checks
 
 TOL = 1e-4  # float32 under the interpreter lands near 1e-7
 
 # ---------------------------------------------------------------- checks (subprocess)
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def check_rms_norm(g: torch.Generator) -> float:
@@ -36,12 +28,12 @@ def check_rms_norm(g: torch.Generator) -> float:
     for shape in [(1, 64), (7, 48), (2, 3, 5, 32)]:
         x = torch.randn(*shape, generator=g) * 3
         w = 1 + 0.1 * torch.randn(shape[-1], generator=g)
-        errs.append(_rel(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)))
+        errs.append(rel_err(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)))
     # A strided per-head view, as q = qkv[:, :heads*hd].view(T, heads, hd) in the model.
     qkv = torch.randn(5, 8 * 16 + 40, generator=g)
     q = qkv[:, : 8 * 16].view(5, 8, 16)
     w = 1 + 0.1 * torch.randn(16, generator=g)
-    errs.append(_rel(rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6)))
+    errs.append(rel_err(rms_norm(q, w, 1e-6), rms_norm_ref(q, w, 1e-6)))
     return max(errs)
 
 
@@ -56,7 +48,7 @@ def check_add_rms_norm(g: torch.Generator) -> float:
         out, res = add_rms_norm(x, r, w, 1e-5)
         ref_out, ref_res = add_rms_norm_ref(x, r, w, 1e-5)
         assert torch.equal(x, x0) and torch.equal(r, r0), "inputs modified"
-        errs += [_rel(out, ref_out), _rel(res, ref_res)]
+        errs += [rel_err(out, ref_out), rel_err(res, ref_res)]
     return max(errs)
 
 
@@ -84,7 +76,7 @@ def check_silu_and_mul(g: torch.Generator) -> float:
     errs = []
     for shape in [(1, 64), (5, 3, 96), (4, 2 * 1500)]:
         x = torch.randn(*shape, generator=g) * 2
-        errs.append(_rel(silu_and_mul(x), silu_and_mul_ref(x)))
+        errs.append(rel_err(silu_and_mul(x), silu_and_mul_ref(x)))
     return max(errs)
 
 
@@ -102,13 +94,13 @@ def check_rope(g: torch.Generator) -> float:
         pos = torch.randint(0, 512, (T,), generator=g)
         out_q, out_k = rope.apply(q, k, pos)
         ref_q, ref_k = apply_rope_ref(q, k, pos, rope.cos_cache, rope.sin_cache)
-        errs += [_rel(out_q, ref_q), _rel(out_k, ref_k)]
+        errs += [rel_err(out_q, ref_q), rel_err(out_k, ref_k)]
         # fused q/k RMS-norm + rope (Qwen3) against norm-then-rope references
         qw, kw = 1 + 0.1 * torch.randn(hd, generator=g), 1 + 0.1 * torch.randn(hd, generator=g)
         out_q, out_k = rope.apply(q, k, pos, qw, kw, 1e-6)
         ref_q, ref_k = apply_rope_ref(rms_norm_ref(q, qw, 1e-6), rms_norm_ref(k, kw, 1e-6), pos,
                                       rope.cos_cache, rope.sin_cache)
-        errs += [_rel(out_q, ref_q), _rel(out_k, ref_k)]
+        errs += [rel_err(out_q, ref_q), rel_err(out_k, ref_k)]
         # rope + KV write in one launch: the cache ends as rope-then-write_kv_ref leaves it
         v = qkv[:, (nq + nk) * hd:].view(T, nk, hd)
         for page_size in (1, 4):
@@ -120,7 +112,7 @@ def check_rope(g: torch.Generator) -> float:
             write_kv_ref(out_k, v, *want, slots)
             assert torch.equal(out_k, rope.apply(q, k, pos, qw, kw, 1e-6)[1])
             assert all(torch.equal(a, b) for a, b in zip(caches, want)), "rope KV write != write_kv_ref"
-            errs.append(_rel(out_q, ref_q))
+            errs.append(rel_err(out_q, ref_q))
             # as the model calls it: k only into the cache, not returned
             again = [torch.randn_like(c) for c in caches]
             only_q, no_k = rope.apply_and_cache(q, k, pos, qw, kw, 1e-6,
@@ -180,9 +172,9 @@ def check_decode_attention(g: torch.Generator) -> float:
         q = torch.randn(len(lens), nq, hd, generator=g)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
         ref = decode_attention_ref(q, kc, vc, seq_lens, tables, hd**-0.5)
-        errs.append(_rel(decode_attention(q, kc, vc, seq_lens, tables, hd**-0.5), ref))
+        errs.append(rel_err(decode_attention(q, kc, vc, seq_lens, tables, hd**-0.5), ref))
         # Short partitions: many splits per sequence through the reduce kernel.
-        errs.append(_rel(decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16), ref))
+        errs.append(rel_err(decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16), ref))
     return max(errs)
 
 
@@ -202,12 +194,12 @@ def check_prefill_attention(g: torch.Generator) -> float:
         ref = prefill_attention_ref(q, kc, vc, meta, hd**-0.5)
         out = prefill_attention(q, kc, vc, meta, hd**-0.5)
         assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "unowned rows not zero"
-        errs.append(_rel(out, ref))
+        errs.append(rel_err(out, ref))
         # This step's rows read from contiguous k_new / v_new instead of the page table.
         k_new, v_new = _new_rows(kc, tables, specs, T), _new_rows(vc, tables, specs, T)
         out = prefill_attention(q, kc, vc, meta, hd**-0.5, k_new, v_new)
         assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "unowned rows not zero (k_new)"
-        errs.append(_rel(out, ref))
+        errs.append(rel_err(out, ref))
     return max(errs)
 
 
@@ -227,8 +219,8 @@ def check_prefill_attention_tiles(g: torch.Generator) -> float:
     errs = []
     for bm, bn in [(16, 16), (16, 32), (32, 16), (64, 16)]:
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, warps=4, stages=2)
-        errs.append(_rel(prefill_attention_triton(q, kc, vc, meta, hd**-0.5, config=cfg), ref))
-        errs.append(_rel(prefill_attention_triton(q, kc, vc, meta, hd**-0.5, k_new, v_new,
+        errs.append(rel_err(prefill_attention_triton(q, kc, vc, meta, hd**-0.5, config=cfg), ref))
+        errs.append(rel_err(prefill_attention_triton(q, kc, vc, meta, hd**-0.5, k_new, v_new,
                                                   config=cfg), ref))
     return max(errs)
 
@@ -306,7 +298,7 @@ def check_fused_experts(g: torch.Generator) -> float:
         w13 = torch.randn(el, 2 * inter, hid, generator=g) / hid**0.5
         w2 = torch.randn(el, hid, inter, generator=g) / inter**0.5
         emap = make_expert_map(eg, torch.randperm(eg, generator=g)[:el].tolist()) if use_map else None
-        errs.append(_rel(fused_experts(x, weights, ids, w13, w2, emap),
+        errs.append(rel_err(fused_experts(x, weights, ids, w13, w2, emap),
                          fused_experts_ref(x, weights, ids, w13, w2, emap)))
     # T = 0.
     out = fused_experts(torch.randn(0, 32, generator=g), torch.rand(0, 2, generator=g),
@@ -341,7 +333,7 @@ def check_fused_experts_batch_invariant(g: torch.Generator) -> float:
     general_tiles = dict(N1=64, K1=128, N2=64, K2=128)
     matched = fused_experts_small_triton(x[5:6], weights[5:6], ids[5:6], w13, w2, mode="dot", cfg=general_tiles)
     assert torch.equal(full[5:6], matched), "small dot path != general path bits"
-    return _rel(alone, full[5:6])
+    return rel_err(alone, full[5:6])
 
 
 def _moe_case(g, T, k, hid, inter, n_global=16, n_local=8, use_map=False):
@@ -382,7 +374,7 @@ def check_fused_experts_paths(g: torch.Generator) -> float:
                 assert torch.equal(outs["small"], outs["small-combine"]), \
                     "slot sum merged in the down kernel != the combine kernel's"
                 for name, out in outs.items():
-                    errs[(name, T, k, use_map)] = _rel(out, ref)
+                    errs[(name, T, k, use_map)] = rel_err(out, ref)
     bad = {key: e for key, e in errs.items() if not e < MOE_PATH_TOL}
     assert not bad, f"(path, T, k, map) over {MOE_PATH_TOL}: {bad}"
     from phalanx.kernels.gpu.arrivals import all_zero
@@ -412,7 +404,7 @@ def check_fused_experts_small_tiles(g: torch.Generator) -> float:
             out = fused_experts_small_triton(views[mode], w, ids, w13, w2, emap, mode=mode, cfg=cfg)
             if use_map:
                 assert torch.equal(out[0], torch.zeros_like(out[0])), f"{mode}: non-local token not zero"
-            errs.append(_rel(out, ref))
+            errs.append(rel_err(out, ref))
     assert max(errs) < MOE_PATH_TOL, errs
     return max(errs)
 
@@ -435,7 +427,7 @@ def check_fused_experts_dispatch(g: torch.Generator) -> float:
             calls.clear()
             out = moe.fused_experts(x, w, ids, w13, w2)
             assert calls == [want], (T, k, calls)
-            assert _rel(out, moe.fused_experts_ref(x, w, ids, w13, w2)) < MOE_PATH_TOL, (T, k)
+            assert rel_err(out, moe.fused_experts_ref(x, w, ids, w13, w2)) < MOE_PATH_TOL, (T, k)
     finally:
         moe_decode.fused_experts_small_triton, gpu_moe._align = real_small, real_align
     return 0.0
@@ -462,16 +454,16 @@ def check_linear(g: torch.Generator) -> float:
             for K in (16, 72, 128):
                 x, w, b = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
                 for bias in (None, b):
-                    errs[(M, N, K, bias is not None)] = _rel(linear(x, w, bias), F.linear(x, w, bias))
+                    errs[(M, N, K, bias is not None)] = rel_err(linear(x, w, bias), F.linear(x, w, bias))
     x, w, b = torch.randn(3, 72, generator=g), torch.randn(100, 72, generator=g), torch.randn(100, generator=g)
     ref = F.linear(x, w, b)
     views = {"slice": torch.cat([x, x], 1)[:, 72:], "stride2": torch.stack([x, x], 2).reshape(3, 144)[:, ::2]}
     for name, v in views.items():  # row stride 144; column stride 2 (made contiguous)
         assert torch.equal(v, x)
-        errs[name] = _rel(linear(v, w, b), ref)
+        errs[name] = rel_err(linear(v, w, b), ref)
     for cfg in (dict(BLOCK_K=16, SPLIT_K=3), dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2), dict(BLOCK_K=16, SPLIT_K=1)):
         out = skinny_linear_triton(x, w, b, cfg=cfg)
-        errs[str(cfg)] = _rel(out, ref)
+        errs[str(cfg)] = rel_err(out, ref)
         assert torch.equal(out, skinny_linear_triton(x, w, b, cfg=cfg)), f"{cfg}: not deterministic"
     bad = {key: e for key, e in errs.items() if not e < LINEAR_TOL}
     assert not bad, f"over {LINEAR_TOL}: {bad}"
@@ -507,7 +499,7 @@ def check_linear_dispatch(g: torch.Generator) -> float:
             with force_triton(forced_on):
                 out = lin.linear(x, w, b)
             assert calls == [want], (shape, forced_on, calls)
-            errs.append(_rel(out, real_f(x, w, b)))
+            errs.append(rel_err(out, real_f(x, w, b)))
         calls.clear()
         try:  # mixed dtypes: left to F.linear (which rejects them)
             lin.linear(torch.randn(2, 40, generator=g), w.double())
@@ -530,7 +522,7 @@ def check_route(g: torch.Generator) -> float:
         rw, rids = route_ref(logits, k, renorm, torch.float32)
         assert torch.equal(ids, rids), (ids, rids)
         if T:
-            errs.append(_rel(w, rw))
+            errs.append(rel_err(w, rw))
     return max(errs)
 
 
@@ -586,13 +578,8 @@ if __name__ == "__main__":
 
 # ---------------------------------------------------------------- pytest side
 
-CHECKS = checks_in(globals())
 interpreter_results = results_fixture(__file__)
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_triton_kernel_matches_reference(interpreter_results, name):
-    assert_within(interpreter_results, name, TOL)
+test_triton_kernel_matches_reference = reference_test(globals(), TOL)
 
 
 def test_backend_defaults_to_reference_on_cpu():

@@ -1,3 +1,4 @@
 """Triton kernels of `kernels`' interfaces for the GPU (`attention`, `moe`, `moe_decode`,
-`linear`, `norm`, `rope`, `route`) and their launch helpers (`compiled_launch`,
-`arrivals`). Each is checked against the torch reference in `kernels/`."""
+`linear`, `gemv`, `qkv_rope`, `norm`, `rope`, `route`, the FP8 ones) and their launch
+helpers (`compiled_launch`, `arrivals`, `pdl`). Each is checked against the torch
+reference in `kernels/`."""

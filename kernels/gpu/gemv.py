@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
-__all__ = ["gemv_triton", "gemv_block_n", "GEMV_TILE_BYTES"]
+__all__ = ["gemv_triton", "gemv_block_n", "gemv_rows", "GEMV_TILE_BYTES"]
 
 GEMV_TILE_BYTES = 64 << 10  # a program's weight tile (kernels/linear.py's GEMV_ROW_BYTES equals it)
 _PROGRAMS = 128  # aim: about one program per SM or more, for bytes in flight
@@ -50,7 +50,20 @@ def _gemv_kernel(
     NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    gemv_rows(tl.program_id(0), x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr, xn_ptr,
+              N, K, sx, sr, sw, sy, eps, M, BLOCK_N, BLOCK_K, NORM, HAS_RES, WRITE_NORMED,
+              HAS_BIAS, PDL)
+
+
+@triton.jit
+def gemv_rows(
+    pid, x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr, xn_ptr,
+    N, K, sx, sr, sw, sy, eps,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program ``pid``'s rows of y for all M rows of x (the module docstring's schedule)."""
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     nm = n < N

@@ -28,9 +28,18 @@ def _rotate_heads(x_ptr, w_ptr, eps, sh, NH, HALF, c, s, d, dm,
     m = (h < NH)[:, None] & dm[None, :]
     src = x_ptr + h[:, None] * sh + d[None, :]
     x1 = tl.load(src, mask=m, other=0.0)
+    x2 = tl.load(src + HALF, mask=m, other=0.0)
+    o1, o2 = _norm_rotate(x1, x2, w_ptr, eps, HALF, c, s, d, dm, HAS_NORM)
+    return o1, o2, m
+
+
+@triton.jit
+def _norm_rotate(x1, x2, w_ptr, eps, HALF, c, s, d, dm, HAS_NORM: tl.constexpr):
+    # Halves x1, x2 [BLOCK_H, BLOCK_D2] of heads in the activation dtype -> the rotated
+    # halves in it (see _rotate_heads for the roundings).
     ty = x1.dtype
     x1 = x1.to(tl.float32)
-    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    x2 = x2.to(tl.float32)
     if HAS_NORM:
         var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
         r = (1.0 / tl.sqrt(var + eps))[:, None]
@@ -42,7 +51,7 @@ def _rotate_heads(x_ptr, w_ptr, eps, sh, NH, HALF, c, s, d, dm,
     ss = s.to(ty).to(tl.float32)[None, :]
     o1 = (x1 * cc).to(ty).to(tl.float32) - (x2 * ss).to(ty).to(tl.float32)
     o2 = (x2 * cc).to(ty).to(tl.float32) + (x1 * ss).to(ty).to(tl.float32)
-    return o1.to(ty), o2.to(ty), m
+    return o1.to(ty), o2.to(ty)
 
 
 @triton.jit
