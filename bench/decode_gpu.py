@@ -300,11 +300,12 @@ def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: l
         twin = next(o for o in bf16 if o["kind"] == "decode" and o["batch"] == r["batch"])
         r["vs_bf16"] = r["tok_s"] / twin["tok_s"]
         r["agreement"] = token_agreement(r["tokens"], twin["tokens"])
-    pf = phalanx_prefill(engine, 8, 2048)
-    floor = 8 * 2048 / prefill_seconds_fp8(cfg, 8, 2048, ceil)
-    rows.append(dict(kind="prefill-fp8", batch=8, tok_s=pf, floor_tok_s=floor, frac=pf / floor,
-                     hf_tok_s=None, vs_hf=None,
-                     vs_bf16=pf / next(o["tok_s"] for o in bf16 if o["kind"] == "prefill")))
+    if not args.no_prefill:
+        pf = phalanx_prefill(engine, 8, 2048)
+        floor = 8 * 2048 / prefill_seconds_fp8(cfg, 8, 2048, ceil)
+        rows.append(dict(kind="prefill-fp8", batch=8, tok_s=pf, floor_tok_s=floor, frac=pf / floor,
+                         hf_tok_s=None, vs_hf=None,
+                         vs_bf16=pf / next(o["tok_s"] for o in bf16 if o["kind"] == "prefill")))
     del engine, model
     gc.collect()
     return rows
