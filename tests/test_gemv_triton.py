@@ -188,3 +188,22 @@ def test_gemv_tiles():
         assert not use_gemv(torch.randn(1, 40000), torch.randn(3, 40000))  # a row past 64 KiB
         assert not use_gemv(torch.randn(2, 2048), torch.randn(3, 2048))  # 2 rows: cuBLAS
         assert not use_gemv(torch.randn(1, 2048), torch.randn(3, 2048).double())
+
+
+def test_pdl_switches():
+    """PDL is per kernel name, off for CPU tensors whatever the switch, and unknown names
+    are refused; the launch keywords carry Triton's launch_pdl only when on."""
+    pytest.importorskip("triton")
+    from phalanx.kernels.gpu.pdl import PDL_KERNELS, pdl_enabled, pdl_launch, set_pdl
+
+    cpu = torch.device("cpu")
+    old = set_pdl(True)
+    try:
+        assert old == PDL_KERNELS and not pdl_enabled(cpu, "gemv")
+        assert pdl_launch(cpu, "rope") == {"PDL": False}
+        assert set_pdl({"gemv"}) == PDL_KERNELS
+        assert set_pdl(False) == frozenset({"gemv"})
+        with pytest.raises(ValueError, match="unknown PDL kernels"):
+            set_pdl({"gemv", "lm_head"})
+    finally:
+        set_pdl(old)
