@@ -83,10 +83,24 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _split_top(spec: str) -> list[str]:
+    """`spec` split at the commas outside braces (a JSON config may hold commas)."""
+    items, depth, cur = [], 0, []
+    for ch in spec:
+        depth += (ch == "{") - (ch == "}")
+        if ch == "," and depth == 0:
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    items.append("".join(cur))
+    return items
+
+
 def parse_routers(spec: str, smg_available: bool) -> list[tuple[str, str, dict | None]]:
     """(label, policy or 'smg', policy config) per --routers entry."""
     out = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
+    for item in filter(None, (s.strip() for s in _split_top(spec))):
         if item == "smg":
             if smg_available:
                 out.append((SMG_ROUTER, "smg", None))

@@ -22,6 +22,14 @@ from router_http_text import CHARS_PER_TOKEN, decode, encode  # noqa: E402
 from phalanx.router.prefix_tree import page_hashes  # noqa: E402
 
 
+def test_routers_spec_splits_outside_json_configs():
+    spec = 'smg,prefix_aware,ws=prefix_aware:{"a": 1, "b": [2, 3]},round_robin'
+    got = router_http.parse_routers(spec, smg_available=False)
+    assert got == [("phalanx prefix_aware", "prefix_aware", None),
+                   ("phalanx ws", "prefix_aware", {"a": 1, "b": [2, 3]}),
+                   ("phalanx round_robin", "round_robin", None)]
+
+
 def test_text_codec_keeps_token_prefixes_as_character_prefixes():
     a, b = [7, 31999, 0, 42], [7, 31999, 5]
     assert decode(encode(a)) == a
