@@ -40,10 +40,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                 scales: torch.Tensor | None = None, want_normed: bool = False) -> Normed:
     """:func:`norm_linear_ref`'s ``(y, normed, new_residual)``; ``normed`` may be None
     unless ``want_normed``. ``scales``: the weight is FP8 codes (never fused)."""
-    fused = (scales is None and use_gemv(x, weight, bias) and norm_weight.dtype == x.dtype
-             and norm_weight.shape == (x.shape[1],)
-             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
-    if fused:
+    if _gemv_takes(x, residual, norm_weight, weight, bias, scales):
         from .gpu.gemv import gemv_triton
 
         return gemv_triton(x, weight, bias, norm=(residual, norm_weight, eps), want_normed=want_normed)
@@ -86,11 +83,17 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
 def _folds(x, residual, norm_weight, weight, bias, scales, cache, head_dim, q_norm, k_norm) -> bool:
     """Whether :func:`norm_qkv_rope` takes the one-launch kernel."""
-    if not (scales is None and use_gemv(x, weight, bias) and norm_weight.dtype == x.dtype
-            and norm_weight.shape == (x.shape[1],) and cache[0].dtype == x.dtype
-            and cache[1].dtype == x.dtype and (q_norm is None) == (k_norm is None)
-            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
+    if not (_gemv_takes(x, residual, norm_weight, weight, bias, scales) and cache[0].dtype == x.dtype
+            and cache[1].dtype == x.dtype and (q_norm is None) == (k_norm is None)):
         return False
     from .gpu.qkv_rope import qkv_rope_fits
 
     return qkv_rope_fits(weight.shape[0], weight.shape[1], head_dim, x.element_size())
+
+
+def _gemv_takes(x, residual, norm_weight, weight, bias, scales) -> bool:
+    """Whether the GEMV can fold this norm: it takes the projection (no FP8 codes) and the
+    norm weight and residual match x."""
+    return (scales is None and use_gemv(x, weight, bias) and norm_weight.dtype == x.dtype
+            and norm_weight.shape == (x.shape[1],)
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
