@@ -10,27 +10,21 @@ chaos tools look for in Ray's actor table (`chaos.ranks.RANK_CLASSES`).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from typing import Optional
 
 import ray
 
+from ..comm.rendezvous import held_address
 from .rank.decode_role import DecodeRole
 from .rank.prefill_role import PrefillRole
 from .rank.rank import Rank
 from .rank.role import RankRole
 
 __all__ = ["DecodeRank", "PrefillRank", "RankActor", "RemoteDecodeRank", "RemotePrefillRank",
-           "RemoteRank", "device_index", "free_port"]
+           "RemoteRank", "device_index"]
 
 MAX_CONCURRENCY = 8
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def device_index(assigned: Sequence, visible: Optional[str], count: int) -> Optional[int]:
@@ -109,9 +103,9 @@ class RankActor:
                             torch.cuda.device_count())
 
     def rendezvous_address(self) -> str:
-        """A fresh `tcp://ip:port` on this rank's node, for rank 0 of a new epoch."""
-        ip = ray.util.get_node_ip_address()
-        return f"tcp://{ip}:{free_port(ip)}"
+        """A fresh `tcp://ip:port` on this rank's node, for rank 0 of a new epoch (this
+        actor): its store is bound now and kept until this rank joins the group."""
+        return held_address(ray.util.get_node_ip_address())
 
     def ping(self) -> int:
         return self.rank.spec.rank

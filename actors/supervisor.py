@@ -15,7 +15,7 @@ import uuid
 from typing import Optional
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -30,7 +30,6 @@ START_TIMEOUT_S = 300.0
 # Rank actors are named in this Ray namespace, so that a tool outside the server's
 # process (the chaos drill) can reach one by name (`chaos.ranks.RANK_NAMESPACE`).
 RANK_NAMESPACE = "phalanx-ranks"
-FORM_ATTEMPTS = 3  # formations tried when the rendezvous port was taken meanwhile
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,21 +92,16 @@ class GroupSupervisor:
         `CapacityShort` when the placement groups find no room within
         `placement_timeout_s`.
 
-        The rendezvous port is picked free by rank 0's actor and bound later by the
-        process group's store, so another socket can take it in between (seen in CI:
-        EADDRINUSE while re-forming). Such a formation is torn down and tried again
-        under the next epoch with a new port, up to FORM_ATTEMPTS times."""
+        The rendezvous port is bound by rank 0's actor when it names the address
+        (`comm.rendezvous.held_address`) and held until rank 0 joins, so no other
+        socket can take it in between."""
         self.epoch = max(self.epoch, min_epoch - 1)
         self.dp = self.dp if dp is None else dp
-        for attempt in range(1, FORM_ATTEMPTS + 1):
-            try:
-                self._form_once(placement_timeout_s)
-                return
-            except BaseException as e:
-                self.shutdown()  # nothing of a formation that failed stays behind
-                if not isinstance(e, RayTaskError) or attempt == FORM_ATTEMPTS or not _port_taken(e):
-                    raise
-                log.warning("rendezvous_port_taken", epoch=self.epoch, attempt=attempt)
+        try:
+            self._form_once(placement_timeout_s)
+        except BaseException:
+            self.shutdown()  # nothing of a formation that failed stays behind
+            raise
 
     def _form_once(self, placement_timeout_s: float) -> None:
         self.epoch += 1
@@ -227,11 +221,6 @@ def gather(refs: list, timeout_s: float) -> list:
         for ref in ready:
             ray.get(ref)  # raises the call's error now
     return ray.get(list(refs))
-
-
-def _port_taken(error: Exception) -> bool:
-    text = str(error)
-    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def settle(refs, timeout_s: float = 2.0) -> None:

@@ -3,6 +3,8 @@
 belongs to one epoch.
 
 - `errors` — `CollectiveError` (a leaf).
+- `rendezvous` — the TCP store a new epoch's ranks meet at; rank 0's port is bound from
+  the moment its address is handed out (`held_address`).
 - `group_comm` — `GroupComm`: one rank's world and TP communicators (gloo on CPU, NCCL on
   GPU) for one epoch, with deadlines; built on `local_channels`.
 - `local_channels` — the shared-memory fast paths between rank processes of one machine:

@@ -8,7 +8,8 @@ Failure model (§5): every collective either finishes within ``deadline_s`` or r
 :class:`CollectiveError`; after the first error the communicator is *broken* and every
 later call raises at once, so a step that saw a fault can only be aborted. Re-forming
 means :meth:`GroupComm.destroy` and a new :meth:`GroupComm.init` with a bumped epoch on
-a new rendezvous address (the caller picks both).
+a new rendezvous address (the caller picks both; `rendezvous.held_address` gives one whose
+port is already bound).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError
+from .rendezvous import rendezvous_store
 from .local_channels import LocalChannels
 from .shm_agreement import ShmAgreement
 from .shm_broadcast import ShmBroadcast
@@ -107,8 +109,10 @@ class GroupComm(LocalChannels):
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
         created = False
         try:
-            dist.init_process_group(backend, init_method=init_method, world_size=world_size,
-                                    rank=rank, timeout=timeout)
+            store = rendezvous_store(init_method, rank, timeout)
+            dist.init_process_group(backend, init_method=None if store else init_method,
+                                    store=store, world_size=world_size, rank=rank,
+                                    timeout=timeout)
             created = True
             tp_group = None
             if tp_size > 1:

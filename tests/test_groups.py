@@ -16,7 +16,6 @@ from phalanx import LLM, SamplingParams
 from phalanx.actors.cluster import Placement
 from phalanx.actors.rank_actor import RankActor
 from phalanx.actors.supervisor import GroupFailure, GroupSupervisor
-from phalanx.comm.group_comm import CollectiveError
 from phalanx.llm import engine_config
 from phalanx.actors.rank.spec import RankSpec, shard_for
 from phalanx.models.loader import read_model_config
@@ -199,26 +198,37 @@ def test_rank_killed_group_recovers(tiny_model, oracle, sampled, tp, dp, point, 
         llm.close()
 
 
-class _PortTakenOnce(RankActor):
-    """A rank whose first formation fails as when another socket took the rendezvous
-    port between its pick and the store's bind."""
+class _PortSnatcher(RankActor):
+    """A rank that, before it joins, tries to bind its epoch's rendezvous port as another
+    socket of the node might (as seen in CI when the port was only picked, not held)."""
 
-    def start(self) -> dict:
-        if self.spec.epoch == 1:
-            raise CollectiveError("init", 1, self.spec.rank, "The server socket has failed to "
-                                  "listen on any local network address. code: -98, name: EADDRINUSE")
-        return super().start()
+    def configure(self, spec) -> None:
+        import errno
+        import socket
+        host, port = spec.init_method.removeprefix("tcp://").rsplit(":", 1)
+        with socket.socket() as s:
+            try:
+                s.bind((host, int(port)))
+                self.snatched = "bound"
+            except OSError as e:
+                self.snatched = errno.errorcode.get(e.errno, str(e))
+        super().configure(spec)
+
+    def snatch_result(self) -> str:
+        return self.snatched
 
 
-def test_formation_retried_when_the_rendezvous_port_was_taken(tiny_model):
+def test_rendezvous_port_is_held_until_rank_0_joins(tiny_model):
     import sys
 
     from ray import cloudpickle
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    sup = GroupSupervisor(engine_config(tiny_model), tp=1, dp=1, deadline_s=5.0,
-                          actor_cls=ray.remote(_PortTakenOnce))
+    sup = GroupSupervisor(engine_config(tiny_model), tp=2, dp=1, deadline_s=5.0,
+                          actor_cls=ray.remote(_PortSnatcher))
     try:
         sup.form()
-        assert sup.epoch == 2 and ray.get(sup.actors[0].ping.remote(), timeout=30) == 0
+        snatched = ray.get([a.snatch_result.remote() for a in sup.actors], timeout=30)
+        assert snatched == ["EADDRINUSE", "EADDRINUSE"] and sup.epoch == 1
+        assert ray.get(sup.actors[1].ping.remote(), timeout=30) == 1
     finally:
         sup.shutdown()
