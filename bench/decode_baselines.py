@@ -13,8 +13,11 @@ few-row part turned off, in the same process, tokens checked against the main ro
   programs); an MMA's result does not depend on the N tiling, so tokens equal.
 * ``part128`` / ``part32``: decode attention with 128 / 32 positions per split at batch 1
   (64 by default).
-* ``moew8`` / ``moes<N>``: the small MoE path with 8 warps / N pipeline stages
-  (default 4 / 3).
+* ``moew8`` / ``moes<N>``: the small MoE path with 8 warps / N pipeline stages at every
+  batch (default 4 warps; 4 stages at batch 1, 3 above).
+* ``routefold``: the routing folded into the router's GEMV at batch 1
+  (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
+  top-k ids are the route kernel's, so tokens equal.
 
 Each baseline builds a fresh engine (its graphs are captured with the part off).
 """
@@ -27,8 +30,8 @@ import torch
 
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
-BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes4",
-             "moes5", "moes6")
+BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
+             "moes4", "moes5", "moes6", "routefold")
 _SAVED: dict = {}
 
 
@@ -53,14 +56,20 @@ def _switch(name: str, on: bool) -> None:
             attention._decode_partition = lambda s, *a: want if s == 1 else real(s, *a)
         else:
             attention._decode_partition = _SAVED.pop("part")
+    elif name == "routefold":
+        from phalanx.kernels import norm_linear
+        norm_linear.ROUTE_FOLD = on
     elif name == "moew8" or name.startswith("moes"):
         from phalanx.kernels.gpu import moe_decode
-        key, value = ("warps", 8) if name == "moew8" else ("stages", int(name[4:]))
-        if on:
-            _SAVED[key] = moe_decode._CONFIGS["dot"][key]
-            moe_decode._CONFIGS["dot"][key] = value
-        else:
-            moe_decode._CONFIGS["dot"][key] = _SAVED.pop(key)
+        dot = moe_decode._CONFIGS["dot"]
+        keys = ("warps",) if name == "moew8" else ("stages", "stages1")
+        value = 8 if name == "moew8" else int(name[4:])
+        for key in keys:
+            if on:
+                _SAVED[key] = dot[key]
+                dot[key] = value
+            else:
+                dot[key] = _SAVED.pop(key)
 
 
 def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[dict],

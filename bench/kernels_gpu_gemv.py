@@ -1,14 +1,15 @@
 """The `gemv` group of `bench/kernels_gpu.py`: the few-row GEMV and the norm folded into
-a projection (kernels/gpu/gemv.py, kernels/norm_linear.py), checked against the torch
-references and timed against cuBLAS + the norm kernel, alone and as a chain of layers
-in one CUDA graph with programmatic dependent launch on and off.
+a projection (kernels/gpu/gemv.py, kernels/norm_linear.py), and the routing folded into
+the router's (kernels/gpu/norm_route.py), checked against the torch references and timed
+against cuBLAS + the norm kernel, alone and as a chain of layers in one CUDA graph with
+programmatic dependent launch on and off.
 
 Imports nothing GPU-specific (nor phalanx) at module import time.
 """
 
 from __future__ import annotations
 
-from kernels_gpu_inputs import HD, HID, NE, NKV, NQ, Ctx
+from kernels_gpu_inputs import HD, HID, NE, NKV, NQ, TOPK, Ctx
 
 GEMV_BW = 4.2e12  # B/s: the floor of a row is its weight bytes / GEMV_BW
 QKV, O, ROUTER = (NQ * HD + 2 * NKV * HD, HID), (HID, NQ * HD), (NE, HID)  # (N, K)
@@ -75,16 +76,50 @@ def check_gemv(c: Ctx, rec):
                 rec("gemv", f"{name} PDL off == on", torch.equal(full, linear(x, w, b)))
             finally:
                 set_pdl(old)
+    _check_norm_route(c, rec)
 
 
-def _chain(c: Ctx, M: int, cfg: dict | None = None):
+def _check_norm_route(c: Ctx, rec):
+    """The folded routing (M = 1) vs the unfolded kernels (the norm folded into the router
+    GEMV, then the route kernel): ids equal, weights within float32 rounding, the normed
+    rows and the residual bit-equal; with and without a residual; ties to the lower id."""
+    from phalanx.kernels.gpu.gemv import gemv_triton
+    from phalanx.kernels.gpu.norm_route import norm_route_triton
+    from phalanx.kernels.gpu.route import route_triton
+
+    torch = c.torch
+    E, K = _shapes(c)["router"]
+    k = min(TOPK, E)
+    for res, ties in ((True, False), (False, False), (True, True)):
+        w, nw = c.randn(E, K, scale=K**-0.5), 1 + 0.1 * c.randn(K)
+        x, r = c.randn(1, K), (c.randn(1, K) if res else None)
+        if ties:  # three experts share the largest logit
+            w[3] = w[E - 1] = w[E // 2] = 4 * w[3]
+            w[:3] = w[4:E // 2] = w[E // 2 + 1:E - 1] = -0.01 * w[3]
+            if float(gemv_triton(x, w, norm=(r, nw, 1e-6))[0][0, 3]) < 0:
+                w = -w
+        logits, rn, rr = gemv_triton(x, w, norm=(r, nw, 1e-6), want_normed=True)
+        rw, rid = route_triton(logits, k, True, x.dtype)
+        c.poison()
+        (fw, fid), n, nr = norm_route_triton(x, r, nw, 1e-6, w, k, True)
+        case = f"router {E}x{K} k={k} {'add+' if res else ''}norm{' ties' if ties else ''}"
+        rec("norm_route", case + " ids", torch.equal(fid, rid))
+        rec("norm_route", case + " weights", fw, rw)
+        rec("norm_route", case + " normed, residual", torch.equal(n, rn) and torch.equal(nr, rr))
+
+
+def _chain(c: Ctx, M: int, cfg: dict | None = None, route: str | None = None):
     """Per layer: (x, residual) -> norm_linear(qkv) -> o on the q columns -> norm_linear
     (router, normed rows kept), as the decode step chains them; distinct weights per layer
     (nothing stays in L2). Returns (fused, unfused) callables over the same buffers.
-    ``cfg``: {"qkv": tiles, "o": tiles} for the GEMVs (`gemv_triton`'s cfg)."""
+    ``cfg``: {"qkv": tiles, "o": tiles} for the GEMVs (`gemv_triton`'s cfg). ``route``:
+    the fused chain also routes, by the route kernel after the router GEMV ("kernel") or
+    folded into it ("fold")."""
     import torch.nn.functional as F
 
     from phalanx.kernels.gpu.gemv import gemv_triton
+    from phalanx.kernels.gpu.norm_route import norm_route_triton
+    from phalanx.kernels.gpu.route import route_triton
     from phalanx.kernels.norm import add_rms_norm
 
     layers = [dict(qkv=c.randn(*QKV, scale=QKV[1] ** -0.5), o=c.randn(*O, scale=O[1] ** -0.5),
@@ -97,8 +132,13 @@ def _chain(c: Ctx, M: int, cfg: dict | None = None):
         for w in layers:
             qkv, _, r = gemv_triton(x, w["qkv"], norm=(r, w["n1"], 1e-6), cfg=(cfg or {}).get("qkv"))
             x = gemv_triton(qkv[:, : NQ * HD], w["o"], cfg=(cfg or {}).get("o"))[0]
-            _, x, r = gemv_triton(x, w["router"], norm=(r, w["n2"], 1e-6), want_normed=True,
-                                  cfg=(cfg or {}).get("router"))
+            if route == "fold":
+                _, x, r = norm_route_triton(x, r, w["n2"], 1e-6, w["router"], TOPK, True)
+                continue
+            logits, x, r = gemv_triton(x, w["router"], norm=(r, w["n2"], 1e-6), want_normed=True,
+                                       cfg=(cfg or {}).get("router"))
+            if route == "kernel":
+                route_triton(logits, TOPK, True, x.dtype)
         return x
 
     def unfused():
@@ -138,6 +178,8 @@ def time_gemv(c: Ctx, row):
         finally:
             set_pdl(old)
         row("chain-cublas", f"48 layers M={M}", unfused, unfused, None, nbytes=nbytes, bw=GEMV_BW)
+    kernel, fold = _chain(c, 1, route="kernel")[0], _chain(c, 1, route="fold")[0]
+    row("chain-route", "M=1 route kernel / folded", fold, kernel, None, nbytes=nbytes, bw=GEMV_BW)
     for name, cfg in CHAIN_SWEEP.items():  # M = 1, PDL on
         fused, _, nbytes = _chain(c, 1, cfg)
         row("chain-pdl", f"M=1 {name}", fused, fused, None, nbytes=nbytes, bw=GEMV_BW)

@@ -6,7 +6,8 @@ the norm is a launch of its own that costs a few µs for a few KB (bench/NOTES.m
 B=1 profile), so :func:`norm_linear` folds it into the projection's GEMV
 (:mod:`phalanx.kernels.gpu.gemv`) when that kernel takes the call, and otherwise runs the
 norm kernel and the projection one after the other. Both paths keep
-:func:`norm_linear_ref`'s contract and roundings.
+:func:`norm_linear_ref`'s contract and roundings. The qkv projection can also take the
+head work (:func:`norm_qkv_rope`), the router's the routing (:func:`norm_route`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from .linear import project, use_gemv
+from .moe import route
 from .norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 
-__all__ = ["norm_linear", "norm_linear_ref", "norm_qkv_rope"]
+__all__ = ["norm_linear", "norm_linear_ref", "norm_qkv_rope", "norm_route", "ROUTE_FOLD"]
+
+# Whether `norm_route` folds the routing into the router's GEMV (kernels/gpu/norm_route.py).
+# Off until a GPU measures it against the route kernel under PDL (bench/decode_gpu.py
+# --baselines routefold); the interpreter tests run it either way.
+ROUTE_FOLD = False
 
 Normed = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
@@ -79,6 +86,23 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                                 kv_write=(v.reshape(t, num_kv_heads, head_dim), cache[0], cache[1], slots),
                                 keep_k=False)
     return q, residual
+
+
+def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+               eps: float, gate: torch.Tensor, top_k: int, renormalize: bool
+               ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A MoE layer's routing of its post-attention rows: ``((weights [T, k] x.dtype, ids
+    [T, k] int64), normed, new_residual)``, where ``normed`` are the rows the experts
+    read. Unfolded (the reference): :func:`norm_linear` with the router's weight, then
+    :func:`~phalanx.kernels.moe.route`. Folded into one launch (kernels/gpu/norm_route.py)
+    when `ROUTE_FOLD` is on, the GEMV takes the projection and the experts are few."""
+    if ROUTE_FOLD and _gemv_takes(x, residual, norm_weight, gate, None, None):
+        from .gpu.norm_route import norm_route_fits, norm_route_triton
+
+        if top_k <= gate.shape[0] and norm_route_fits(gate.shape[0], gate.shape[1], x.element_size()):
+            return norm_route_triton(x, residual, norm_weight, eps, gate, top_k, renormalize)
+    logits, normed, residual = norm_linear(x, residual, norm_weight, eps, gate, want_normed=True)
+    return route(logits, top_k, renormalize, x.dtype), normed, residual
 
 
 def _folds(x, residual, norm_weight, weight, bias, scales, cache, head_dim, q_norm, k_norm) -> bool:

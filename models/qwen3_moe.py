@@ -26,7 +26,7 @@ from ..kernels.attention import AttentionMetadata, decode_attention, prefill_att
 from ..kernels.linear import project
 from ..kernels.moe import fused_experts, make_expert_map, route
 from ..kernels.norm import add_rms_norm
-from ..kernels.norm_linear import norm_linear, norm_qkv_rope
+from ..kernels.norm_linear import norm_linear, norm_qkv_rope, norm_route
 from ..kernels.rope import RotaryEmbedding
 from .parallel import ExpertParallel, LocalComm, ModelComm
 from .shard import ModelShard
@@ -143,12 +143,13 @@ class SparseMoE(nn.Module):
         """The block's output, already summed over the TP group."""
         return run_to_end(self.stages(x))
 
-    def stages(self, x: torch.Tensor, logits: Optional[torch.Tensor] = None) -> Stages[torch.Tensor]:
+    def stages(self, x: torch.Tensor, routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+               ) -> Stages[torch.Tensor]:
         """`forward` as a stage generator (yields while its EP exchanges are in flight).
-        `logits`: the router's projection of x when the caller has it already."""
-        if logits is None:
-            logits = project(x, self.gate)
-        weights, ids = route(logits, self.top_k, self.renormalize, x.dtype)
+        `routing`: x's (weights, ids) when the caller has routed it already."""
+        if routing is None:
+            routing = route(project(x, self.gate), self.top_k, self.renormalize, x.dtype)
+        weights, ids = routing
         if self.ep is None:
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map, self._scales())
         else:
@@ -215,11 +216,11 @@ class DecoderLayer(nn.Module):
         x, residual = self.attn(x, residual, self.input_norm, self.eps, positions, rope, cache, meta)
         x = self.comm.all_reduce_tp(x)
         if isinstance(self.mlp, SparseMoE):
-            # The post-attention norm in front of the router's projection; the experts
-            # read the normed rows it returns.
-            logits, x, residual = norm_linear(x, residual, self.post_attention_norm, self.eps,
-                                              self.mlp.gate, want_normed=True)
-            return (yield from self.mlp.stages(x, logits)), residual
+            # The post-attention norm in front of the router's projection and routing; the
+            # experts read the normed rows it returns.
+            routing, x, residual = norm_route(x, residual, self.post_attention_norm, self.eps,
+                                              self.mlp.gate, self.mlp.top_k, self.mlp.renormalize)
+            return (yield from self.mlp.stages(x, routing)), residual
         x, residual = add_rms_norm(x, residual, self.post_attention_norm, self.eps)
         return self.comm.all_reduce_tp(self.mlp(x)), residual
 

@@ -116,12 +116,54 @@ def check_norm_qkv_rope(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_norm_route(g: torch.Generator) -> float:
+    """The router's projection with the post-attention norm and the routing folded into
+    one launch, against the unfolded torch path: weights, ids (equal), the normed rows
+    and the new residual; with and without a residual and renormalization, experts not a
+    power of two, tied logits (identical router rows: the lower id first, as torch.topk);
+    counters back at zero."""
+    from phalanx.kernels import norm_linear
+    from phalanx.kernels.backend import force_triton
+    from phalanx.kernels.gpu.arrivals import all_zero
+
+    errs = []
+    hid = 40
+    nw = 1 + 0.1 * torch.randn(hid, generator=g)
+    norm_linear.ROUTE_FOLD = True
+    try:
+        for experts, k, residual, renorm, ties in [(8, 2, True, True, False), (6, 3, False, True, False),
+                                                   (16, 4, True, False, False), (8, 3, True, True, True)]:
+            gate = torch.randn(experts, hid, generator=g) / hid**0.5
+            x, r = torch.randn(1, hid, generator=g), torch.randn(1, hid, generator=g)
+            if ties:  # experts 2, 5 and 6 share the largest logit
+                v = 3 * torch.randn(hid, generator=g)
+                v = v if float(torch.dot(x[0] + r[0], nw * v)) > 0 else -v
+                gate = 0.01 * gate
+                gate[2], gate[5], gate[6] = v, v, v
+            outs = {}
+            for forced in (True, False):
+                with force_triton(forced):
+                    (w, ids), normed, res = norm_linear.norm_route(
+                        x, r if residual else None, nw, 1e-6, gate, k, renorm)
+                outs[forced] = (w, ids, normed, res)
+            assert torch.equal(outs[True][1], outs[False][1]), (outs[True][1], outs[False][1])
+            if ties:
+                assert outs[True][1][0, :3].tolist() == [2, 5, 6], outs[True][1]
+            errs += [rel_err(a, c) for i, (a, c) in enumerate(zip(outs[True], outs[False])) if i != 1]
+    finally:
+        norm_linear.ROUTE_FOLD = False
+    assert all_zero(), "a row left its arrival count set"
+    return max(errs)
+
+
 def check_decoder_decode_step(g: torch.Generator) -> float:
     """A 2-layer Qwen3-MoE decoder (q/k norms; one MoE layer, one dense) stepping 1, 3 and
     4 sequences of a decode batch, through the Triton kernels (the norms folded into the
-    qkv and router projections) vs the torch reference path on the same weights and
-    cache contents: hidden states and the K/V written."""
+    qkv and router projections; at one row the routing folded in too, with and without)
+    vs the torch reference path on the same weights and cache contents: hidden states
+    and the K/V written."""
     from phalanx.config import ModelConfig
+    from phalanx.kernels import norm_linear
     from phalanx.kernels.attention import AttentionMetadata
     from phalanx.kernels.backend import force_triton
     from phalanx.models.qwen3_moe import CausalLM
@@ -135,7 +177,8 @@ def check_decoder_decode_step(g: torch.Generator) -> float:
         p.data.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
                      else torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
     errs = []
-    for batch in (1, 3, 4):
+    for batch, fold in ((1, False), (1, True), (3, False), (4, False)):
+        norm_linear.ROUTE_FOLD = fold
         page, pages = 4, 3
         lens = torch.randint(2, page * pages, (batch,), generator=g).to(torch.int32)
         tables = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
@@ -151,6 +194,7 @@ def check_decoder_decode_step(g: torch.Generator) -> float:
             caches = [(k.clone(), v.clone()) for k, v in fill]
             with force_triton(forced):
                 outs[forced] = (model(ids, pos, caches, meta), caches)
+        norm_linear.ROUTE_FOLD = False
         errs.append(rel_err(outs[True][0], outs[False][0]))
         for (kt, vt), (kr, vr) in zip(outs[True][1], outs[False][1]):
             errs += [rel_err(kt, kr), rel_err(vt, vr)]

@@ -278,13 +278,17 @@ _CONFIGS = {
     # merge=False: a third launch does).
     # H200 graph replay at T=1 (Qwen3-30B-A3B shape): N 64/64 26.9 us, 32/16 28.7, 16/16 30.6;
     # per-token loop instead of split 38.5. 64/128 are also the general path's tiles.
-    "dot": dict(N1=64, K1=128, N2=64, K2=128, warps=4, stages=3, split=True),
+    # stages1: the pipeline stages at T = 1. 48-layer decode on the H200 (bench/NOTES.md,
+    # twenty-eighth session): 4 stages gave batch 1 377-378 tok/s against 372-374 with 3,
+    # but batch 4 676 against 690, so 4 at one token only.
+    "dot": dict(N1=64, K1=128, N2=64, K2=128, warps=4, stages=3, stages1=4, split=True),
     "gemv": dict(N1=16, K1=256, N2=16, K2=256, warps=4, stages=3),
 }
 
 
 def small_config(mode: str) -> dict:
-    """The default tiles of ``mode`` (a copy): N1/K1 gate_up, N2/K2 down, warps, stages."""
+    """The default tiles of ``mode`` (a copy): N1/K1 gate_up, N2/K2 down, warps, stages
+    (``stages1``, if given: the stages at T = 1)."""
     return dict(_CONFIGS[mode])
 
 
@@ -294,7 +298,7 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     """Small-batch SwiGLU experts with weighted top-k combine; see ``fused_experts_ref``.
 
     Same arguments as ``fused_experts_triton``; ``mode`` is one of ``SMALL_MODES``,
-    ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages). Any T
+    ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages, stages1). Any T
     works (the work grows as T * k: meant for T * k <= ``SMALL_MAX_PAIRS``). Local expert
     ids outside ``[0, E)`` count as not held. Two kernel launches (three with the "dot"
     mode's ``split`` and ``merge=False``), no host sync. ``scales``: (w13_scale, w2_scale)
@@ -322,8 +326,9 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     emap = ids if expert_map is None else expert_map  # dummy pointer without a map
     s13, s2 = scales if scales is not None else (w13, w2)  # dummy pointers without FP8
+    stages = c.get("stages1", c["stages"]) if T == 1 else c["stages"]
     meta = dict(HAS_MAP=expert_map is not None, DOT=mode == "dot", ROWS=_ROWS, FP8=scales is not None,
-                PREC=dot_precision(x.dtype), num_warps=c["warps"], num_stages=c["stages"])
+                PREC=dot_precision(x.dtype), num_warps=c["warps"], num_stages=stages)
     inter = x.new_empty((P, inter_dim))
     _small_gate_up_kernel[(P, triton.cdiv(inter_dim, c["N1"]))](
         x, ids, emap, w13, inter, s13,
