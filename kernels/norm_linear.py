@@ -39,14 +39,15 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 scales: torch.Tensor | None = None, want_normed: bool = False) -> Normed:
     """:func:`norm_linear_ref`'s ``(y, normed, new_residual)``; ``normed`` may be None
-    unless ``want_normed``. ``scales``: the weight is FP8 codes (never fused)."""
-    fused = (scales is None and use_gemv(x, weight, bias) and norm_weight.dtype == x.dtype
+    unless ``want_normed``. ``scales``: the weight is FP8 codes (kernels/fp8.py)."""
+    fused = (use_gemv(x, weight, bias, scales) and norm_weight.dtype == x.dtype
              and norm_weight.shape == (x.shape[1],)
              and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
     if fused:
         from .gpu.gemv import gemv_triton
 
-        return gemv_triton(x, weight, bias, norm=(residual, norm_weight, eps), want_normed=want_normed)
+        return gemv_triton(x, weight, bias, norm=(residual, norm_weight, eps), want_normed=want_normed,
+                           scales=scales)
     if residual is None:
         normed, new_residual = rms_norm(x, norm_weight, eps), x
     else:
@@ -73,7 +74,8 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
         cos, sin = caches_on(rope, x.device)
         return qkv_rope_triton(x, residual, norm_weight, eps, weight, bias, positions, cos, sin,
-                               q_norm, k_norm, cache[0], cache[1], slots, num_heads, num_kv_heads)
+                               q_norm, k_norm, cache[0], cache[1], slots, num_heads, num_kv_heads,
+                               scales=scales)
     qkv, _, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, scales)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     t = x.shape[0]
@@ -86,11 +88,11 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
 def _folds(x, residual, norm_weight, weight, bias, scales, cache, head_dim, q_norm, k_norm) -> bool:
     """Whether :func:`norm_qkv_rope` takes the one-launch kernel."""
-    if not (scales is None and use_gemv(x, weight, bias) and norm_weight.dtype == x.dtype
+    if not (use_gemv(x, weight, bias, scales) and norm_weight.dtype == x.dtype
             and norm_weight.shape == (x.shape[1],) and cache[0].dtype == x.dtype
             and cache[1].dtype == x.dtype and (q_norm is None) == (k_norm is None)
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))):
         return False
     from .gpu.qkv_rope import qkv_rope_fits
 
-    return qkv_rope_fits(weight.shape[0], weight.shape[1], head_dim, x.element_size())
+    return qkv_rope_fits(weight.shape[0], weight.shape[1], head_dim, weight.element_size())
