@@ -250,7 +250,9 @@ def _parse_args() -> argparse.Namespace:
                     help="also run batch 1 and 64 with overlapped steps off (rows 'decode-serial')")
     ap.add_argument("--no-prefill", action="store_true", help="skip the 8x2048 prefill row")
     ap.add_argument("--baselines", default="",
-                    help="comma list of nopdl,cublas: rows with that part off (bench/decode_baselines.py)")
+                    help="comma list of bench/decode_baselines.py's rows (nopdl, cublas, routefold, "
+                         "...; one part switched); fp8gemv (with --quantization fp8): the FP8 "
+                         "rows again with the one-row GEMV on the FP8 codes")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "
                          "'decode-fp8' / 'prefill-fp8' the FP8 weights (bench/decode_fp8.py)")
@@ -288,19 +290,20 @@ def compare_overlap(engine: LLMEngine, batches: list[int], args, ceil: dict, cfg
     return serial
 
 
-def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: list[dict]) -> list[dict]:
+def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: list[dict],
+             kind: str = "decode-fp8") -> list[dict]:
     """The same batches and prefill over the FP8 weights; tokens against the bf16 twin's."""
     from decode_fp8 import decode_bytes_fp8, prefill_seconds_fp8, quantize_in_place, token_agreement
     model = phalanx_model_from_hf(hf, cfg)
     quantize_in_place(model)
     engine = make_engine(cfg, model, max(batches))
-    rows = decode_rows(engine, "decode-fp8", batches, args, ceil["copy_bytes_per_s"],
+    rows = decode_rows(engine, kind, batches, args, ceil["copy_bytes_per_s"],
                        lambda b, c: decode_bytes_fp8(cfg, b, c), {})
     for r in rows:
         twin = next(o for o in bf16 if o["kind"] == "decode" and o["batch"] == r["batch"])
         r["vs_bf16"] = r["tok_s"] / twin["tok_s"]
         r["agreement"] = token_agreement(r["tokens"], twin["tokens"])
-    if not args.no_prefill:
+    if not args.no_prefill and kind == "decode-fp8":
         pf = phalanx_prefill(engine, 8, 2048)
         floor = 8 * 2048 / prefill_seconds_fp8(cfg, 8, 2048, ceil)
         rows.append(dict(kind="prefill-fp8", batch=8, tok_s=pf, floor_tok_s=floor, frac=pf / floor,
@@ -367,16 +370,29 @@ def main() -> None:
     del engine  # the runs below build engines of their own
     gc.collect()
     torch.cuda.empty_cache()
-    if args.baselines:
+    names = [n for n in args.baselines.split(",") if n]
+    fp8_gemv = "fp8gemv" in names
+    if fp8_gemv and args.quantization != "fp8":
+        raise SystemExit("--baselines fp8gemv needs --quantization fp8")
+    names = [n for n in names if n != "fp8gemv"]
+    if names:
         from decode_baselines import baseline_rows
         rows += baseline_rows(
-            args.baselines.split(","),
+            names,
             lambda: make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches)),
             lambda eng, kind, bs: decode_rows(eng, kind, bs, args, ceil["copy_bytes_per_s"],
                                               lambda b, c: decode_bytes(cfg, b, c), hf_rates),
             rows, batches)
     if args.quantization == "fp8":
         rows += fp8_rows(hf, cfg, batches, args, ceil, rows)
+    if fp8_gemv:  # the FP8 rows again with the one-row GEMV taking the FP8 codes
+        from phalanx.kernels import linear
+        linear.GEMV_FP8 = True
+        try:
+            rows += fp8_rows(hf, cfg, [b for b in batches if b <= linear.GEMV_MAX_M], args, ceil,
+                             rows, kind="decode-fp8gemv")
+        finally:
+            linear.GEMV_FP8 = False
     result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=num_pages,
                   quantization=args.quantization, rows=rows, device=torch.cuda.get_device_name())
     out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from .backend import use_triton
 
-__all__ = ["linear", "linear_ref", "project", "use_gemv", "use_skinny", "GEMV_MAX_M", "GEMV_ROW_BYTES",
-           "SKINNY_MAX_M"]
+__all__ = ["linear", "linear_ref", "project", "use_gemv", "use_skinny", "GEMV_FP8", "GEMV_MAX_M",
+           "GEMV_ROW_BYTES", "SKINNY_MAX_M"]
 
 SKINNY_MAX_M = 16  # most rows of x for the skinny GEMM (its x tile is 16 rows)
 # Most rows of x for the GEMV (kernels/gpu/gemv.py takes up to 4; each row is a pass over
@@ -35,6 +35,10 @@ GEMV_MAX_M = 1
 # One weight row (K rounded up to a power of two) must fit a GEMV program's tile: the
 # GEMV_TILE_BYTES of kernels/gpu/gemv.py (tests/test_gemv_triton.py checks they agree).
 GEMV_ROW_BYTES = 64 << 10
+# Whether FP8 codes take the GEMV too (dequantized in its registers). Off until a GPU
+# measures it against the FP8 linear (bench/decode_gpu.py --quantization fp8 --baselines
+# fp8gemv); the interpreter tests run it either way.
+GEMV_FP8 = False
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -59,14 +63,33 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return use_triton(x)
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             scales: torch.Tensor | None = None) -> bool:
     """Whether the GEMV takes these arguments: :func:`use_skinny`'s conditions with
     1..``GEMV_MAX_M`` rows, and one weight row (K rounded up to a power of two) within a
-    program's 64 KiB tile."""
+    program's 64 KiB tile. With ``scales``, the weight is FP8 codes with float32 scales
+    [N, ceil(K/128)] (kernels/fp8.py), taken only when `GEMV_FP8` is on, and the rest of
+    the conditions are the same."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
         return False
-    k_bytes = (1 << max(0, int(x.shape[1]) - 1).bit_length()) * x.element_size()
-    return k_bytes <= GEMV_ROW_BYTES and use_skinny(x, weight, bias)
+    if scales is None:
+        return _gemv_row_fits(x, x.element_size()) and use_skinny(x, weight, bias)
+    if not GEMV_FP8:
+        return False
+    from .fp8 import BLOCK, FP8
+
+    if weight.dim() != 2 or weight.dtype != FP8 or weight.stride(1) != 1 or x.dtype not in _DTYPES:
+        return False
+    n, k = weight.shape
+    if k != x.shape[1] or scales.dtype != torch.float32 or scales.shape != (n, -(-k // BLOCK)):
+        return False
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,)):
+        return False
+    return scales.stride(1) == 1 and _gemv_row_fits(x, 1) and use_triton(x)
+
+
+def _gemv_row_fits(x: torch.Tensor, elem_bytes: int) -> bool:
+    return (1 << max(0, int(x.shape[1]) - 1).bit_length()) * elem_bytes <= GEMV_ROW_BYTES
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -74,14 +97,14 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """A model projection ``x @ weight.T + bias``: FP8 codes with ``scales``
     (:func:`phalanx.kernels.fp8.fp8_linear`), the GEMV for a few rows (:func:`use_gemv`),
     else ``F.linear``."""
+    if use_gemv(x, weight, bias, scales):
+        from .gpu.gemv import gemv_triton
+
+        return gemv_triton(x, weight, bias, scales=scales)[0]
     if scales is not None:
         from .fp8 import fp8_linear
 
         return fp8_linear(x, weight, scales, bias)
-    if use_gemv(x, weight, bias):
-        from .gpu.gemv import gemv_triton
-
-        return gemv_triton(x, weight, bias)[0]
     return F.linear(x, weight, bias)
 
 

@@ -46,11 +46,12 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 scales: torch.Tensor | None = None, want_normed: bool = False) -> Normed:
     """:func:`norm_linear_ref`'s ``(y, normed, new_residual)``; ``normed`` may be None
-    unless ``want_normed``. ``scales``: the weight is FP8 codes (never fused)."""
+    unless ``want_normed``. ``scales``: the weight is FP8 codes (kernels/fp8.py)."""
     if _gemv_takes(x, residual, norm_weight, weight, bias, scales):
         from .gpu.gemv import gemv_triton
 
-        return gemv_triton(x, weight, bias, norm=(residual, norm_weight, eps), want_normed=want_normed)
+        return gemv_triton(x, weight, bias, norm=(residual, norm_weight, eps), want_normed=want_normed,
+                           scales=scales)
     if residual is None:
         normed, new_residual = rms_norm(x, norm_weight, eps), x
     else:
@@ -77,7 +78,8 @@ def norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
         cos, sin = caches_on(rope, x.device)
         return qkv_rope_triton(x, residual, norm_weight, eps, weight, bias, positions, cos, sin,
-                               q_norm, k_norm, cache[0], cache[1], slots, num_heads, num_kv_heads)
+                               q_norm, k_norm, cache[0], cache[1], slots, num_heads, num_kv_heads,
+                               scales=scales)
     qkv, _, residual = norm_linear(x, residual, norm_weight, eps, weight, bias, scales)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     t = x.shape[0]
@@ -112,12 +114,13 @@ def _folds(x, residual, norm_weight, weight, bias, scales, cache, head_dim, q_no
         return False
     from .gpu.qkv_rope import qkv_rope_fits
 
-    return qkv_rope_fits(weight.shape[0], weight.shape[1], head_dim, x.element_size())
+    return qkv_rope_fits(weight.shape[0], weight.shape[1], head_dim, weight.element_size())
 
 
 def _gemv_takes(x, residual, norm_weight, weight, bias, scales) -> bool:
-    """Whether the GEMV can fold this norm: it takes the projection (no FP8 codes) and the
-    norm weight and residual match x."""
-    return (scales is None and use_gemv(x, weight, bias) and norm_weight.dtype == x.dtype
+    """Whether the GEMV can fold this norm: it takes the projection (FP8 codes with
+    ``scales`` included, when `linear.GEMV_FP8` is on) and the norm weight and residual
+    match x."""
+    return (use_gemv(x, weight, bias, scales) and norm_weight.dtype == x.dtype
             and norm_weight.shape == (x.shape[1],)
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))

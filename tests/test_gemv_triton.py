@@ -156,6 +156,57 @@ def check_norm_route(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_gemv_fp8(g: torch.Generator) -> float:
+    """FP8 codes with per-row, 128-column-block scales, dequantized in registers: the
+    projection (linear's dispatch at one row, the kernel at 3), the norm folded in, and
+    qkv + rope folded, against the references over the dequantized weights; K 72 (one
+    partial block), 200 (a partial last block), 256; N 1/8/100."""
+    from phalanx.kernels import linear
+    from phalanx.kernels.backend import force_triton
+    from phalanx.kernels.fp8 import dequantize, expand_block_scales, fp8_linear_ref, quantize_blocks
+    from phalanx.kernels.gpu.gemv import gemv_triton
+    from phalanx.kernels.linear import project, use_gemv
+    from phalanx.kernels.norm_linear import norm_linear, norm_linear_ref, norm_qkv_rope
+    from phalanx.kernels.rope import RotaryEmbedding
+
+    def weight(n, k):
+        q, blocks = quantize_blocks(torch.randn(n, k, generator=g) * 0.05)
+        return q, expand_block_scales(blocks, n)
+
+    q, s = weight(8, 64)
+    assert not use_gemv(torch.randn(1, 64), q, None, s), "FP8 took the GEMV with GEMV_FP8 off"
+    linear.GEMV_FP8 = True
+    try:
+        errs = []
+        for n in (1, 8, 100):
+            for k in (72, 200, 256):
+                q, s = weight(n, k)
+                x, b = torch.randn(1, k, generator=g), torch.randn(n, generator=g)
+                assert use_gemv(x, q, b, s) and not use_gemv(x, q, b)
+                errs.append(rel_err(project(x, q, b, s), fp8_linear_ref(x, q, s, b)))
+                x3 = torch.randn(3, k, generator=g)
+                errs.append(rel_err(gemv_triton(x3, q, None, scales=s)[0], fp8_linear_ref(x3, q, s)))
+                r, nw = torch.randn(1, k, generator=g), 1 + 0.1 * torch.randn(k, generator=g)
+                got = norm_linear(x, r, nw, 1e-6, q, b, s, want_normed=True)
+                ref = norm_linear_ref(x, r, nw, 1e-6, dequantize(q, s, x.dtype), b)
+                errs += [rel_err(a, c) for a, c in zip(got, ref)]
+        hid, nq, nk, hd = 128, 4, 2, 16
+        q, s = weight((nq + 2 * nk) * hd, hid)
+        x, r, nw = torch.randn(1, hid, generator=g), torch.randn(1, hid, generator=g), 1 + 0.1 * torch.randn(hid, generator=g)
+        rope, qn, kn = RotaryEmbedding(hd, 64, 10000.0), 1 + 0.1 * torch.randn(hd, generator=g), 1 + 0.1 * torch.randn(hd, generator=g)
+        caches = (torch.randn(3, nk, 4, hd, generator=g), torch.randn(3, nk, 4, hd, generator=g))
+        outs = {}
+        for forced in (True, False):
+            cache = tuple(c.clone() for c in caches)
+            with force_triton(forced):
+                outs[forced] = (*norm_qkv_rope(x, r, nw, 1e-6, q, None, s, rope, torch.tensor([7]), qn, kn, cache,
+                                               torch.tensor([6]), (nq, nk)), *cache)
+        errs += [rel_err(a, c) for a, c in zip(outs[True], outs[False])]
+    finally:
+        linear.GEMV_FP8 = False
+    return max(errs)
+
+
 def check_decoder_decode_step(g: torch.Generator) -> float:
     """A 2-layer Qwen3-MoE decoder (q/k norms; one MoE layer, one dense) stepping 1, 3 and
     4 sequences of a decode batch, through the Triton kernels (the norms folded into the

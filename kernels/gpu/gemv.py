@@ -44,26 +44,28 @@ _PROGRAMS = 128  # aim: about one program per SM or more, for bytes in flight
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr, xn_ptr,
-    N, K, sx, sr, sw, sy, eps,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
+    x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_ptr, xn_ptr,
+    N, K, sx, sr, sw, ss, sy, eps,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
-    gemv_rows(tl.program_id(0), x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr, xn_ptr,
-              N, K, sx, sr, sw, sy, eps, M, BLOCK_N, BLOCK_K, NORM, HAS_RES, WRITE_NORMED,
-              HAS_BIAS, PDL)
+    gemv_rows(tl.program_id(0), x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_ptr, xn_ptr,
+              N, K, sx, sr, sw, ss, sy, eps, M, BLOCK_N, BLOCK_K, FP8, GROUP, NORM, HAS_RES,
+              WRITE_NORMED, HAS_BIAS, PDL)
 
 
 @triton.jit
 def gemv_rows(
-    pid, x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr, xn_ptr,
-    N, K, sx, sr, sw, sy, eps,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
+    pid, x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_ptr, xn_ptr,
+    N, K, sx, sr, sw, ss, sy, eps,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program ``pid``'s rows of y for all M rows of x (the module docstring's schedule)."""
+    """Program ``pid``'s rows of y for all M rows of x (the module docstring's schedule).
+    FP8: w holds e4m3 codes, ``s_ptr`` their scales per row and 128-column block (GROUP =
+    min(128, BLOCK_K) columns share a scale within the tile)."""
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     nm = n < N
@@ -72,6 +74,10 @@ def gemv_rows(
         gdc_launch_dependents()
     w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
                 other=0.0)
+    if FP8:
+        kb = tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_ptr + n[:, None].to(tl.int64) * ss + kb[None, :],
+                    mask=nm[:, None] & (kb * GROUP < K)[None, :], other=0.0)
     if HAS_BIAS:
         b = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
     if NORM:
@@ -92,7 +98,13 @@ def gemv_rows(
             x = (nw * normed.to(tl.float32)).to(ty)
             if WRITE_NORMED:
                 tl.store(xn_ptr + m * K + k, x, mask=first)
-        acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        if FP8:  # dequantized in registers as kernels/fp8.dequantize does, in x's dtype
+            wd = (tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP]).to(tl.float32) * s[:, :, None])
+            wd = wd.to(x.dtype).to(tl.float32)
+            xg = tl.reshape(x.to(tl.float32), [BLOCK_K // GROUP, GROUP])
+            acc = tl.sum(tl.sum(wd * xg[None, :, :], axis=2), axis=1)
+        else:
+            acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         if HAS_BIAS:
             acc += b
         tl.store(y_ptr + m * sy + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
@@ -111,10 +123,13 @@ def gemv_block_n(n: int, k: int, elem_bytes: int) -> int:
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-                want_normed: bool = False, cfg: dict | None = None
+                want_normed: bool = False, cfg: dict | None = None,
+                scales: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(y, normed, new_residual)``. x [M, K] (M <= ``GEMV_MAX_M``, K contiguous),
-    weight [N, K] (K contiguous), bias [N] or None, one dtype; M >= 1.
+    weight [N, K] (K contiguous), bias [N] or None, one dtype; M >= 1. With ``scales``
+    [N, ceil(K/128)] float32 the weight is FP8 codes (`kernels/fp8.py`): y is
+    ``x @ dequantize(weight, scales, x.dtype).T``.
 
     Without ``norm``: ``y = x @ weight.T + bias``; normed and new_residual are None.
     With ``norm = (residual or None, norm_weight [K], eps)``: the rows projected are
@@ -133,16 +148,17 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         residual = residual.contiguous()
     res_out = x.new_empty((M, K)) if residual is not None else None
     normed = x.new_empty((M, K)) if norm is not None and want_normed else None
-    block_n = (cfg or {}).get("BLOCK_N") or gemv_block_n(N, K, x.element_size())
+    block_n = (cfg or {}).get("BLOCK_N") or gemv_block_n(N, K, weight.element_size())
     r = residual if residual is not None else x
     # 4 warps: on the H200 a 48-layer qkv/o/router chain at M = 1 took 628 µs with 4 warps
     # against 732 with 8 (qkv 16 rows, o 8; bench/NOTES.md).
     warps = (cfg or {}).get("warps") or 4
     _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, r, nw, weight, bias if bias is not None else weight, y,
+        x, r, nw, weight, scales if scales is not None else y, bias if bias is not None else y, y,
         res_out if res_out is not None else y, normed if normed is not None else y,
-        N, K, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), float(eps),
-        M=M, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(K), NORM=norm is not None,
+        N, K, x.stride(0), r.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0,
+        y.stride(0), float(eps), M=M, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(K),
+        FP8=scales is not None, GROUP=min(128, triton.next_power_of_2(K)), NORM=norm is not None,
         HAS_RES=residual is not None, WRITE_NORMED=normed is not None, HAS_BIAS=bias is not None,
         num_warps=warps, **pdl_launch(x.device, "gemv"),
     )

@@ -63,8 +63,8 @@ def _norm_route_kernel(
     BLOCK_E: tl.constexpr, HAS_RES: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    gemv_rows(pid, x_ptr, r_ptr, nw_ptr, w_ptr, w_ptr, y_ptr, res_ptr, xn_ptr, N, K, sx, sr, sw,
-              sy, eps, M, BLOCK_N, BLOCK_K, True, HAS_RES, True, False, PDL)
+    gemv_rows(pid, x_ptr, r_ptr, nw_ptr, w_ptr, w_ptr, w_ptr, y_ptr, res_ptr, xn_ptr, N, K, sx, sr,
+              sw, 0, sy, eps, M, BLOCK_N, BLOCK_K, False, 1, True, HAS_RES, True, False, PDL)
     tl.debug_barrier()
     last = tl.num_programs(0) - 1
     for m in tl.static_range(M):

@@ -34,16 +34,17 @@ __all__ = ["qkv_rope_triton", "qkv_rope_fits"]
 
 @triton.jit
 def _qkv_rope_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr,
-    N, K, sx, sr, sw, sy, eps,
+    x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_ptr,
+    N, K, sx, sr, sw, ss, sy, eps,
     pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qk_eps, slot_ptr, arrived_ptr,
     kc_ptr, vc_ptr, kcp, kch, kct, vcp, vch, vct, PAGE, NQ, NK,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, HALF: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    gemv_rows(pid, x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_ptr, y_ptr, N, K, sx, sr, sw, sy,
-              eps, M, BLOCK_N, BLOCK_K, True, HAS_RES, False, HAS_BIAS, PDL)
+    gemv_rows(pid, x_ptr, r_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_ptr, y_ptr, N, K, sx, sr, sw,
+              ss, sy, eps, M, BLOCK_N, BLOCK_K, FP8, GROUP, True, HAS_RES, False, HAS_BIAS, PDL)
     tl.debug_barrier()
     head = (pid * BLOCK_N) // (2 * HALF)
     heads = NQ + 2 * NK
@@ -87,7 +88,7 @@ def _finish_head(row_ptr, head, m, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, ep
             tl.store(dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=live)
 
 
-def qkv_rope_fits(n: int, k: int, head_dim: int, elem_bytes: int) -> bool:
+def qkv_rope_fits(n: int, k: int, head_dim: int, elem_bytes: int) -> bool:  # weight's element bytes
     """Whether the folded kernel takes a qkv weight [n, k]: a power-of-two head dim that
     the GEMV's rows per program divide."""
     block_n = gemv_block_n(n, k, elem_bytes)
@@ -95,10 +96,11 @@ def qkv_rope_fits(n: int, k: int, head_dim: int, elem_bytes: int) -> bool:
 
 
 def qkv_rope_triton(x, residual, norm_weight, eps, weight, bias, positions, cos, sin, q_norm, k_norm,
-                    k_cache, v_cache, slots, num_heads: int, num_kv_heads: int):
+                    k_cache, v_cache, slots, num_heads: int, num_kv_heads: int, scales=None):
     """``(q [M, num_heads, D], new_residual)``: see the module docstring. ``cos``/``sin``
     float32 [max_position, D/2]; caches [pages, kv_heads, page, D]; ``slots`` int [M];
-    the caller checks `qkv_rope_fits`, dtypes, shapes and positions."""
+    ``scales``: the weight is FP8 codes (`gemv_triton`); the caller checks
+    `qkv_rope_fits`, dtypes, shapes and positions."""
     M, K = x.shape
     N = weight.shape[0]
     D = N // (num_heads + 2 * num_kv_heads)
@@ -108,17 +110,19 @@ def qkv_rope_triton(x, residual, norm_weight, eps, weight, bias, positions, cos,
     y = x.new_empty((M, N))
     res_out = x.new_empty((M, K)) if residual is not None else None
     r = residual if residual is not None else x
-    block_n = gemv_block_n(N, K, x.element_size())
+    block_n = gemv_block_n(N, K, weight.element_size())
     arrived = arrival_counts("qkv_rope", M * (num_heads + 2 * num_kv_heads), x.device)
     _qkv_rope_kernel[(triton.cdiv(N, block_n),)](
-        x, r, norm_weight, weight, bias if bias is not None else weight, y,
+        x, r, norm_weight, weight, scales if scales is not None else y, bias if bias is not None else y, y,
         res_out if res_out is not None else y,
-        N, K, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), float(eps),
+        N, K, x.stride(0), r.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0,
+        y.stride(0), float(eps),
         positions, cos, sin, q_norm if q_norm is not None else norm_weight,
         k_norm if k_norm is not None else norm_weight, float(eps), slots, arrived,
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[2],
-        num_heads, num_kv_heads, M=M, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(K), HALF=D // 2,
+        num_heads, num_kv_heads, M=M, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(K),
+        FP8=scales is not None, GROUP=min(128, triton.next_power_of_2(K)), HALF=D // 2,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, HAS_QK_NORM=q_norm is not None,
         num_warps=4, **pdl_launch(x.device, "gemv"),
     )
