@@ -200,6 +200,7 @@ class DisaggRecovery:
 
     def _on_resume(self, key) -> None:
         if is_decode_key(key):
+            self.ep.settle()  # the EP-width policy waits for the steady state
             self._learn_decode_layout(key)
 
     def _resume(self, req) -> None:

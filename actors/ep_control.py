@@ -93,6 +93,14 @@ class EPControl:
         self.tables = tables
         self.next_at = self.clock() + self.interval_s
 
+    def settle(self) -> None:
+        """A group serves again (re-formed after a fault, or re-shaped): its requests are
+        re-prefilling from where the caller has them, and one that finished just before
+        the fence runs again for its last token, so its stats are a transient, not the
+        offered load. The policy's next turn is a whole interval from now (seen in CI:
+        a decision 0.1 s after a narrowing read such a transient and widened again)."""
+        self.next_at = max(self.next_at, self.clock() + self.interval_s)
+
     def due(self) -> bool:
         """The policy's turn (never while its tables are still to be measured)."""
         return not self.needs_tables and self.clock() >= self.next_at

@@ -260,7 +260,9 @@ class GroupClient(GroupViews):
                 live.group, live.leader = None, -1
 
     def _on_resume(self, key: str) -> None:
-        """`key` serves again: held requests whose DP rank lives there start on it."""
+        """`key` serves again: held requests whose DP rank lives there start on it; the
+        EP-width policy waits for the layout's steady state (`EPControl.settle`)."""
+        self.ep.settle()
         self._pages = self._fewest_pages()
         self._place_held()
 

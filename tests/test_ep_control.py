@@ -70,6 +70,27 @@ def test_decisions_follow_the_load_and_the_step_is_measured(tiny_model):
     assert snap["ep_width"] == 4.0 and snap["ep_groups"] == 1.0
 
 
+def test_a_group_serving_again_puts_the_next_turn_an_interval_away(tiny_model):
+    """After a re-formation the stats are a transient (requests re-prefilling, finished
+    ones run again for their last token): the policy waits a whole interval."""
+    clock = Clock()
+    ctl = EPControl(_config(tiny_model, policy="cost_model", groups=2, interval_s=1.0,
+                            min_interval_s=0.0), 1, 4, num_pages=256, tables=_tables(),
+                    clock=clock)
+    clock.t = 1.0
+    ctl.decide(_stats(4, 100), EPLayout(2, 2))  # the next turn is due at 2.0
+    clock.t = 1.9
+    ctl.settle()
+    clock.t = 2.5
+    assert not ctl.due()
+    clock.t = 2.9
+    assert ctl.due()
+    ctl.settle()  # the next group serving again pushes it once more
+    assert not ctl.due()
+    clock.t = 3.9
+    assert ctl.due()
+
+
 def test_requests_still_upstream_count_as_queued_demand(tiny_model):
     """The disaggregated layout's decode leaders do not count requests still queued for or
     inside a prefill: handed over as `upstream`, a busy prefill side widens like a busy
