@@ -6,8 +6,9 @@ from its poll loop; nothing else in the client recovers anything. `reconcile` al
 learns of deaths from Ray on its own (each serving group's `wait()` calls), then carries
 out the reconciler's actions: fence (kill every actor of the epoch, free its placement
 groups, then the client's `on_fence(key)` takes the group's requests back), form (a new
-epoch; its outcome is the next event, so a death during formation only forms again),
-resume (the client's `on_resume(key)` hands the group its requests), give up (raises
+epoch, begun without blocking and taken further by each later `reconcile`, so the other
+groups keep serving meanwhile; its outcome is the next event, so a death during
+formation only forms again), resume (the client's `on_resume(key)` hands the group its requests), give up (raises
 `GroupFailure`, now and on every later call).
 """
 
@@ -58,6 +59,7 @@ class Recovery:
         self.formed: dict[Hashable, int] = {k: 0 for k in groups}  # re-formations, by key
         self.failure: Optional[GroupFailure] = None
         self.events: list[tuple[float, str, str, int, str]] = []  # (t, what, key, epoch, why)
+        self._forming: dict[Hashable, tuple[Form, float]] = {}  # under way: (action, start)
 
     @property
     def recoveries(self) -> int:
@@ -101,6 +103,7 @@ class Recovery:
                 if deaths:
                     self.lost(key, group.epoch, "; ".join(f"rank {d.rank}: {d.reason}"
                                                           for d in deaths))
+        self._advance_formations()
         for key in self.reconciler.widen_due(self.clock()):
             group, missing = self.groups[key], self.reconciler.narrow().get(key, 0)
             if missing and group.room_for(missing):
@@ -142,30 +145,49 @@ class Recovery:
                     deaths=[(d.rank, d.reason[:120]) for d in deaths])
         self._note("fenced", key, group.epoch, "; ".join(f"rank {d.rank}: {d.reason[:80]}"
                                                         for d in deaths))
-        group.shutdown()
+        self._forming.pop(key, None)
+        group.shutdown()  # a formation under way too
         self.on_fence(key)
 
     def _form(self, action: Form) -> None:
+        """Begin the formation; `_advance_formations` reports its outcome."""
         group = self.groups[action.key]
-        started = self.clock()
         log.warning("group_reforming", group=str(action.key), width=action.width,
                     attempt=action.attempt, planned=action.planned, why=action.why[:200])
+        self._forming[action.key] = (action, self.clock())
         try:
-            group.form(action.epoch, dp=action.width, placement_timeout_s=self.replace_timeout_s)
+            group.begin_form(action.epoch, dp=action.width, placement_timeout_s=self.replace_timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure to form is the next event
-            log.warning("group_form_failed", group=str(action.key), epoch=group.epoch,
-                        attempt=action.attempt, width=action.width, error=repr(e)[:300])
-            self._note("form_failed", action.key, group.epoch, repr(e)[:200])
-            self.reconciler.observe(FormFailed(action.key, group.epoch, repr(e)[:500],
-                                               short=isinstance(e, CapacityShort)), self.clock())
-            return
-        self.formed[action.key] += 1
-        self.deaths.pop(action.key, None)  # named for a give-up since it last served
-        log.warning("group_reformed", group=str(action.key), epoch=group.epoch, width=group.dp,
-                    attempt=action.attempt, seconds=round(self.clock() - started, 2))
-        self._note("formed", action.key, group.epoch,
-                   f"width {group.dp} in {self.clock() - started:.2f} s")
-        self.reconciler.observe(Formed(action.key, group.epoch), self.clock())
+            self._form_failed(action, e)
+
+    def _advance_formations(self) -> None:
+        """Take every formation under way as far as it goes without blocking; a formed
+        group is the event `Formed`, a failed one `FormFailed`."""
+        for key, (action, started) in list(self._forming.items()):
+            group = self.groups[key]
+            try:
+                if not group.advance_form():
+                    continue
+            except Exception as e:  # noqa: BLE001 - any failure to form is the next event
+                self._form_failed(action, e)
+                continue
+            del self._forming[key]
+            self.formed[key] += 1
+            self.deaths.pop(key, None)  # named for a give-up since it last served
+            log.warning("group_reformed", group=str(key), epoch=group.epoch, width=group.dp,
+                        attempt=action.attempt, seconds=round(self.clock() - started, 2))
+            self._note("formed", key, group.epoch,
+                       f"width {group.dp} in {self.clock() - started:.2f} s")
+            self.reconciler.observe(Formed(key, group.epoch), self.clock())
+
+    def _form_failed(self, action: Form, e: Exception) -> None:
+        self._forming.pop(action.key, None)
+        group = self.groups[action.key]
+        log.warning("group_form_failed", group=str(action.key), epoch=group.epoch,
+                    attempt=action.attempt, width=action.width, error=repr(e)[:300])
+        self._note("form_failed", action.key, group.epoch, repr(e)[:200])
+        self.reconciler.observe(FormFailed(action.key, group.epoch, repr(e)[:500],
+                                           short=isinstance(e, CapacityShort)), self.clock())
 
     def _give_up(self, action: GiveUp) -> None:
         deaths = [d for ds in self.deaths.values() for d in ds]

@@ -20,8 +20,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import EngineConfig
-from .rank.spec import RankSpec
 from ..log import get_logger
+from .formation import Formation, Wait, gather
+from .rank.spec import RankSpec
 from .rank_actor import MAX_CONCURRENCY, RemoteRank
 
 log = get_logger(__name__)
@@ -74,6 +75,7 @@ class GroupSupervisor:
         self._waits: dict = {}
         self._pgs: list = []
         self.start_info: list[dict] = []
+        self._formation: Optional[Formation] = None  # one under way (`begin_form`)
 
     @property
     def world_size(self) -> int:
@@ -90,32 +92,55 @@ class GroupSupervisor:
         rendezvous or load failed) raises at once, without waiting for the others.
         `dp`: form with this many DP ranks from now on (experts re-sharded over them);
         `CapacityShort` when the placement groups find no room within
-        `placement_timeout_s`.
+        `placement_timeout_s`. A formation that failed leaves nothing behind.
 
         The rendezvous port is bound by rank 0's actor when it names the address
         (`comm.rendezvous.held_address`) and held until rank 0 joins, so no other
         socket can take it in between."""
+        self.begin_form(min_epoch, dp, placement_timeout_s)
+        self._drive(lambda f: f.run())
+
+    def begin_form(self, min_epoch: int = 0, dp: Optional[int] = None,
+                   placement_timeout_s: float = START_TIMEOUT_S) -> None:
+        """`form`, started: its calls are made and `advance_form` takes it further
+        without blocking. A formation under way is abandoned first."""
+        self.shutdown()
         self.epoch = max(self.epoch, min_epoch - 1)
         self.dp = self.dp if dp is None else dp
+        self._drive(lambda f: None, lambda: Formation(self._steps(placement_timeout_s)))
+
+    def advance_form(self) -> bool:
+        """True once the formation begun has formed (or none is under way); raises its
+        error (the formation then left nothing behind)."""
+        if self._formation is None:
+            return True
+        return self._drive(lambda f: f.advance())
+
+    def _drive(self, step, start=None):
+        """`step(formation)` on the formation under way (or the one `start()` makes)."""
         try:
-            self._form_once(placement_timeout_s)
+            if start is not None:
+                self._formation = start()
+            out = step(self._formation)
         except BaseException:
             self.shutdown()  # nothing of a formation that failed stays behind
             raise
+        if self._formation.done:
+            self._formation = None
+        return out
 
-    def _form_once(self, placement_timeout_s: float) -> None:
+    def _steps(self, placement_timeout_s: float):
+        """The formation's steps (`Formation`): placement, actors, rendezvous, configure,
+        start."""
         self.epoch += 1
         gpu = self.config.device.startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         # One placement group per TP group, strictly packed on one node (TP stays inside
         # a node's fast links); DP groups may land on different nodes.
         self._pgs = [placement_group([bundle] * self.tp, strategy="STRICT_PACK") for _ in range(self.dp)]
-        try:
-            gather([pg.ready() for pg in self._pgs], placement_timeout_s)
-        except GetTimeoutError as e:
-            raise CapacityShort(f"no room for {self.dp} placement group(s) of {self.tp} "
-                                f"{'GPU' if gpu else 'CPU'} rank(s) within "
-                                f"{placement_timeout_s} s") from e
+        yield Wait([pg.ready() for pg in self._pgs], placement_timeout_s, lambda: CapacityShort(
+            f"no room for {self.dp} placement group(s) of {self.tp} {'GPU' if gpu else 'CPU'} "
+            f"rank(s) within {placement_timeout_s} s"))
         env = {"runtime_env": {"env_vars": env_vars}} if (env_vars := self._env_vars()) else {}
         tag = uuid.uuid4().hex[:12]  # names are unique in the namespace, as Ray wants
         self.actors = [
@@ -126,11 +151,11 @@ class GroupSupervisor:
                     self._pgs[r // self.tp], placement_group_bundle_index=r % self.tp),
                 **env,
             ).remote(None) for r in range(self.world_size)]
-        (address,) = gather([self.actors[0].rendezvous_address.remote()], START_TIMEOUT_S)
+        (address,) = yield Wait([self.actors[0].rendezvous_address.remote()], START_TIMEOUT_S)
         specs = [RankSpec(r, self.tp, self.dp, self.epoch, address, self.deadline_s, self.config)
                  for r in range(self.world_size)]
-        gather([a.configure.remote(s) for a, s in zip(self.actors, specs)], START_TIMEOUT_S)
-        self.start_info = gather([a.start.remote() for a in self.actors], START_TIMEOUT_S)
+        yield Wait([a.configure.remote(s) for a, s in zip(self.actors, specs)], START_TIMEOUT_S)
+        self.start_info = yield Wait([a.start.remote() for a in self.actors], START_TIMEOUT_S)
         self._waits = {a.wait.remote(): r for r, a in enumerate(self.actors)}
         log.info("group_formed", epoch=self.epoch, tp=self.tp, dp=self.dp, address=address)
 
@@ -193,6 +218,9 @@ class GroupSupervisor:
         for pg in self._pgs:
             _quietly(lambda: remove_placement_group(pg))
         self.actors, self._waits, self._pgs, self.start_info = [], {}, [], []
+        if self._formation is not None:
+            self._formation.close()
+            self._formation = None
 
     def failure(self, timeout_s: float = 0.0) -> Optional[GroupFailure]:
         deaths = self.deaths(timeout_s)
@@ -204,23 +232,6 @@ def _quietly(fn) -> None:
         fn()
     except Exception as e:  # noqa: BLE001 - tearing down what may already be gone
         log.debug("teardown_step_failed", error=repr(e)[:200])
-
-
-def gather(refs: list, timeout_s: float) -> list:
-    """`ray.get(refs)`, but the first call that fails raises at once (a dead rank's
-    error, while its peers still wait for it in a rendezvous); GetTimeoutError when
-    not all have answered within `timeout_s`."""
-    end = time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        left = end - time.monotonic()
-        if left <= 0:
-            raise GetTimeoutError(f"{len(pending)} of {len(refs)} calls unanswered after "
-                                  f"{timeout_s} s")
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        for ref in ready:
-            ray.get(ref)  # raises the call's error now
-    return ray.get(list(refs))
 
 
 def settle(refs, timeout_s: float = 2.0) -> None:

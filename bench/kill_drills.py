@@ -41,6 +41,8 @@ from phalanx.models.tiny import default_model_dir
 from phalanx.server import start_local
 
 LAYOUTS = {"disagg": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "dp2tp2": dict(dp=2, tp=2),
+           # two DP×EP groups of one rank: a death in one leaves the other serving
+           "dp2g2": dict(dp=2, ep_groups=2),
            # every step split in two, decode micro-batches on the peer channels' two lanes
            "dp2-peer-split": dict(dp=2, ep_exchange="peer", microbatch="on")}
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, page_size=4, num_pages=600)
