@@ -48,6 +48,7 @@ class Formation:
         self.done = False
         self._wait: Wait | None = None
         self._deadline = 0.0
+        self._checked: set = set()  # the current step's answers already taken
         self._next(lambda: next(self._steps))
 
     def advance(self) -> bool:
@@ -57,7 +58,9 @@ class Formation:
             w = self._wait
             ready, _ = ray.wait(w.refs, num_returns=len(w.refs), timeout=0)
             for ref in ready:
-                self._check(lambda: ray.get(ref))  # a failed call raises now
+                if ref not in self._checked:  # each answer once: a failed call raises now
+                    self._checked.add(ref)
+                    self._check(lambda: ray.get(ref))
             if len(ready) < len(w.refs):
                 if self._clock() >= self._deadline:
                     self._fail(w.timed_out())
@@ -93,6 +96,7 @@ class Formation:
             self.done = True
             raise
         self._deadline = self._clock() + self._wait.timeout_s
+        self._checked = set()
 
     def _check(self, call):
         try:

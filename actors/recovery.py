@@ -8,8 +8,8 @@ out the reconciler's actions: fence (kill every actor of the epoch, free its pla
 groups, then the client's `on_fence(key)` takes the group's requests back), form (a new
 epoch, begun without blocking and taken further by each later `reconcile`, so the other
 groups keep serving meanwhile; its outcome is the next event, so a death during
-formation only forms again), resume (the client's `on_resume(key)` hands the group its requests), give up (raises
-`GroupFailure`, now and on every later call).
+formation only forms again), resume (the client's `on_resume(key)` hands the group its
+requests), give up (raises `GroupFailure`, now and on every later call).
 """
 
 from __future__ import annotations
