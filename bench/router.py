@@ -48,7 +48,7 @@ import platform
 import time
 
 from phalanx.policies import PrefixAwareConfig
-from phalanx.router import Router, page_hashes
+from phalanx.router import Router, page_hash, page_hashes
 from phalanx.router.replay import replay
 from phalanx.router.trace import TraceSpec, multi_turn_trace
 
@@ -129,6 +129,8 @@ def _print_table(rows: list[dict], meta: dict, out: str) -> None:
           f"{meta['conversations']} conversations over {meta['groups']} DP groups, "
           f"{meta['kv_pages']} cached pages of {meta['page_size']} tokens per group, "
           f"threshold {meta['threshold']} tokens; total {meta['total_s']:.1f} s; JSON: {out}")
+    print("page hashing: " + ("C (router/_page_hash.c)" if meta["page_hash_native"] else
+                              "Python fallback (router/_page_hash.c not built)"))
     print("decision = Router.route with the page hashes given (no hashing); hash = "
           "Router.prepare (hashing the prompt's pages at admission); both = their sum")
     print(f"{'policy':13} {'decisions/s':>11} {'p50 us':>7} {'p99 us':>7} "
@@ -197,7 +199,7 @@ def main() -> None:
                 long_kv_pages=args.long_kv_pages,
                 goals=dict(p99_us=GOAL_P99_US, decisions_per_s=GOAL_PER_S),
                 total_s=time.perf_counter() - t0, python=platform.python_version(),
-                cpus=os.cpu_count())
+                cpus=os.cpu_count(), page_hash_native=page_hash.NATIVE)
     out = args.json or os.path.join(os.environ.get("OUT", "."), "router.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

@@ -9,7 +9,7 @@ routing decision; most of a prompt, though, repeats pages seen before (a chat tu
 previous turn plus a new message).
 
 `PageHasher` remembers *runs*: consecutive pages of sequences it hashed, as their packed
-tokens and chain hashes. To hash a prompt it packs the tokens once (`struct`), hashes the
+tokens and chain hashes. To hash a prompt it packs the tokens once (`page_hash.pack`), hashes the
 first page, and when that hash starts a remembered run it takes the following hashes from
 the run for as many pages as the tokens are byte-equal (one `memcmp`), then hashes the next
 page and looks again. Taking a hash from a run is exact, not a guess: the chain hash of a
@@ -33,11 +33,10 @@ call that drops (the run is emptied at once, so it is found no more); its entrie
 are deleted a bounded number at a time by the calls after it (`_reap`: as many as each
 call remembers, plus `REAP_SPARE`), so that no request pays for a large run at once.
 
-Cost per call: packing the tokens (`struct`, ~6.5 ns a token: reading a Python int is the
-floor, `marshal`/`array`/tuple comparison are no cheaper), one blake2b per page hashed
-(~0.5 µs: a copy of a keyless blake2b-64 object fed the parent and the page), one `memcmp`
-per jump, and remembering the fresh pages (runs keep their tokens in a `bytearray`, so a
-run grows in place, not by copying it).
+Cost per call: packing the tokens and one blake2b per page hashed, both in C when
+`router/_page_hash.c` is built (`page_hash`: ~1.3 ns a token and ~0.35 µs a page; in
+Python ~6.5 ns and ~0.6 µs), one `memcmp` per jump, and remembering the fresh pages (runs
+keep their tokens in a `bytearray`, so a run grows in place, not by copying it).
 """
 
 from __future__ import annotations
@@ -49,8 +48,9 @@ from itertools import compress, repeat
 from operator import is_
 from typing import Optional, Sequence
 
+from .page_hash import chain, pack
+
 REAP_SPARE = 64  # `_at` entries of dropped runs deleted per call beyond those it remembered
-_BLAKE8 = hashlib.blake2b(digest_size=8)  # copied per page: cheaper than a new object
 
 def page_hashes(tokens: Sequence[int], page_size: int,
                 parent: Optional[int] = None) -> list[int]:
@@ -137,7 +137,7 @@ class PageHasher:
         if parent is None and first_page:
             raise ValueError("first_page > 0 needs the parent page's hash")
         # the partial last page is packed too (no copy of `tokens`) and never read
-        data = struct.pack(f"<{len(tokens)}q", *tokens)
+        data = pack(tokens)
         out, fresh, runs_used = self._walk(data, n, parent, first_page)
         if remember:
             self._remember(data, out, fresh, parent, first_page)
@@ -147,33 +147,30 @@ class PageHasher:
               ) -> tuple[list[int], list[tuple[int, int]], int]:
         """(hashes of the `n` pages packed in `data`, the ranges [a, b) of pages hashed
         that no run holds, how many runs were used)."""
-        new, from_bytes, at_get = _BLAKE8.copy, int.from_bytes, self._at.get
+        at = self._at
         pb = 8 * self.page_size
-        prev = b"" if parent is None else parent.to_bytes(8, "little")
+        prev = parent
         out: list[int] = []
-        append = out.append
         fresh: list[tuple[int, int]] = []
         runs_used = reused = 0
         k = 0
         while k < n:
             a = k  # hash pages until one starts a remembered run
-            for off in range(k * pb, n * pb, pb):
-                b = new()
-                b.update(prev)
-                b.update(data[off:off + pb])
-                prev = b.digest()
-                h = from_bytes(prev, "little")
-                append(h)
-                run = at_get(h)
+            run = None
+            while k < n:
+                out += chain(data, k, n, pb, prev, at)  # ends at a page some run names
+                k = len(out)
+                prev = out[-1]
+                run = at.get(prev)
                 if run is not None:
-                    i = first_page + len(out) - 1 - run.start
+                    i = first_page + k - 1 - run.start
                     hs = run.hashes  # empty for a dropped run: never taken
-                    if 0 <= i < len(hs) and hs[i] == h:
+                    if 0 <= i < len(hs) and hs[i] == prev:
                         break
-            else:
+                    run = None
+            if run is None:
                 fresh.append((a, n))
                 break
-            k = len(out)
             if a < k - 1:
                 fresh.append((a, k - 1))
             # page k-1 is the run's page i: the pages after it are the run's for as long as
@@ -191,7 +188,7 @@ class PageHasher:
             out += hs[i + 1:i + 1 + m]
             k += m
             reused += m
-            prev = out[-1].to_bytes(8, "little")
+            prev = out[-1]
         self.hashed += n - reused
         self.reused += reused
         return out, fresh, runs_used

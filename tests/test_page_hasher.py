@@ -1,5 +1,6 @@
 """PageHasher: memoized chain hashes equal the reference (and the ranks' block pools) on
-sequences that share, extend and diverge from what it remembers, under a tiny budget."""
+sequences that share, extend and diverge from what it remembers, under a tiny budget;
+each test runs with the C page hashing and with its Python fallback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phalanx.engine.block_pool import hash_pages
+from phalanx.router import page_hash, page_hasher
 from phalanx.router.page_hasher import PageHasher, page_hashes
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def impl(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(page_hasher, "pack", page_hash.pack_py)
+        monkeypatch.setattr(page_hasher, "chain", page_hash.chain_py)
+    return request.param
 
 
 def test_reference_equals_the_block_pools():

@@ -1,0 +1,220 @@
+/* Chain hashes of token pages in C: the two per-token loops of `router/page_hasher.py`.
+ *
+ * A page's chain hash is BLAKE2b with an 8-byte digest (RFC 7693, no key) of the parent
+ * page's hash as 8 little-endian bytes (nothing for a sequence's first page) followed by
+ * the page's tokens as little-endian int64; the hash, read as a little-endian integer, is
+ * the first state word after the last compression. Bit-identical to
+ * `hashlib.blake2b(parent + page, digest_size=8)` (tests/test_page_hash.py checks it
+ * against hashlib and against `page_hashes`).
+ *
+ *   pack(tokens) -> bytes
+ *       tokens (a list or tuple of ints in [-2**63, 2**63), or of objects with
+ *       __index__) as little-endian int64;
+ *       equal to struct.pack(f"<{len(tokens)}q", *tokens).
+ *   chain(data, first, stop, page_bytes, parent, stop_at) -> list[int]
+ *       hashes of pages first, first+1, ... < stop of `data` (page p is bytes
+ *       [p * page_bytes, (p + 1) * page_bytes)), the first chained to `parent` (an int,
+ *       or None for a sequence's first page); with `stop_at` (a dict, or None) the list
+ *       ends at the first hash that is a key of `stop_at`, that hash included.
+ *
+ * Optional: `router/page_hash.py` falls back to hashlib and struct when this module was
+ * not built (a source tree used without `pip install`).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static const uint64_t IV[8] = {
+    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL,
+    0xa54ff53a5f1d36f1ULL, 0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL,
+    0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL};
+
+static const uint8_t SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3}};
+
+static inline uint64_t rotr(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
+
+static inline uint64_t load_le64(const uint8_t *p) {
+    uint64_t x = 0;
+    for (int i = 7; i >= 0; i--) x = (x << 8) | p[i];
+    return x;
+}
+
+static inline void store_le64(uint8_t *p, uint64_t x) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(x >> (8 * i));
+}
+
+#define G(a, b, c, d, x, y)          \
+    do {                             \
+        a = a + b + (x);             \
+        d = rotr(d ^ a, 32);         \
+        c = c + d;                   \
+        b = rotr(b ^ c, 24);         \
+        a = a + b + (y);             \
+        d = rotr(d ^ a, 16);         \
+        c = c + d;                   \
+        b = rotr(b ^ c, 63);         \
+    } while (0)
+
+/* One compression of the 128-byte block `block` into state h; t = bytes hashed so far,
+ * this block's included; last = the message's final block. */
+static void compress(uint64_t h[8], const uint8_t block[128], uint64_t t, int last) {
+    uint64_t m[16], v[16];
+    for (int i = 0; i < 16; i++) m[i] = load_le64(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = IV[i];
+    }
+    v[12] ^= t; /* the counter's high word stays 0: messages are far below 2**64 bytes */
+    if (last) v[14] = ~v[14];
+    _Pragma("GCC unroll 12") for (int r = 0; r < 12; r++) { /* sigma indices become constants */
+        const uint8_t *s = SIGMA[r];
+        G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
+        G(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
+        G(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
+        G(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
+        G(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
+        G(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
+        G(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
+        G(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
+    }
+    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* BLAKE2b-64 of (prefix, 0 or 8 bytes) + (msg, len bytes): the digest as an integer. */
+static uint64_t blake2b_64(const uint8_t *prefix, size_t plen, const uint8_t *msg,
+                           size_t len) {
+    uint64_t h[8];
+    uint8_t block[128];
+    memcpy(h, IV, sizeof h);
+    h[0] ^= 0x01010000ULL ^ 8; /* fanout 1, depth 1, no key, 8-byte digest */
+    size_t total = plen + len, done = 0, fill = plen;
+    memcpy(block, prefix, plen);
+    /* the final block (full or not) is compressed with the last flag, so a block is
+     * compressed only once more bytes follow it */
+    while (total - done > 128) {
+        size_t take = 128 - fill;
+        memcpy(block + fill, msg, take);
+        msg += take;
+        done += 128;
+        compress(h, block, done, 0);
+        fill = 0;
+    }
+    size_t rest = total - done - fill;
+    memcpy(block + fill, msg, rest);
+    memset(block + fill + rest, 0, 128 - fill - rest);
+    compress(h, block, total, 1);
+    return h[0];
+}
+
+static PyObject *pack(PyObject *self, PyObject *tokens) {
+    (void)self;
+    /* A list is read in place only while reading its items runs no Python code (exact
+     * ints); anything else is read from a tuple copy, which no __index__ can resize. */
+    PyObject *seq = NULL;
+    if (PyList_CheckExact(tokens)) {
+        Py_ssize_t n = PyList_GET_SIZE(tokens);
+        PyObject **items = PySequence_Fast_ITEMS(tokens);
+        Py_ssize_t i = 0;
+        while (i < n && PyLong_CheckExact(items[i])) i++;
+        if (i == n) {
+            seq = tokens;
+            Py_INCREF(seq);
+        }
+    }
+    if (seq == NULL) seq = PySequence_Tuple(tokens);
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 8 * n);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long x = PyLong_AsLongLong(items[i]); /* ints, or objects with __index__ */
+        if (x == -1 && PyErr_Occurred()) goto fail;
+        store_le64(p + 8 * i, (uint64_t)x);
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *chain(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data;
+    Py_ssize_t first, stop, page_bytes;
+    PyObject *parent, *stop_at;
+    if (!PyArg_ParseTuple(args, "y*nnnOO", &data, &first, &stop, &page_bytes, &parent,
+                          &stop_at))
+        return NULL;
+    PyObject *out = NULL;
+    uint8_t prev[8];
+    size_t plen = 0;
+    if (page_bytes <= 0 || first < 0 || stop < first || stop * page_bytes > data.len) {
+        PyErr_SetString(PyExc_ValueError, "pages out of the data's range");
+        goto done;
+    }
+    if (stop_at != Py_None && !PyDict_Check(stop_at)) {
+        PyErr_SetString(PyExc_TypeError, "stop_at must be a dict or None");
+        goto done;
+    }
+    if (parent != Py_None) {
+        unsigned long long p = PyLong_AsUnsignedLongLong(parent);
+        if (p == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+        store_le64(prev, p);
+        plen = 8;
+    }
+    out = PyList_New(0);
+    if (out == NULL) goto done;
+    const uint8_t *base = (const uint8_t *)data.buf;
+    for (Py_ssize_t k = first; k < stop; k++) {
+        uint64_t h = blake2b_64(prev, plen, base + k * page_bytes, (size_t)page_bytes);
+        store_le64(prev, h);
+        plen = 8;
+        PyObject *value = PyLong_FromUnsignedLongLong(h);
+        if (value == NULL || PyList_Append(out, value) < 0) {
+            Py_XDECREF(value);
+            Py_CLEAR(out);
+            goto done;
+        }
+        int found = stop_at == Py_None ? 0 : PyDict_Contains(stop_at, value);
+        Py_DECREF(value);
+        if (found < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        if (found) break;
+    }
+done:
+    PyBuffer_Release(&data);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"pack", pack, METH_O, "tokens as little-endian int64 bytes"},
+    {"chain", chain, METH_VARARGS, "chain hashes of pages of packed tokens"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_page_hash",
+                                    "Chain hashes of token pages (BLAKE2b-64) in C.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__page_hash(void) { return PyModule_Create(&module); }
