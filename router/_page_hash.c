@@ -16,6 +16,15 @@
  *       [p * page_bytes, (p + 1) * page_bytes)), the first chained to `parent` (an int,
  *       or None for a sequence's first page); with `stop_at` (a dict, or None) the list
  *       ends at the first hash that is a key of `stop_at`, that hash included.
+ *   walk(data, n, page_bytes, parent, first_page, at) -> (hashes, fresh, touched, reused)
+ *       the hashes of the n pages of `data` (page 0 is the sequence's page `first_page`),
+ *       hashing pages until one is a page of a remembered run and taking the run's
+ *       following hashes for as long as their tokens are byte-equal; `at` maps a chain
+ *       hash to a run (attributes `start`, `hashes`: list, `data`: bytearray). Returns the
+ *       hashes, the ranges [a, b) of pages hashed that no run holds, for each run used
+ *       (run, cut) with cut = the run's page where the tokens differ or -1, and the number
+ *       of hashes taken from runs. The runs are only read: the caller cuts them.
+ *       `page_hash.walk_py` is the same in Python, with the contract in its docstring.
  *
  * Optional: `router/page_hash.py` falls back to hashlib and struct when this module was
  * not built (a source tree used without `pip install`).
@@ -157,6 +166,165 @@ fail:
     return NULL;
 }
 
+/* Appends a new int h to `out`; the int (a new reference) or NULL on error. */
+static PyObject *append_hash(PyObject *out, uint64_t h) {
+    PyObject *value = PyLong_FromUnsignedLongLong(h);
+    if (value == NULL) return NULL;
+    if (PyList_Append(out, value) < 0) {
+        Py_DECREF(value);
+        return NULL;
+    }
+    return value;
+}
+
+static PyObject *s_start, *s_hashes, *s_data; /* interned attribute names of a run */
+
+/* The run `at` names for hash `hobj` if that run's page i = pos - run.start holds it:
+ * a new reference with *hs (new reference) and *i set; NULL with no error if none. */
+static PyObject *run_holding(PyObject *at, PyObject *hobj, uint64_t h, Py_ssize_t pos,
+                             PyObject **hs, Py_ssize_t *i) {
+    PyObject *run = PyDict_GetItemWithError(at, hobj);
+    if (run == NULL) return NULL;
+    Py_INCREF(run);
+    PyObject *start = PyObject_GetAttr(run, s_start);
+    PyObject *hashes = start ? PyObject_GetAttr(run, s_hashes) : NULL;
+    if (hashes == NULL || !PyList_Check(hashes)) {
+        if (hashes != NULL) PyErr_SetString(PyExc_TypeError, "a run's hashes must be a list");
+        goto fail;
+    }
+    Py_ssize_t at_pos = pos - PyLong_AsSsize_t(start);
+    if (PyErr_Occurred()) goto fail;
+    if (at_pos >= 0 && at_pos < PyList_GET_SIZE(hashes)) {
+        unsigned long long held = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(hashes, at_pos));
+        if (held == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+        if (held == h) {
+            Py_DECREF(start);
+            *hs = hashes;
+            *i = at_pos;
+            return run;
+        }
+    }
+    Py_DECREF(start);
+    Py_DECREF(hashes);
+    Py_DECREF(run);
+    return NULL;
+fail:
+    Py_XDECREF(start);
+    Py_XDECREF(hashes);
+    Py_DECREF(run);
+    return NULL;
+}
+
+/* How many pages (at most `limit`) from page k of `data` equal the run's from its page j. */
+static Py_ssize_t equal_pages(PyObject *run, const uint8_t *data, Py_ssize_t k, Py_ssize_t j,
+                              Py_ssize_t pb, Py_ssize_t limit) {
+    PyObject *rdata = PyObject_GetAttr(run, s_data);
+    if (rdata == NULL) return -1;
+    if (!PyByteArray_Check(rdata)) {
+        Py_DECREF(rdata);
+        PyErr_SetString(PyExc_TypeError, "a run's data must be a bytearray");
+        return -1;
+    }
+    const uint8_t *r = (const uint8_t *)PyByteArray_AS_STRING(rdata);
+    Py_ssize_t have = PyByteArray_GET_SIZE(rdata) / pb - j;
+    if (limit > have) limit = have;
+    Py_ssize_t m = 0;
+    while (m < limit && memcmp(data + (k + m) * pb, r + (j + m) * pb, (size_t)pb) == 0) m++;
+    Py_DECREF(rdata);
+    return m;
+}
+
+static int append_pair(PyObject *list, PyObject *a, Py_ssize_t b) {
+    PyObject *pair = Py_BuildValue("(On)", a, b);
+    if (pair == NULL) return -1;
+    int rc = PyList_Append(list, pair);
+    Py_DECREF(pair);
+    return rc;
+}
+
+static int append_range(PyObject *list, Py_ssize_t a, Py_ssize_t b) {
+    PyObject *pair = Py_BuildValue("(nn)", a, b);
+    if (pair == NULL) return -1;
+    int rc = PyList_Append(list, pair);
+    Py_DECREF(pair);
+    return rc;
+}
+
+static PyObject *walk(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data;
+    Py_ssize_t n, pb, first_page;
+    PyObject *parent, *at;
+    if (!PyArg_ParseTuple(args, "y*nnOnO!", &data, &n, &pb, &parent, &first_page,
+                          &PyDict_Type, &at))
+        return NULL;
+    PyObject *out = PyList_New(0), *fresh = PyList_New(0), *touched = PyList_New(0);
+    PyObject *result = NULL, *run = NULL, *hs = NULL;
+    uint8_t prev[8];
+    size_t plen = 0;
+    Py_ssize_t k = 0, reused = 0, i = 0;
+    if (out == NULL || fresh == NULL || touched == NULL) goto done;
+    if (pb <= 0 || n < 0 || n * pb > data.len || first_page < 0) {
+        PyErr_SetString(PyExc_ValueError, "pages out of the data's range");
+        goto done;
+    }
+    if (parent != Py_None) {
+        unsigned long long p = PyLong_AsUnsignedLongLong(parent);
+        if (p == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+        store_le64(prev, p);
+        plen = 8;
+    }
+    const uint8_t *base = (const uint8_t *)data.buf;
+    while (k < n) {
+        Py_ssize_t a = k; /* hash pages until one is a remembered run's page */
+        while (k < n && run == NULL) {
+            uint64_t h = blake2b_64(prev, plen, base + k * pb, (size_t)pb);
+            store_le64(prev, h);
+            plen = 8;
+            PyObject *hobj = append_hash(out, h);
+            if (hobj == NULL) goto done;
+            k++;
+            run = run_holding(at, hobj, h, first_page + k - 1, &hs, &i);
+            Py_DECREF(hobj);
+            if (run == NULL && PyErr_Occurred()) goto done;
+        }
+        if (run == NULL) {
+            if (append_range(fresh, a, n) < 0) goto done;
+            break;
+        }
+        if (a < k - 1 && append_range(fresh, a, k - 1) < 0) goto done;
+        /* page k-1 is the run's page i: the pages after it are the run's for as long as
+         * their tokens are equal (same parent hash, same tokens) */
+        Py_ssize_t limit = n - k, left = PyList_GET_SIZE(hs) - i - 1, m = 0;
+        if (left < limit) limit = left;
+        if (limit > 0) {
+            m = equal_pages(run, base, k, i + 1, pb, limit);
+            if (m < 0) goto done;
+        }
+        if (append_pair(touched, run, limit > 0 && m < limit ? i + 1 + m : -1) < 0) goto done;
+        for (Py_ssize_t j = i + 1; j <= i + m; j++)
+            if (PyList_Append(out, PyList_GET_ITEM(hs, j)) < 0) goto done;
+        if (m) {
+            unsigned long long last = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(hs, i + m));
+            if (last == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+            store_le64(prev, last);
+            k += m;
+            reused += m;
+        }
+        Py_CLEAR(run);
+        Py_CLEAR(hs);
+    }
+    result = Py_BuildValue("(OOOn)", out, fresh, touched, reused);
+done:
+    Py_XDECREF(run);
+    Py_XDECREF(hs);
+    Py_XDECREF(out);
+    Py_XDECREF(fresh);
+    Py_XDECREF(touched);
+    PyBuffer_Release(&data);
+    return result;
+}
+
 static PyObject *chain(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer data;
@@ -211,10 +379,17 @@ done:
 static PyMethodDef methods[] = {
     {"pack", pack, METH_O, "tokens as little-endian int64 bytes"},
     {"chain", chain, METH_VARARGS, "chain hashes of pages of packed tokens"},
+    {"walk", walk, METH_VARARGS, "chain hashes of packed pages through remembered runs"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_page_hash",
                                     "Chain hashes of token pages (BLAKE2b-64) in C.", -1,
-                                    methods};
+                                    methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__page_hash(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__page_hash(void) {
+    s_start = PyUnicode_InternFromString("start");
+    s_hashes = PyUnicode_InternFromString("hashes");
+    s_data = PyUnicode_InternFromString("data");
+    if (s_start == NULL || s_hashes == NULL || s_data == NULL) return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,4 +1,5 @@
-"""The per-token loops of page hashing: packing tokens, and chaining page hashes.
+"""The per-token loops of page hashing: packing tokens, chaining page hashes, and the
+walk of `PageHasher` through remembered runs.
 
 `pack(tokens)` is the tokens as little-endian int64 bytes. `chain(data, first, stop,
 page_bytes, parent, stop_at)` is the chain hashes of pages `first .. stop - 1` of packed
@@ -7,7 +8,10 @@ page_bytes, parent, stop_at)` is the chain hashes of pages `first .. stop - 1` o
 key of the dict `stop_at` (that hash included). A page's chain hash is blake2b-64 of its
 parent's hash as 8 little-endian bytes and the page's bytes (`page_hasher.page_hashes`).
 
-Both come from the C module `_page_hash` (`router/_page_hash.c`, built by `pip install`)
+`walk(data, n, page_bytes, parent, first_page, at)` is `PageHasher`'s walk: the hashes of
+the n pages of `data` through the runs it remembers (`walk_py`'s docstring has the contract).
+
+All three come from the C module `_page_hash` (`router/_page_hash.c`, built by `pip install`)
 when it is there: it reads a Python int in ~1 ns where `struct` takes ~6, and hashes a
 page in ~0.35 µs where a hashlib object takes ~0.6 plus the loop's own calls. Without it
 (a source tree used without installing it) the Python versions below give the same bytes
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 _BLAKE8 = hashlib.blake2b(digest_size=8)  # copied per page: cheaper than a new object
 
@@ -46,11 +50,77 @@ def chain_py(data: bytes, first: int, stop: int, page_bytes: int, parent: Option
     return out
 
 
+def walk_py(data: bytes, n: int, page_bytes: int, parent: Optional[int], first_page: int,
+            at: dict) -> tuple[list[int], list[tuple[int, int]], list[tuple[Any, int]], int]:
+    """The chain hashes of the `n` pages of `data` (its page 0 is page `first_page` of a
+    sequence whose previous page has hash `parent`), taking hashes from remembered runs.
+
+    `at` maps a chain hash to a run that holds that page: an object with `start` (the
+    sequence position of its first page), `hashes` (its pages' hashes, a list) and `data`
+    (their tokens packed, a bytearray). Pages are hashed until one is a page of the run
+    `at` names for it, at the same position; the run's following hashes are then taken
+    for as long as its tokens equal ours (the same parent and the same tokens give the
+    same hash, so this is exact), and hashing resumes after them.
+
+    Returns (hashes, fresh, touched, reused): `fresh` the ranges [a, b) of pages hashed
+    that no run holds; `touched` a (run, cut) per run used, in order, with cut = the run's
+    page where our tokens differ from its (it should be cut there) or -1; `reused` the
+    number of hashes taken from runs. The runs are only read."""
+    out: list[int] = []
+    fresh: list[tuple[int, int]] = []
+    touched: list[tuple[Any, int]] = []
+    prev, k, reused = parent, 0, 0
+    while k < n:
+        a, run = k, None  # hash pages until one is a remembered run's page
+        while k < n:
+            out += chain_py(data, k, n, page_bytes, prev, at)
+            k = len(out)
+            prev = out[-1]
+            run = at.get(prev)
+            if run is not None:
+                i = first_page + k - 1 - run.start
+                hs = run.hashes
+                if 0 <= i < len(hs) and hs[i] == prev:
+                    break
+                run = None
+        if run is None:
+            fresh.append((a, n))
+            break
+        if a < k - 1:
+            fresh.append((a, k - 1))
+        limit = min(n - k, len(hs) - i - 1)
+        m = _equal_pages(data, k, run.data, i + 1, page_bytes, limit) if limit > 0 else 0
+        touched.append((run, i + 1 + m if m < limit else -1))
+        if m:
+            out += hs[i + 1:i + 1 + m]
+            k += m
+            reused += m
+            prev = out[-1]
+    return out, fresh, touched, reused
+
+
+def _equal_pages(data: bytes, k: int, rdata: bytearray, j: int, pb: int, limit: int) -> int:
+    """How many pages (at most `limit`) from page k of `data` equal those from page j of
+    `rdata`: one `memcmp` when all do, else a binary search. The view of `rdata` is
+    released before returning (the run may be cut or grown next)."""
+    with memoryview(rdata) as view:
+        if data.startswith(view[j * pb:(j + limit) * pb], k * pb):
+            return limit
+        lo, hi = 0, limit - 1  # lo pages are known equal, more than hi are known not to be
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if data.startswith(view[j * pb:(j + mid) * pb], k * pb):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
 try:
-    from ._page_hash import chain, pack
+    from ._page_hash import chain, pack, walk
     NATIVE = True
 except ImportError:  # not built: the same results, slower
-    pack, chain = pack_py, chain_py
+    pack, chain, walk = pack_py, chain_py, walk_py
     NATIVE = False
 
-__all__ = ["NATIVE", "chain", "chain_py", "pack", "pack_py"]
+__all__ = ["NATIVE", "chain", "chain_py", "pack", "pack_py", "walk", "walk_py"]

@@ -33,10 +33,13 @@ call that drops (the run is emptied at once, so it is found no more); its entrie
 are deleted a bounded number at a time by the calls after it (`_reap`: as many as each
 call remembers, plus `REAP_SPARE`), so that no request pays for a large run at once.
 
-Cost per call: packing the tokens and one blake2b per page hashed, both in C when
-`router/_page_hash.c` is built (`page_hash`: ~1.3 ns a token and ~0.35 µs a page; in
-Python ~6.5 ns and ~0.6 µs), one `memcmp` per jump, and remembering the fresh pages (runs
-keep their tokens in a `bytearray`, so a run grows in place, not by copying it).
+Cost per call: packing the tokens, then the walk: one blake2b per page hashed and a
+`memcmp` per jump, all in C when `router/_page_hash.c` is built (`page_hash.pack` and
+`walk`: ~1.3 ns a token and ~0.35 µs a page; in Python ~6.5 ns and ~0.6 µs plus the
+loop's own calls); then remembering the fresh pages (runs keep their tokens in a
+`bytearray`, so a run grows in place, not by copying it). The walk only reads the runs;
+`_walk` applies what it reports (the runs used become the most recent; one our tokens
+leave in its middle is cut there).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from itertools import compress, repeat
 from operator import is_
 from typing import Optional, Sequence
 
-from .page_hash import chain, pack
+from .page_hash import pack, walk
 
 REAP_SPARE = 64  # `_at` entries of dropped runs deleted per call beyond those it remembered
 
@@ -89,20 +92,6 @@ class _Run:
         self.sealed = False
 
 
-def _common_pages(a: bytes, a_off: int, b: memoryview, b_off: int, page_bytes: int,
-                  limit: int) -> int:
-    """How many whole pages from byte `a_off` of `a` equal those from `b_off` of `b`
-    (at most `limit`; a binary search)."""
-    lo, hi = 0, limit  # lo pages are known equal, more than hi are known not to be
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a.startswith(b[b_off:b_off + mid * page_bytes], a_off):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 class PageHasher:
     """Chain hashes of full pages of `page_size` tokens, memoized over remembered runs
     (module docstring). Not thread-safe; one owner (a prefix tree) drives it."""
@@ -138,73 +127,26 @@ class PageHasher:
             raise ValueError("first_page > 0 needs the parent page's hash")
         # the partial last page is packed too (no copy of `tokens`) and never read
         data = pack(tokens)
-        out, fresh, runs_used = self._walk(data, n, parent, first_page)
+        out, fresh = self._walk(data, n, parent, first_page)
         if remember:
             self._remember(data, out, fresh, parent, first_page)
         return out
 
     def _walk(self, data: bytes, n: int, parent: Optional[int], first_page: int
-              ) -> tuple[list[int], list[tuple[int, int]], int]:
+              ) -> tuple[list[int], list[tuple[int, int]]]:
         """(hashes of the `n` pages packed in `data`, the ranges [a, b) of pages hashed
-        that no run holds, how many runs were used)."""
-        at = self._at
-        pb = 8 * self.page_size
-        prev = parent
-        out: list[int] = []
-        fresh: list[tuple[int, int]] = []
-        runs_used = reused = 0
-        k = 0
-        while k < n:
-            a = k  # hash pages until one starts a remembered run
-            run = None
-            while k < n:
-                out += chain(data, k, n, pb, prev, at)  # ends at a page some run names
-                k = len(out)
-                prev = out[-1]
-                run = at.get(prev)
-                if run is not None:
-                    i = first_page + k - 1 - run.start
-                    hs = run.hashes  # empty for a dropped run: never taken
-                    if 0 <= i < len(hs) and hs[i] == prev:
-                        break
-                    run = None
-            if run is None:
-                fresh.append((a, n))
-                break
-            if a < k - 1:
-                fresh.append((a, k - 1))
-            # page k-1 is the run's page i: the pages after it are the run's for as long as
-            # their tokens are equal (same parent hash, same tokens)
-            runs_used += 1
-            self._runs.move_to_end(run)
-            limit = min(n - k, len(hs) - i - 1)
-            if limit <= 0:
-                continue
-            m = self._equal_pages(data, k * pb, run, (i + 1) * pb, limit)
-            if m < limit:
-                self._split(run, i + 1 + m)  # our page differs from the run's there
-                if not m:
-                    continue
-            out += hs[i + 1:i + 1 + m]
-            k += m
-            reused += m
-            prev = out[-1]
+        that no run holds), through the remembered runs (`page_hash.walk`); the runs used
+        become the most recent, and one our tokens leave in its middle is cut there."""
+        out, fresh, touched, reused = walk(data, n, 8 * self.page_size, parent, first_page,
+                                           self._at)
+        runs = self._runs
+        for run, cut in touched:
+            runs.move_to_end(run)
+            if cut >= 0:
+                self._split(run, cut)
         self.hashed += n - reused
         self.reused += reused
-        return out, fresh, runs_used
-
-    def _equal_pages(self, data: bytes, off: int, run: _Run, roff: int, limit: int) -> int:
-        """How many pages (at most `limit`) from byte `off` of `data` equal `run`'s from
-        byte `roff`: one `memcmp` when all do. The buffer of `run.data` is released before
-        returning (the run may be cut or grown next)."""
-        pb = 8 * self.page_size
-        view = memoryview(run.data)
-        if data.startswith(view[roff:roff + limit * pb], off):
-            m = limit
-        else:
-            m = _common_pages(data, off, view, roff, pb, limit - 1)
-        view.release()
-        return m
+        return out, fresh
 
     def _remember(self, data: bytes, hashes: list[int], fresh: list[tuple[int, int]],
                   parent: Optional[int], first_page: int) -> None:

@@ -92,3 +92,77 @@ def test_bad_input_is_refused(impl):
             chain(data, first, stop, pb, None, None)
     with pytest.raises((OverflowError, TypeError)):
         chain(data, 0, 1, 128, -1, None)
+
+
+class _Run:
+    __slots__ = ("start", "hashes", "data")
+
+    def __init__(self, start, hashes, data):
+        self.start, self.hashes, self.data = start, hashes, data
+
+
+def test_walk_takes_hashes_from_runs_and_reports_the_cut():
+    """One run holding pages 0-5 of a sequence: a prompt equal to its first 3 pages and
+    then different is hashed as 1 page (to find the run) + 2 taken + the rest, and the
+    run is reported cut at page 3; both implementations agree, run by identity."""
+    ps, pb = 4, 32
+    rng = random.Random(3)
+    seq = [rng.randrange(100) for _ in range(ps * 6)]
+    hs = page_hashes(seq, ps)
+    run = _Run(0, list(hs), bytearray(page_hash.pack_py(seq)))
+    at = dict.fromkeys(hs, run)
+    prompt = seq[:ps * 3] + [rng.randrange(100, 200) for _ in range(ps * 2)]
+    for walk in (page_hash.walk, page_hash.walk_py):
+        out, fresh, touched, reused = walk(page_hash.pack(prompt), 5, pb, None, 0, at)
+        assert out == page_hashes(prompt, ps)
+        assert fresh == [(3, 5)] and reused == 2
+        assert len(touched) == 1 and touched[0][0] is run and touched[0][1] == 3
+        # all of the run and beyond: no cut; a continuation from page 2 (first_page)
+        longer = seq + [1] * ps * 2
+        out, fresh, touched, reused = walk(page_hash.pack(longer), 8, pb, None, 0, at)
+        assert out == page_hashes(longer, ps) and fresh == [(6, 8)] and reused == 5
+        assert touched == [(run, -1)]
+        tail = longer[ps * 2:]
+        out, fresh, touched, reused = walk(page_hash.pack(tail), 6, pb, hs[1], 2, at)
+        assert out == page_hashes(longer, ps)[2:] and fresh == [(4, 6)] and reused == 3
+        # a run found at the wrong position (start off by one) is not taken
+        moved = _Run(1, list(hs), run.data)
+        out, fresh, touched, reused = walk(page_hash.pack(seq), 6, pb, None, 0,
+                                           dict.fromkeys(hs, moved))
+        assert out == hs and fresh == [(0, 6)] and touched == [] and reused == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_walk_in_c_equals_the_python_walk(seed):
+    """Random sequences over a small alphabet against the runs of a PageHasher fed
+    similar ones: the same hashes, fresh ranges, runs touched and cuts."""
+    from phalanx.router.page_hasher import PageHasher
+    rng = random.Random(seed)
+    ps = rng.choice([1, 2, 4, 16])
+    h = PageHasher(ps, budget=rng.choice([8, 64, 1 << 16]))
+    base = [[rng.randrange(3) for _ in range(rng.randrange(0, 12 * ps))] for _ in range(5)]
+    for _ in range(60):
+        t = list(rng.choice(base)) + [rng.randrange(3) for _ in range(rng.randrange(3 * ps))]
+        n = len(t) // ps
+        data = page_hash.pack(t)
+        got = page_hash.walk(data, n, 8 * ps, None, 0, h._at)
+        want = page_hash.walk_py(data, n, 8 * ps, None, 0, h._at)
+        assert got[0] == want[0] == page_hashes(t, ps)
+        assert got[1:] == want[1:]
+        h.hashes(t)
+        base[rng.randrange(5)] = t
+
+
+def test_walk_refuses_bad_runs_and_ranges():
+    data = page_hash.pack(list(range(8)))
+    hs = page_hashes(list(range(8)), 4)
+    with pytest.raises(ValueError, match="range"):
+        page_hash.walk(data, 3, 32, None, 0, {})
+    with pytest.raises(TypeError):
+        page_hash.walk(data, 2, 32, None, 0, [])
+    with pytest.raises(TypeError, match="list"):
+        page_hash.walk(data, 2, 32, None, 0, {hs[0]: _Run(0, tuple(hs), bytearray(data))})
+    with pytest.raises(TypeError, match="bytearray"):
+        page_hash.walk(data, 2, 32, None, 0, {hs[0]: _Run(0, list(hs), bytes(data))})
+    with pytest.raises(AttributeError):
+        page_hash.walk(data, 2, 32, None, 0, {hs[0]: object()})

@@ -19,7 +19,7 @@ from phalanx.router.page_hasher import PageHasher, page_hashes
 def impl(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(page_hasher, "pack", page_hash.pack_py)
-        monkeypatch.setattr(page_hasher, "chain", page_hash.chain_py)
+        monkeypatch.setattr(page_hasher, "walk", page_hash.walk_py)
     return request.param
 
 
