@@ -234,20 +234,23 @@ static Py_ssize_t equal_pages(PyObject *run, const uint8_t *data, Py_ssize_t k, 
     return m;
 }
 
-static int append_pair(PyObject *list, PyObject *a, Py_ssize_t b) {
-    PyObject *pair = Py_BuildValue("(On)", a, b);
-    if (pair == NULL) return -1;
-    int rc = PyList_Append(list, pair);
-    Py_DECREF(pair);
+/* Appends `item` (a new reference, stolen; NULL: an error already set) to `list`. */
+static int append_new(PyObject *list, PyObject *item) {
+    if (item == NULL) return -1;
+    int rc = PyList_Append(list, item);
+    Py_DECREF(item);
     return rc;
 }
 
-static int append_range(PyObject *list, Py_ssize_t a, Py_ssize_t b) {
-    PyObject *pair = Py_BuildValue("(nn)", a, b);
-    if (pair == NULL) return -1;
-    int rc = PyList_Append(list, pair);
-    Py_DECREF(pair);
-    return rc;
+/* The parent page's hash as the 8 bytes a page's message starts with (none for None). */
+static int parent_prefix(PyObject *parent, uint8_t prev[8], size_t *plen) {
+    *plen = 0;
+    if (parent == Py_None) return 0;
+    unsigned long long p = PyLong_AsUnsignedLongLong(parent);
+    if (p == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    store_le64(prev, p);
+    *plen = 8;
+    return 0;
 }
 
 static PyObject *walk(PyObject *self, PyObject *args) {
@@ -268,12 +271,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "pages out of the data's range");
         goto done;
     }
-    if (parent != Py_None) {
-        unsigned long long p = PyLong_AsUnsignedLongLong(parent);
-        if (p == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-        store_le64(prev, p);
-        plen = 8;
-    }
+    if (parent_prefix(parent, prev, &plen) < 0) goto done;
     const uint8_t *base = (const uint8_t *)data.buf;
     while (k < n) {
         Py_ssize_t a = k; /* hash pages until one is a remembered run's page */
@@ -289,10 +287,10 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             if (run == NULL && PyErr_Occurred()) goto done;
         }
         if (run == NULL) {
-            if (append_range(fresh, a, n) < 0) goto done;
+            if (append_new(fresh, Py_BuildValue("(nn)", a, n)) < 0) goto done;
             break;
         }
-        if (a < k - 1 && append_range(fresh, a, k - 1) < 0) goto done;
+        if (a < k - 1 && append_new(fresh, Py_BuildValue("(nn)", a, k - 1)) < 0) goto done;
         /* page k-1 is the run's page i: the pages after it are the run's for as long as
          * their tokens are equal (same parent hash, same tokens) */
         Py_ssize_t limit = n - k, left = PyList_GET_SIZE(hs) - i - 1, m = 0;
@@ -301,7 +299,8 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             m = equal_pages(run, base, k, i + 1, pb, limit);
             if (m < 0) goto done;
         }
-        if (append_pair(touched, run, limit > 0 && m < limit ? i + 1 + m : -1) < 0) goto done;
+        Py_ssize_t cut = limit > 0 && m < limit ? i + 1 + m : -1;
+        if (append_new(touched, Py_BuildValue("(On)", run, cut)) < 0) goto done;
         for (Py_ssize_t j = i + 1; j <= i + m; j++)
             if (PyList_Append(out, PyList_GET_ITEM(hs, j)) < 0) goto done;
         if (m) {
@@ -344,12 +343,7 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "stop_at must be a dict or None");
         goto done;
     }
-    if (parent != Py_None) {
-        unsigned long long p = PyLong_AsUnsignedLongLong(parent);
-        if (p == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-        store_le64(prev, p);
-        plen = 8;
-    }
+    if (parent_prefix(parent, prev, &plen) < 0) goto done;
     out = PyList_New(0);
     if (out == NULL) goto done;
     const uint8_t *base = (const uint8_t *)data.buf;
