@@ -167,16 +167,6 @@ fail:
 }
 
 /* Appends a new int h to `out`; the int (a new reference) or NULL on error. */
-static PyObject *append_hash(PyObject *out, uint64_t h) {
-    PyObject *value = PyLong_FromUnsignedLongLong(h);
-    if (value == NULL) return NULL;
-    if (PyList_Append(out, value) < 0) {
-        Py_DECREF(value);
-        return NULL;
-    }
-    return value;
-}
-
 static PyObject *s_start, *s_hashes, *s_data; /* interned attribute names of a run */
 
 /* The run `at` names for hash `hobj` if that run's page i = pos - run.start holds it:
@@ -229,7 +219,10 @@ static Py_ssize_t equal_pages(PyObject *run, const uint8_t *data, Py_ssize_t k, 
     Py_ssize_t have = PyByteArray_GET_SIZE(rdata) / pb - j;
     if (limit > have) limit = have;
     Py_ssize_t m = 0;
-    while (m < limit && memcmp(data + (k + m) * pb, r + (j + m) * pb, (size_t)pb) == 0) m++;
+    if (limit > 0 && memcmp(data + k * pb, r + j * pb, (size_t)(limit * pb)) == 0)
+        m = limit; /* the common case: one memcmp */
+    else
+        while (m < limit && memcmp(data + (k + m) * pb, r + (j + m) * pb, (size_t)pb) == 0) m++;
     Py_DECREF(rdata);
     return m;
 }
@@ -261,16 +254,18 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nnOnO!", &data, &n, &pb, &parent, &first_page,
                           &PyDict_Type, &at))
         return NULL;
-    PyObject *out = PyList_New(0), *fresh = PyList_New(0), *touched = PyList_New(0);
+    PyObject *out = NULL, *fresh = PyList_New(0), *touched = PyList_New(0);
     PyObject *result = NULL, *run = NULL, *hs = NULL;
     uint8_t prev[8];
     size_t plen = 0;
     Py_ssize_t k = 0, reused = 0, i = 0;
-    if (out == NULL || fresh == NULL || touched == NULL) goto done;
+    if (fresh == NULL || touched == NULL) goto done;
     if (pb <= 0 || n < 0 || n * pb > data.len || first_page < 0) {
         PyErr_SetString(PyExc_ValueError, "pages out of the data's range");
         goto done;
     }
+    out = PyList_New(n); /* slot k is filled when page k's hash is known */
+    if (out == NULL) goto done;
     if (parent_prefix(parent, prev, &plen) < 0) goto done;
     const uint8_t *base = (const uint8_t *)data.buf;
     while (k < n) {
@@ -279,11 +274,11 @@ static PyObject *walk(PyObject *self, PyObject *args) {
             uint64_t h = blake2b_64(prev, plen, base + k * pb, (size_t)pb);
             store_le64(prev, h);
             plen = 8;
-            PyObject *hobj = append_hash(out, h);
+            PyObject *hobj = PyLong_FromUnsignedLongLong(h);
             if (hobj == NULL) goto done;
+            PyList_SET_ITEM(out, k, hobj); /* the list owns it; borrowed below */
             k++;
             run = run_holding(at, hobj, h, first_page + k - 1, &hs, &i);
-            Py_DECREF(hobj);
             if (run == NULL && PyErr_Occurred()) goto done;
         }
         if (run == NULL) {
@@ -301,8 +296,11 @@ static PyObject *walk(PyObject *self, PyObject *args) {
         }
         Py_ssize_t cut = limit > 0 && m < limit ? i + 1 + m : -1;
         if (append_new(touched, Py_BuildValue("(On)", run, cut)) < 0) goto done;
-        for (Py_ssize_t j = i + 1; j <= i + m; j++)
-            if (PyList_Append(out, PyList_GET_ITEM(hs, j)) < 0) goto done;
+        for (Py_ssize_t j = i + 1; j <= i + m; j++) {
+            PyObject *taken = PyList_GET_ITEM(hs, j);
+            Py_INCREF(taken);
+            PyList_SET_ITEM(out, k + (j - i - 1), taken);
+        }
         if (m) {
             unsigned long long last = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(hs, i + m));
             if (last == (unsigned long long)-1 && PyErr_Occurred()) goto done;

@@ -157,16 +157,17 @@ class PageHasher:
         `REAP_SPARE`), so that the entries of dropped runs never pile up."""
         pb = 8 * self.page_size
         added = 0
-        for a, b in fresh:
-            before = hashes[a - 1] if a else parent
-            run = self._at.get(before) if before is not None else None
-            chunk = bytearray(memoryview(data)[a * pb:b * pb])
-            if run is not None and not run.sealed and run.hashes[-1] == before \
-                    and run.start + len(run.hashes) == first_page + a:
-                self._extend(run, chunk, hashes[a:b])
-            else:
-                self._add(_Run(first_page + a, chunk, hashes[a:b]))
-            added += b - a
+        with memoryview(data) as view:
+            for a, b in fresh:
+                before = hashes[a - 1] if a else parent
+                run = self._at.get(before) if before is not None else None
+                if run is not None and not run.sealed and run.hashes[-1] == before \
+                        and run.start + len(run.hashes) == first_page + a:
+                    self._extend(run, view[a * pb:b * pb], hashes[a:b])
+                else:
+                    self._add(_Run(first_page + a, bytearray(view[a * pb:b * pb]),
+                                   hashes[a:b]))
+                added += b - a
         if self._pages > self.budget:
             self.trim(self.budget)
         if self._dying:
@@ -184,7 +185,7 @@ class PageHasher:
         self._at.update(zip(tail.hashes, repeat(tail)))
         self._runs[tail] = None
 
-    def _extend(self, run: _Run, data: bytearray, hashes: list[int]) -> None:
+    def _extend(self, run: _Run, data: memoryview, hashes: list[int]) -> None:
         """Appends pages to `run` (they follow its last page in one sequence)."""
         run.data += data
         run.hashes += hashes
