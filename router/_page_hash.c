@@ -88,7 +88,8 @@ static void compress(uint64_t h[8], const uint8_t block[128], uint64_t t, int la
     }
     v[12] ^= t; /* the counter's high word stays 0: messages are far below 2**64 bytes */
     if (last) v[14] = ~v[14];
-    _Pragma("GCC unroll 12") for (int r = 0; r < 12; r++) { /* sigma indices become constants */
+    /* unrolled, the sigma indices are constants */
+    _Pragma("GCC unroll 12") for (int r = 0; r < 12; r++) {
         const uint8_t *s = SIGMA[r];
         G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
         G(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
@@ -179,13 +180,15 @@ static PyObject *run_holding(PyObject *at, PyObject *hobj, uint64_t h, Py_ssize_
     PyObject *start = PyObject_GetAttr(run, s_start);
     PyObject *hashes = start ? PyObject_GetAttr(run, s_hashes) : NULL;
     if (hashes == NULL || !PyList_Check(hashes)) {
-        if (hashes != NULL) PyErr_SetString(PyExc_TypeError, "a run's hashes must be a list");
+        if (hashes != NULL)
+            PyErr_SetString(PyExc_TypeError, "a run's hashes must be a list");
         goto fail;
     }
     Py_ssize_t at_pos = pos - PyLong_AsSsize_t(start);
     if (PyErr_Occurred()) goto fail;
     if (at_pos >= 0 && at_pos < PyList_GET_SIZE(hashes)) {
-        unsigned long long held = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(hashes, at_pos));
+        PyObject *item = PyList_GET_ITEM(hashes, at_pos);
+        unsigned long long held = PyLong_AsUnsignedLongLong(item);
         if (held == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
         if (held == h) {
             Py_DECREF(start);
@@ -205,9 +208,9 @@ fail:
     return NULL;
 }
 
-/* How many pages (at most `limit`) from page k of `data` equal the run's from its page j. */
-static Py_ssize_t equal_pages(PyObject *run, const uint8_t *data, Py_ssize_t k, Py_ssize_t j,
-                              Py_ssize_t pb, Py_ssize_t limit) {
+/* How many pages (at most `limit`) from page k of `data` equal the run's from page j. */
+static Py_ssize_t equal_pages(PyObject *run, const uint8_t *data, Py_ssize_t k,
+                              Py_ssize_t j, Py_ssize_t pb, Py_ssize_t limit) {
     PyObject *rdata = PyObject_GetAttr(run, s_data);
     if (rdata == NULL) return -1;
     if (!PyByteArray_Check(rdata)) {
@@ -222,7 +225,8 @@ static Py_ssize_t equal_pages(PyObject *run, const uint8_t *data, Py_ssize_t k, 
     if (limit > 0 && memcmp(data + k * pb, r + j * pb, (size_t)(limit * pb)) == 0)
         m = limit; /* the common case: one memcmp */
     else
-        while (m < limit && memcmp(data + (k + m) * pb, r + (j + m) * pb, (size_t)pb) == 0) m++;
+        while (m < limit && memcmp(data + (k + m) * pb, r + (j + m) * pb, (size_t)pb) == 0)
+            m++;
     Py_DECREF(rdata);
     return m;
 }

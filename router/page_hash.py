@@ -8,14 +8,14 @@ page_bytes, parent, stop_at)` is the chain hashes of pages `first .. stop - 1` o
 key of the dict `stop_at` (that hash included). A page's chain hash is blake2b-64 of its
 parent's hash as 8 little-endian bytes and the page's bytes (`page_hasher.page_hashes`).
 
-`walk(data, n, page_bytes, parent, first_page, at)` is `PageHasher`'s walk: the hashes of
-the n pages of `data` through the runs it remembers (`walk_py`'s docstring has the contract).
+`walk(data, n, page_bytes, parent, first_page, at)` is `PageHasher`'s walk: the hashes
+of the n pages of `data` through the runs it remembers (the contract: `walk_py`).
 
-All three come from the C module `_page_hash` (`router/_page_hash.c`, built by `pip install`)
-when it is there: it reads a Python int in ~1 ns where `struct` takes ~6, and hashes a
-page in ~0.35 µs where a hashlib object takes ~0.6 plus the loop's own calls. Without it
-(a source tree used without installing it) the Python versions below give the same bytes
-and hashes; `NATIVE` says which is in use.
+All three come from the C module `_page_hash` (`router/_page_hash.c`, built by `pip
+install`) when it is there: it reads a Python int in ~1 ns where `struct` takes ~6, and
+hashes a page in ~0.35 µs where a hashlib object takes ~0.6 plus the loop's own calls.
+Without it (a source tree used without installing it) the Python versions below give the
+same bytes and hashes; `NATIVE` says which is in use.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ def chain_py(data: bytes, first: int, stop: int, page_bytes: int, parent: Option
     return out
 
 
+Range = tuple[int, int]
+
+
 def walk_py(data: bytes, n: int, page_bytes: int, parent: Optional[int], first_page: int,
-            at: dict) -> tuple[list[int], list[tuple[int, int]], list[tuple[Any, int]], int]:
+            at: dict) -> tuple[list[int], list[Range], list[tuple[Any, int]], int]:
     """The chain hashes of the `n` pages of `data` (its page 0 is page `first_page` of a
     sequence whose previous page has hash `parent`), taking hashes from remembered runs.
 
@@ -67,7 +70,7 @@ def walk_py(data: bytes, n: int, page_bytes: int, parent: Optional[int], first_p
     page where our tokens differ from its (it should be cut there) or -1; `reused` the
     number of hashes taken from runs. The runs are only read."""
     out: list[int] = []
-    fresh: list[tuple[int, int]] = []
+    fresh: list[Range] = []
     touched: list[tuple[Any, int]] = []
     prev, k, reused = parent, 0, 0
     while k < n:

@@ -9,13 +9,13 @@ routing decision; most of a prompt, though, repeats pages seen before (a chat tu
 previous turn plus a new message).
 
 `PageHasher` remembers *runs*: consecutive pages of sequences it hashed, as their packed
-tokens and chain hashes. To hash a prompt it packs the tokens once (`page_hash.pack`), hashes the
-first page, and when that hash starts a remembered run it takes the following hashes from
-the run for as many pages as the tokens are byte-equal (one `memcmp`), then hashes the next
-page and looks again. Taking a hash from a run is exact, not a guess: the chain hash of a
-page is a function of its parent's hash and its tokens, and both are verified equal
-(the parent by hash, the tokens by bytes). So a prompt costs one blake2b per page the
-hasher has not seen plus one per *jump* between runs, and a `memcmp`.
+tokens and chain hashes. To hash a prompt it packs the tokens once (`page_hash.pack`),
+hashes the first page, and when that hash starts a remembered run it takes the following
+hashes from the run for as many pages as the tokens are byte-equal (one `memcmp`), then
+hashes the next page and looks again. Taking a hash from a run is exact, not a guess:
+the chain hash of a page is a function of its parent's hash and its tokens, and both are
+verified equal (the parent by hash, the tokens by bytes). So a prompt costs one blake2b
+per page the hasher has not seen plus one per *jump* between runs, and a `memcmp`.
 
 Runs follow the shape of the traffic: pages hashed right after a run's last page extend
 that run (a chat's next turn grows its conversation's run, so the turn after jumps to it

@@ -37,8 +37,8 @@ def test_pack_equals_struct(impl):
         t = [rng.randrange(-1 << 63, 1 << 63) for _ in range(n)]
         assert pack(t) == struct.pack(f"<{n}q", *t)
         assert pack(tuple(t)) == pack(t)
-    assert pack([0, -1, (1 << 63) - 1, -(1 << 63)]) == struct.pack("<4q", 0, -1, (1 << 63) - 1,
-                                                                   -(1 << 63))
+    edges = [0, -1, (1 << 63) - 1, -(1 << 63)]
+    assert pack(edges) == struct.pack("<4q", *edges)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -142,7 +142,8 @@ def test_walk_in_c_equals_the_python_walk(seed):
     h = PageHasher(ps, budget=rng.choice([8, 64, 1 << 16]))
     base = [[rng.randrange(3) for _ in range(rng.randrange(0, 12 * ps))] for _ in range(5)]
     for _ in range(60):
-        t = list(rng.choice(base)) + [rng.randrange(3) for _ in range(rng.randrange(3 * ps))]
+        t = list(rng.choice(base))
+        t += [rng.randrange(3) for _ in range(rng.randrange(3 * ps))]
         n = len(t) // ps
         data = page_hash.pack(t)
         got = page_hash.walk(data, n, 8 * ps, None, 0, h._at)
