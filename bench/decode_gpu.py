@@ -251,8 +251,8 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--no-prefill", action="store_true", help="skip the 8x2048 prefill row")
     ap.add_argument("--baselines", default="",
                     help="comma list of bench/decode_baselines.py's rows (nopdl, cublas, routefold, "
-                         "...; one part switched); fp8gemv (with --quantization fp8): the FP8 "
-                         "rows again with the one-row GEMV on the FP8 codes")
+                         "...; one part switched); fp8linear (with --quantization fp8): the FP8 "
+                         "rows again with the FP8 linear where the one-row GEMV takes FP8 codes")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "
                          "'decode-fp8' / 'prefill-fp8' the FP8 weights (bench/decode_fp8.py)")
@@ -371,10 +371,10 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     names = [n for n in args.baselines.split(",") if n]
-    fp8_gemv = "fp8gemv" in names
-    if fp8_gemv and args.quantization != "fp8":
-        raise SystemExit("--baselines fp8gemv needs --quantization fp8")
-    names = [n for n in names if n != "fp8gemv"]
+    fp8_linear = "fp8linear" in names
+    if fp8_linear and args.quantization != "fp8":
+        raise SystemExit("--baselines fp8linear needs --quantization fp8")
+    names = [n for n in names if n != "fp8linear"]
     if names:
         from decode_baselines import baseline_rows
         rows += baseline_rows(
@@ -385,14 +385,14 @@ def main() -> None:
             rows, batches)
     if args.quantization == "fp8":
         rows += fp8_rows(hf, cfg, batches, args, ceil, rows)
-    if fp8_gemv:  # the FP8 rows again with the one-row GEMV taking the FP8 codes
+    if fp8_linear:  # the FP8 rows again without the one-row GEMV taking the FP8 codes
         from phalanx.kernels import linear
-        linear.GEMV_FP8 = True
+        linear.GEMV_FP8 = False
         try:
             rows += fp8_rows(hf, cfg, [b for b in batches if b <= linear.GEMV_MAX_M], args, ceil,
-                             rows, kind="decode-fp8gemv")
+                             rows, kind="decode-fp8linear")
         finally:
-            linear.GEMV_FP8 = False
+            linear.GEMV_FP8 = True
     result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=num_pages,
                   quantization=args.quantization, rows=rows, device=torch.cuda.get_device_name())
     out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")

@@ -174,8 +174,12 @@ def check_gemv_fp8(g: torch.Generator) -> float:
         return q, expand_block_scales(blocks, n)
 
     q, s = weight(8, 64)
-    assert not use_gemv(torch.randn(1, 64), q, None, s), "FP8 took the GEMV with GEMV_FP8 off"
-    linear.GEMV_FP8 = True
+    before = linear.GEMV_FP8
+    linear.GEMV_FP8 = False
+    try:
+        assert not use_gemv(torch.randn(1, 64), q, None, s), "FP8 took the GEMV with GEMV_FP8 off"
+    finally:
+        linear.GEMV_FP8 = True
     try:
         errs = []
         for n in (1, 8, 100):
@@ -203,7 +207,7 @@ def check_gemv_fp8(g: torch.Generator) -> float:
                                                torch.tensor([6]), (nq, nk)), *cache)
         errs += [rel_err(a, c) for a, c in zip(outs[True], outs[False])]
     finally:
-        linear.GEMV_FP8 = False
+        linear.GEMV_FP8 = before
     return max(errs)
 
 
