@@ -165,6 +165,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "cluster; past it a DP group re-forms narrower (fewer DP ranks)")
     p.add_argument("--routing-policy", default=None,
                    help="routing policy over DP groups (default: prefix_aware)")
+    p.add_argument("--router-hold", type=int, default=None,
+                   help="requests a DP group may hold (routed, not finished) before new ones "
+                        "wait at the router, each then going to the group with room that "
+                        "serves it best (default: --max-num-seqs + 1; 0: route every request "
+                        "as it arrives)")
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ every stream must equal the fault-free run; measures detection, recovery and sta
 
     python bench/kill_drills.py [--layouts disagg,dp2,tp2] [--drills 20] [--streams 16]
                                 [--max-tokens 96] [--seed 0] [--device cuda] [--address A]
+                                [--router-hold N]
 
 Per layout, one server stack in this process (`start_local`: the driver thread, router
 and request records of `phalanx serve`, no HTTP) on the tiny model, CPU, local Ray (with
@@ -140,6 +141,9 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (ranks in float32: the "
                     "streams are compared with the CPU's)")
     ap.add_argument("--address", default=None, help="join this Ray cluster")
+    ap.add_argument("--router-hold", type=int, default=None,
+                    help="phalanx serve's --router-hold (default: max_num_seqs + 1); small "
+                         "values keep most streams waiting at the router through the kills")
     args = ap.parse_args()
     names = args.layouts.split(",")
     unknown = [n for n in names if n not in LAYOUTS]
@@ -147,7 +151,8 @@ def main() -> int:
         ap.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
     model = str(default_model_dir())
     requests, refs = workload(model, args.streams, args.max_tokens, random.Random(args.seed))
-    placement = {"device": args.device, "ray_address": args.address}
+    placement = {"device": args.device, "ray_address": args.address,
+                 "router_hold": args.router_hold}
     if args.device != "cpu":
         placement["dtype"] = "float32"
     results = [asyncio.run(run_layout(model, name, args.drills, requests, refs, args.seed + i,

@@ -40,6 +40,7 @@ from aiohttp import web
 from phalanx.actors.held_reports import HeldReports
 from phalanx.engine.sampling_params import SamplingParams
 from phalanx.router import RequestRecord, Router
+from phalanx.router.admission import Admission, AdmissionConfig
 from phalanx.server.cluster_driver import ClusterLayout, DriverConfig, _load_of, make_router
 
 from router_http_messages import HeldChanges, WorkerStats
@@ -52,8 +53,11 @@ class PhalanxProxy:
     """Routes `/v1/completions` over `workers` with a phalanx `Router` (module docstring)."""
 
     def __init__(self, workers: list[str], router: Router,
-                 config: DriverConfig = DriverConfig()) -> None:
+                 config: DriverConfig = DriverConfig(),
+                 admission: AdmissionConfig = AdmissionConfig()) -> None:
         self.workers, self.router, self.config = workers, router, config
+        self.admission = Admission(router, admission)
+        self._placing: dict[str, asyncio.Future] = {}
         self._reports = HeldReports()
         self._ids = itertools.count()
         self._session: Optional[aiohttp.ClientSession] = None
@@ -96,6 +100,8 @@ class PhalanxProxy:
             "cost_overrides": getattr(policy, "cost_overrides", None),
             "prefix_choices": getattr(policy, "prefix_choices", None),
             "saturated": getattr(policy, "saturated", None),
+            "held_placed": self.admission.placed, "held_wait_s": self.admission.wait_s,
+            "held_picks": self.admission.picks, "held_pick_s": self.admission.pick_s,
             "failures": self.failures})
 
     # ---- requests ------------------------------------------------------------------
@@ -106,17 +112,39 @@ class PhalanxProxy:
         max_tokens = int(body.get("max_tokens") or 16)
         record = RequestRecord(f"p{next(self._ids)}", prompt,
                                SamplingParams(max_tokens=max_tokens))
-        group = self.router.route(record)
+        self.router.prepare(record)
+        group = await self._admit(record)
         try:
             answer, usage = await self._forward(group, body, record)
         except (aiohttp.ClientError, ValueError, KeyError) as e:
             self.failures += 1
             self.router.finish(record.request_id)
+            self._place()
             return web.json_response({"error": repr(e)}, status=502)
         return web.json_response(
             {"id": record.request_id, "object": "text_completion", "model": body.get("model"),
              "choices": [{"index": 0, "text": encode(answer), "finish_reason": "length"}],
              "usage": usage}, headers={"X-Phalanx-Group": str(group)})
+
+    async def _admit(self, record: RequestRecord) -> int:
+        """The group `record` goes to: routed at once, or once admission places it."""
+        if not self.admission.config.holds:
+            return self.router.route(record)
+        rid = record.request_id
+        placed = self._placing[rid] = asyncio.get_running_loop().create_future()
+        self.admission.hold(record)
+        self._place()
+        try:
+            return await placed
+        except asyncio.CancelledError:
+            self._placing.pop(rid, None)
+            if self.admission.drop(rid) is None:
+                self.router.finish(rid)
+            raise
+
+    def _place(self) -> None:
+        for record, group in self.admission.place():
+            self._placing.pop(record.request_id).set_result(group)
 
     async def _forward(self, group: int, body: dict, record: RequestRecord
                        ) -> tuple[list[int], dict]:
@@ -140,10 +168,12 @@ class PhalanxProxy:
                               finish_reason=choice.get("finish_reason"))
                 if not answer and tokens:
                     self.router.prefill_done(record)
+                    self._place()
                 answer += tokens
                 if finished:
                     usage = chunk.get("usage") or {}
                     self.router.finish(record)
+                    self._place()
         if not record.done:
             raise ValueError(f"worker {group} ended request {record.request_id} early")
         return answer, usage
@@ -177,6 +207,7 @@ class PhalanxProxy:
             return  # as the driver on a timeout: try again next time
         for g, s in enumerate(stats):
             self.router.update_load(g, _load_of(msgspec.structs.asdict(s)))
+        self._place()
 
     async def _refresh_prefixes(self) -> None:
         r, reports = self.router, self._reports
@@ -198,7 +229,8 @@ class PhalanxProxy:
 
 def build_router(workers: int, *, page_size: int, capacity_pages: int, policy: str,
                  policy_config: Any) -> tuple[Router, DriverConfig]:
-    """The router `ClusterDriver` would build over `workers` DP groups."""
+    """The router `ClusterDriver` would build over `workers` DP groups (a mapping config's
+    "admission" key is the `AdmissionConfig`, not the policy's)."""
     config = DriverConfig(policy=policy, policy_config=policy_config)
     layout = ClusterLayout(dp=workers, page_size=page_size, num_pages=capacity_pages)
     return make_router(layout, config), config
@@ -220,10 +252,11 @@ def main(argv=None) -> None:
     a = _parse_args(argv)
     workers = a.workers.split(",")
     cfg = json.loads(a.policy_config) if a.policy_config else None
+    admission = AdmissionConfig(**(cfg.pop("admission", None) or {})) if cfg else AdmissionConfig()
     router, config = build_router(len(workers), page_size=a.page_size,
                                   capacity_pages=a.capacity_pages, policy=a.policy,
-                                  policy_config=cfg)
-    proxy = PhalanxProxy(workers, router, config)
+                                  policy_config=cfg or None)
+    proxy = PhalanxProxy(workers, router, config, admission)
     print(f"ready {a.port}", flush=True)
     web.run_app(proxy.app(), host=a.host, port=a.port, access_log=None, print=None)
 

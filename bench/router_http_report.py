@@ -48,6 +48,10 @@ def run_row(router: str, load: str, rate: float, run: int, result: LoadResult,
         row["override_share"] = overrides / decisions if decisions else None
         sat = proxy_stats.get("saturated")
         row["saturated_share"] = sat / decisions if decisions and sat is not None else None
+        placed = proxy_stats.get("held_placed") or 0
+        if proxy_stats.get("held_picks"):  # admission held requests at the router
+            row["held_wait_mean_s"] = proxy_stats["held_wait_s"] / placed if placed else None
+            row["held_pick_mean_ms"] = 1e3 * proxy_stats["held_pick_s"] / proxy_stats["held_picks"]
     return row
 
 

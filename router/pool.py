@@ -149,6 +149,12 @@ class PlacementPool:
         """Tracked request ids (on `target` only, when given), in routing order."""
         return [rid for rid, (t, _) in self._inflight.items() if target is None or t == target]
 
+    def routed(self, target: Hashable) -> tuple[int, int]:
+        """(requests, uncached prompt tokens not yet prefilled) this pool routed to
+        `target` and has not released: its own view, current without any report."""
+        own = self._own[target]
+        return own.requests, own.tokens
+
     def _refresh_effective(self, target: Hashable) -> None:
         rep, own = self._reported[target], self._own[target]
         if own.tokens <= rep.queued_tokens and own.requests <= rep.running:

@@ -120,7 +120,7 @@ class Router:
         hashing a request needs, done at admission so that routing it does none."""
         for pool in (self.decode, self.prefill):
             if len(pool):
-                self._hashes(record, pool)
+                self.page_hashes(record, pool)
         return record
 
     def route(self, request: RequestLike, *, request_id: Optional[str] = None,
@@ -131,7 +131,7 @@ class Router:
         if not isinstance(request, RequestRecord):
             return self.decode.route(rid, tokens, exclude=exclude)
         group = self.decode.route(rid, tokens, exclude=exclude,
-                                  hashes=self._hashes(request, self.decode))
+                                  hashes=self.page_hashes(request, self.decode))
         request.place(dp_group=group)
         return group
 
@@ -179,7 +179,7 @@ class Router:
         if not isinstance(request, RequestRecord):
             return self.prefill.route(rid, tokens, exclude=exclude)
         instance = self.prefill.route(rid, tokens, exclude=exclude,
-                                      hashes=self._hashes(request, self.prefill))
+                                      hashes=self.page_hashes(request, self.prefill))
         request.place(prefill_instance=instance)
         return instance
 
@@ -208,7 +208,7 @@ class Router:
         if isinstance(request, RequestRecord):
             rid = request.request_id
             on_decode = self.decode.target_of(rid) is not None and \
-                self.decode.release(rid, hashes=self._hashes(request, self.decode))
+                self.decode.release(rid, hashes=self.page_hashes(request, self.decode))
         else:
             rid = request
             on_decode = self.decode.release(rid)
@@ -216,7 +216,7 @@ class Router:
         return on_decode or on_prefill
 
     @staticmethod
-    def _hashes(record: RequestRecord, pool: PlacementPool) -> list[int]:
+    def page_hashes(record: RequestRecord, pool: PlacementPool) -> list[int]:
         """Chain hashes of `record`'s resume tokens at `pool`'s page size: the prompt's
         pages are hashed once per request and page size (kept on the record), the
         emitted tokens' pages (after a fault, or at `finish`) on top of them."""

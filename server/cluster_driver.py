@@ -13,7 +13,10 @@ every `load_interval_s` feed the router the DP leaders' load, every
 `prefix_interval_s` the page hashes they hold.
 
 Placement: at submit the router picks the DP group (and, disaggregated, the prefill
-instance), handed to the client's `submit` as a `Placement`.
+instance), handed to the client's `submit` as a `Placement`. With admission on
+(`DriverConfig.admission`, router/admission.py) a request first waits here until a DP
+group has room, and is placed then (after each poll, refresh and submit); an abort of a
+held request ends it here, and a failure ends the held ones with the live ones.
 
 Indexes: a `StepOutput` that carries an `index` attribute (the output position of its
 first token) is accepted at that index, so a replayed or duplicated output is dropped
@@ -41,6 +44,7 @@ from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from ..policies import DEFAULT_POLICY, GroupLoad
 from ..router import RequestRecord, Router
+from ..router.admission import Admission, AdmissionConfig
 from .backend import TokenDelta
 from .cluster_stats import summarize
 from .owner_thread import STOP, OwnerThread
@@ -79,17 +83,24 @@ class ClusterLayout:
 
 @dataclass(frozen=True, slots=True)
 class DriverConfig:
-    """Refresh periods and the routing policy (a name registered in `policies`, with its
-    config: a dataclass, a mapping of its fields, or None for the defaults)."""
+    """Refresh periods, the routing policy (a name registered in `policies`, with its
+    config: a dataclass, a mapping of its fields, or None for the defaults) and when
+    requests wait at the router (`AdmissionConfig`, or a mapping of its fields)."""
 
     load_interval_s: float = 0.5
     prefix_interval_s: float = 2.0
     policy: str = DEFAULT_POLICY
     policy_config: Any = None
+    admission: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self) -> None:
         if not (self.load_interval_s > 0 and self.prefix_interval_s > 0):
             raise ValueError("DriverConfig: refresh intervals must be positive")
+        if isinstance(self.admission, dict):
+            object.__setattr__(self, "admission", AdmissionConfig(**self.admission))
+        if not isinstance(self.admission, AdmissionConfig):
+            raise TypeError(f"DriverConfig.admission: expected an AdmissionConfig or a mapping, "
+                            f"got {type(self.admission).__name__}")
 
 
 class DriverSink(Protocol):
@@ -159,6 +170,7 @@ class ClusterDriver(OwnerThread):
         self.router = router or make_router(self.layout, config)
         self._close_client = close_client or client.close
         self._live: dict[str, _Live] = {}
+        self.admission = Admission(self.router, config.admission)
         self._next_load = self._next_prefix = 0.0
 
     # -- the driver thread -----------------------------------------------------------
@@ -185,9 +197,10 @@ class ClusterDriver(OwnerThread):
             if self._live:
                 self._forward(self._client.poll())
             self._refresh()
+            self._admit()
 
     def _apply_submit(self, rid: str, tokens: list[int], params: SamplingParams) -> None:
-        if rid in self._live:
+        if rid in self._live or rid in self.admission:
             self._sink.on_error(rid, ValueError(f"request_id {rid!r} is already in use"))
             return
         try:
@@ -196,10 +209,19 @@ class ClusterDriver(OwnerThread):
             self._sink.on_error(rid, e)
             return
         self.router.prepare(record)  # the prompt's pages hashed once, kept on the record
-        group = self.router.route(record)
+        self.admission.hold(record)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Sends every request admission places now (all of them when it holds none)."""
+        for record, group in self.admission.place():
+            self._start(record, group)
+
+    def _start(self, record: RequestRecord, group: int) -> None:
+        rid = record.request_id
         instance = self.router.route_prefill(record) if self.layout.prefill_instances else -1
         try:
-            self._client.submit(rid, list(tokens), record.sampling_params,
+            self._client.submit(rid, list(record.prompt_token_ids), record.sampling_params,
                                 Placement(group, instance))
         except ValueError as e:
             self.router.finish(rid)
@@ -209,6 +231,10 @@ class ClusterDriver(OwnerThread):
         log.debug("request_routed", request_id=rid, dp_group=group, prefill_instance=instance)
 
     def _apply_abort(self, rid: str) -> None:
+        held = self.admission.drop(rid)
+        if held is not None:
+            held.abort()
+            return
         live = self._live.pop(rid, None)
         if live is None:
             return
@@ -266,6 +292,8 @@ class ClusterDriver(OwnerThread):
                           logprobs, prompt, *timings)
 
     def _abort_all(self) -> None:
+        for record in self.admission.drop_all():
+            record.abort()
         for rid in list(self._live):
             try:
                 self._apply_abort(rid)
@@ -298,7 +326,7 @@ class ClusterDriver(OwnerThread):
         for i, s in enumerate(view.get("prefill", ())):
             if i in r.prefill and s:
                 r.update_prefill_load(i, _load_of(s))
-        self.stats = summarize(view, r, live=len(self._live))
+        self.stats = summarize(view, r, live=len(self._live), held=len(self.admission))
 
     def _refresh_prefixes(self) -> None:
         r = self.router
@@ -330,6 +358,8 @@ class ClusterDriver(OwnerThread):
         for live in self._live.values():
             live.record.fail(str(error))
         self._live.clear()
+        for record in self.admission.drop_all():
+            record.fail(str(error))
         self.stats = {**self.stats, "healthy": 0.0}
         self._sink.on_failure(error)
 

@@ -2,7 +2,8 @@
 
 Keys (all numbers; see `ServingBackend.stats`):
   num_waiting: requests queued on any leader (decode and prefill) plus those the client
-    holds back for lack of decode pages (the queue depth);
+    holds back for lack of decode pages and those held at the router (the queue depth);
+  num_held: requests held at the router until a DP group has room (admission);
   num_running: requests the decode DP leaders are running;
   kv_usage: KV pages in use over KV pages, summed over the decode DP leaders;
   kv_capacity_tokens: the tokens their KV caches hold, summed;
@@ -53,15 +54,18 @@ def _kv_usage(stats: list[dict]) -> float:
     return max((float(s.get("kv_usage", 0.0)) for s in stats), default=0.0)
 
 
-def summarize(view: dict, router: Router, *, live: int) -> dict[str, float]:
+def summarize(view: dict, router: Router, *, live: int, held: int = 0) -> dict[str, float]:
     """`view`: a client's `leader_stats()` (`{"decode": [...], "prefill": [...],
-    "queued": n, "recoveries": n}`; empty dicts stand for leaders that did not answer)."""
+    "queued": n, "recoveries": n}`; empty dicts stand for leaders that did not answer);
+    `held`: requests waiting at the router (admission), counted as waiting."""
     decode = [s for s in view.get("decode", ()) if s]
     prefill = [s for s in view.get("prefill", ()) if s]
     disaggregated = bool(router.prefill_instances)
     pool = router.prefill if disaggregated else router.decode
     return {
-        "num_waiting": _total(decode + prefill, "num_waiting") + float(view.get("queued", 0)),
+        "num_waiting": _total(decode + prefill, "num_waiting") + float(view.get("queued", 0))
+        + held,
+        "num_held": float(held),
         "num_running": _total(decode, "num_running"),
         "kv_usage": _kv_usage(decode),
         "kv_capacity_tokens": _total(decode, "kv_capacity_tokens"),

@@ -12,9 +12,12 @@ locally, or joined with `ray_address`).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from .backend import ServingBackend
+
+if TYPE_CHECKING:
+    from ..router.admission import AdmissionConfig
 
 __all__ = ["DEFAULT_LAYOUT", "LAYOUT_KEYS", "resolve_layout", "is_single_rank",
            "build_backend", "layout_kwargs", "placement_lines"]
@@ -69,12 +72,13 @@ def placement_lines(nodes: Mapping[str, Any]) -> list[str]:
 
 
 def build_backend(model: Optional[str | os.PathLike] = None, *, model_name: Optional[str] = None,
-                  routing_policy: Optional[str] = None, progress: Optional[Progress] = None,
-                  **kwargs: Any) -> ServingBackend:
+                  routing_policy: Optional[str] = None, router_hold: Optional[int] = None,
+                  progress: Optional[Progress] = None, **kwargs: Any) -> ServingBackend:
     """A backend for `model` (None: the tiny default model). `kwargs`: `LLM`'s keywords
     (layout ones resolved by `resolve_layout`; None values count as not given).
-    `routing_policy`: a registered routing policy name (cluster layouts). `progress`
-    receives one line per loading stage."""
+    `routing_policy`: a registered routing policy name, `router_hold`: requests a DP group
+    may hold before new ones wait at the router (`admission_for`; cluster layouts).
+    `progress` receives one line per loading stage."""
     say = progress or (lambda line: None)
     layout = resolve_layout(**{k: kwargs.pop(k, None) for k in LAYOUT_KEYS})
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -87,11 +91,26 @@ def build_backend(model: Optional[str | os.PathLike] = None, *, model_name: Opti
         from .engine_backend import EngineBackend
         single = {k: v for k, v in kwargs.items() if k not in _CLUSTER_ONLY}
         return EngineBackend.from_model_dir(model, model_name=model_name, **single)
-    return _cluster_backend(model, layout, kwargs, model_name, routing_policy, say)
+    return _cluster_backend(model, layout, kwargs, model_name, routing_policy, router_hold, say)
+
+
+def admission_for(scheduler: Any, hold: Optional[int] = None) -> "AdmissionConfig":
+    """When requests wait at the router for a DP group with room (router/admission.py):
+    a group has room below `hold` requests (None: the engine's `max_num_seqs` + 1, what it
+    can run plus one ready; 0: no hold) and below two steps' worth of uncached prompt
+    tokens (`2 * max_num_batched_tokens`)."""
+    from ..router.admission import AdmissionConfig
+    if hold == 0:
+        return AdmissionConfig()
+    if hold is not None and hold < 0:
+        raise ValueError(f"router_hold must be >= 0, got {hold}")
+    return AdmissionConfig(max_requests=hold or scheduler.max_num_seqs + 1,
+                           max_queued_tokens=2 * scheduler.max_num_batched_tokens)
 
 
 def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str],
-                     routing_policy: Optional[str], say: Progress) -> ServingBackend:
+                     routing_policy: Optional[str], router_hold: Optional[int],
+                     say: Progress) -> ServingBackend:
     from transformers import AutoTokenizer
 
     from ..actors.cluster_builder import build_cluster
@@ -118,7 +137,9 @@ def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str
     try:
         for line in placement_lines(client.rank_nodes()):
             say(line)
-        driver = DriverConfig(policy=routing_policy) if routing_policy else DriverConfig()
+        admission = admission_for(config.scheduler, router_hold)
+        driver = DriverConfig(policy=routing_policy, admission=admission) if routing_policy \
+            else DriverConfig(admission=admission)
         name = model_name or os.path.basename(os.path.normpath(config.model_path))
         return ClusterBackend(client, model_name=name, max_model_len=config.max_model_len,
                               tokenizer=AutoTokenizer.from_pretrained(config.model_path),

@@ -41,6 +41,9 @@ P = "phalanx:"  # vLLM's names with this prefix for "vllm:"
 _GAUGES = {
     "num_waiting": (P + "num_requests_waiting", "Requests waiting to be scheduled"),
     "num_running": (P + "num_requests_running", "Requests the engine is running"),
+    "num_held": ("phalanx_router_held_requests",
+                 "Requests waiting at the router for a DP group with room (part of "
+                 "num_requests_waiting)"),
     "kv_usage": (P + "kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)"),
     "prefix_hit_rate": ("phalanx_prefix_cache_hit_rate",
                         "Fraction of prompt tokens served from the prefix cache"),

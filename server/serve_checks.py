@@ -60,6 +60,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             raise ValueError(f"{_flag(name)} must be a positive number of seconds, got {value}")
+    hold = getattr(args, "router_hold", None)
+    if hold is not None and hold < 0:
+        raise ValueError(f"--router-hold must be 0 (no hold) or a positive number of requests, "
+                         f"got {hold}")
     share = getattr(args, "gpu_memory_utilization", None)
     if share is not None and not 0 < share <= 1:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")

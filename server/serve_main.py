@@ -66,7 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         backend = build_backend(
             args.model, model_name=args.served_model_name, routing_policy=args.routing_policy,
-            progress=_say, tp=args.tp, dp=args.dp, **layout_kwargs(args),
+            router_hold=args.router_hold, progress=_say, tp=args.tp, dp=args.dp, **layout_kwargs(args),
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             page_size=args.page_size, num_pages=args.num_pages, max_model_len=args.max_model_len,
             device=args.device, seed=args.seed, collective_timeout_s=args.collective_timeout,

@@ -119,7 +119,8 @@ def test_hit_rate_over_the_turns_both_routers_answered():
 def test_bench_end_to_end_over_http(tmp_path):
     out = tmp_path / "r.json"
     router_http.main(["--loads", "tiny=6", "--duration", "6", "--runs", "1",
-                      "--routers", "prefix_aware,round_robin", "--think", "0.1,0.3",
+                      "--routers", 'prefix_aware,round_robin,'
+                      'hold=prefix_aware:{"admission":{"max_requests":1}}', "--think", "0.1,0.3",
                       "--prefill-s-per-token", "200e-6", "--decode-s-per-token", "0.2e-3",
                       "--base-port", "23000", "--json", str(out), "--outcomes"])
     data = json.loads(out.read_text())
@@ -129,6 +130,9 @@ def test_bench_end_to_end_over_http(tmp_path):
         assert r["failed"] == 0 and r["requests"] > 10
         assert sum(r["worker_requests"]) == r["requests"]  # each answered request prefilled once
         assert 0 < r["p50_s"] <= r["p99_s"]
+    hold = rows["phalanx hold"]  # requests waited at the router (admission), none lost
+    assert hold["failed"] == 0 and sum(hold["worker_requests"]) == hold["requests"] > 10
+    assert hold["held_pick_mean_ms"] > 0 and hold["held_wait_mean_s"] > 0
     assert pa["hit_rate"] > rr["hit_rate"]  # later turns find their conversation
     assert pa["hit_vs_rr"] == pytest.approx(pa["hit_rate"] / rr["hit_rate"])
     assert (tmp_path / "r.png").stat().st_size > 0
