@@ -221,7 +221,19 @@ def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int,
     return batch * steps / dt, detail
 
 
-def phalanx_prefill(engine: LLMEngine, num_seqs: int, length: int) -> float:
+PREFILL_SEQS, PREFILL_LEN = 8, 2048  # the prefill row: 8 prompts of 2048 tokens in one step
+
+
+def engine_seqs(batches: list[int], prefill: bool) -> int:
+    """max_num_seqs for an engine that runs `batches` (and the prefill row): an engine sized
+    for batch 1 alone would prefill the 8 prompts one at a time (0.32 of the floor, not 0.63)."""
+    return max(max(batches), PREFILL_SEQS if prefill else 1)
+
+
+def phalanx_prefill(engine: LLMEngine, num_seqs: int, length: int, reps: int = 3) -> float:
+    """Tokens per second of prefilling `num_seqs` fresh prompts: one warm run, the median of
+    `reps` timed ones."""
+    assert engine.config.scheduler.max_num_seqs >= num_seqs, "the prompts would not share a step"
     g = torch.Generator().manual_seed(7)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -236,7 +248,8 @@ def phalanx_prefill(engine: LLMEngine, num_seqs: int, length: int) -> float:
         return time.perf_counter() - t
 
     once("warm")
-    return num_seqs * length / once("timed")
+    times = sorted(once(f"timed{i}") for i in range(reps))
+    return num_seqs * length / times[len(times) // 2]
 
 
 def _parse_args() -> argparse.Namespace:
@@ -296,7 +309,7 @@ def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: l
     from decode_fp8 import decode_bytes_fp8, prefill_seconds_fp8, quantize_in_place, token_agreement
     model = phalanx_model_from_hf(hf, cfg)
     quantize_in_place(model)
-    engine = make_engine(cfg, model, max(batches))
+    engine = make_engine(cfg, model, engine_seqs(batches, not args.no_prefill and kind == "decode-fp8"))
     rows = decode_rows(engine, kind, batches, args, ceil["copy_bytes_per_s"],
                        lambda b, c: decode_bytes_fp8(cfg, b, c), {})
     for r in rows:
@@ -304,8 +317,8 @@ def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: l
         r["vs_bf16"] = r["tok_s"] / twin["tok_s"]
         r["agreement"] = token_agreement(r["tokens"], twin["tokens"])
     if not args.no_prefill and kind == "decode-fp8":
-        pf = phalanx_prefill(engine, 8, 2048)
-        floor = 8 * 2048 / prefill_seconds_fp8(cfg, 8, 2048, ceil)
+        pf = phalanx_prefill(engine, PREFILL_SEQS, PREFILL_LEN)
+        floor = PREFILL_SEQS * PREFILL_LEN / prefill_seconds_fp8(cfg, PREFILL_SEQS, PREFILL_LEN, ceil)
         rows.append(dict(kind="prefill-fp8", batch=8, tok_s=pf, floor_tok_s=floor, frac=pf / floor,
                          hf_tok_s=None, vs_hf=None,
                          vs_bf16=pf / next(o["tok_s"] for o in bf16 if o["kind"] == "prefill")))
@@ -356,14 +369,14 @@ def main() -> None:
         for b in (1, 64):
             hf_rates[b] = hf_decode_tok_s(hf, b, args.ctx, steps=8)
         torch.cuda.empty_cache()
-    engine = make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches))
+    engine = make_engine(cfg, phalanx_model_from_hf(hf, cfg), engine_seqs(batches, not args.no_prefill))
     rows = decode_rows(engine, "decode", batches, args, ceil["copy_bytes_per_s"],
                        lambda b, c: decode_bytes(cfg, b, c), hf_rates)
     if args.compare_overlap:
         rows += compare_overlap(engine, batches, args, ceil, cfg, hf_rates, rows)
     if not args.no_prefill:
-        pf = phalanx_prefill(engine, 8, 2048)
-        pf_floor = 8 * 2048 / (prefill_flops(cfg, 8, 2048) / ceil["matmul_flops_per_s"])
+        pf = phalanx_prefill(engine, PREFILL_SEQS, PREFILL_LEN)
+        pf_floor = PREFILL_SEQS * PREFILL_LEN * ceil["matmul_flops_per_s"] / prefill_flops(cfg, PREFILL_SEQS, PREFILL_LEN)
         rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
                          hf_tok_s=None, vs_hf=None))
     num_pages = engine.num_pages
