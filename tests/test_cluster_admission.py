@@ -39,6 +39,15 @@ def _backend(fake: FakeClient, **admission) -> ClusterBackend:
                           router=router, config=config)
 
 
+async def _until_one_is_held(backend: ClusterBackend) -> None:
+    """Waits (up to 2 s) for the published stats to show one request held at the router."""
+    for _ in range(200):
+        if backend.stats().get("num_held") == 1.0:
+            return
+        await asyncio.sleep(0.01)
+    assert backend.stats()["num_held"] == 1.0
+
+
 def test_driver_config_takes_a_mapping_and_refuses_other_things():
     assert DriverConfig(admission={"max_requests": 3}).admission == AdmissionConfig(max_requests=3)
     with pytest.raises(TypeError, match="admission"):
@@ -72,11 +81,8 @@ async def test_a_held_request_that_is_aborted_never_reaches_a_rank():
         await busy.__anext__()
         waiting = backend.generate("held", [4, 4], SamplingParams(temperature=0, max_tokens=5))
         task = asyncio.ensure_future(waiting.__anext__())
-        for _ in range(200):
-            if backend.stats().get("num_held") == 1.0:
-                break
-            await asyncio.sleep(0.01)
-        assert backend.stats()["num_held"] == 1.0 and "held" not in fake.placed
+        await _until_one_is_held(backend)
+        assert "held" not in fake.placed
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await waiting.aclose()
@@ -99,10 +105,7 @@ async def test_a_failure_ends_held_requests_with_503():
         live = backend.generate("live", [5, 5], SamplingParams(temperature=0, max_tokens=10_000))
         await live.__anext__()
         held = asyncio.ensure_future(_run(backend, "held", [6, 6], 4))
-        for _ in range(200):
-            if backend.stats().get("num_held") == 1.0:
-                break
-            await asyncio.sleep(0.01)
+        await _until_one_is_held(backend)
         fake.fail = GroupFailure(1, [RankDeath(1, 1, "process died")])
         with pytest.raises(OpenAIError) as err:
             await held
