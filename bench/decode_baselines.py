@@ -15,6 +15,10 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (64 by default).
 * ``moew8`` / ``moes<N>``: the small MoE path with 8 warps / N pipeline stages at every
   batch (default 4 warps; 4 stages at batch 1, 3 above).
+* ``moegemv`` / ``moedot``: a lone token's experts in the small path's "gemv" / "dot"
+  mode (`kernels.gpu.moe.SMALL_MODE_ONE`); the sums run in another order, so tokens
+  agree within bf16 rounding. ``moegemvw``: "gemv" with twice the rows per program
+  (gate_up 8 + 8, down 16).
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -31,7 +35,7 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold")
+             "moes4", "moes5", "moes6", "routefold", "moegemv", "moegemvw", "moedot")
 _SAVED: dict = {}
 
 
@@ -56,6 +60,17 @@ def _switch(name: str, on: bool) -> None:
             attention._decode_partition = lambda s, *a: want if s == 1 else real(s, *a)
         else:
             attention._decode_partition = _SAVED.pop("part")
+    elif name in ("moegemv", "moegemvw", "moedot"):
+        from phalanx.kernels.gpu import moe, moe_decode
+        gemv = moe_decode._CONFIGS["gemv"]
+        if on:
+            _SAVED["one"], _SAVED["gemv"] = moe.SMALL_MODE_ONE, dict(gemv)
+            moe.SMALL_MODE_ONE = "dot" if name == "moedot" else "gemv"
+            if name == "moegemvw":
+                gemv.update(N1=2 * gemv["N1"], N2=2 * gemv["N2"])
+        else:
+            moe.SMALL_MODE_ONE = _SAVED.pop("one")
+            gemv.update(_SAVED.pop("gemv"))
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on

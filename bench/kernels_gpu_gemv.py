@@ -108,13 +108,22 @@ def _check_norm_route(c: Ctx, rec):
         rec("norm_route", case + " normed, residual", torch.equal(n, rn) and torch.equal(nr, rr))
 
 
-def _chain(c: Ctx, M: int, cfg: dict | None = None, route: str | None = None):
+def _fp8(w):
+    """FP8 codes and per-row scales of ``w`` (128x128 blocks, kernels/fp8.py)."""
+    from phalanx.kernels.fp8 import expand_block_scales, quantize_blocks
+
+    q, blocks = quantize_blocks(w.float())
+    return q, expand_block_scales(blocks, w.shape[0])
+
+
+def _chain(c: Ctx, M: int, cfg: dict | None = None, route: str | None = None, fp8: bool = False):
     """Per layer: (x, residual) -> norm_linear(qkv) -> o on the q columns -> norm_linear
     (router, normed rows kept), as the decode step chains them; distinct weights per layer
     (nothing stays in L2). Returns (fused, unfused) callables over the same buffers.
     ``cfg``: {"qkv": tiles, "o": tiles} for the GEMVs (`gemv_triton`'s cfg). ``route``:
     the fused chain also routes, by the route kernel after the router GEMV ("kernel") or
-    folded into it ("fold")."""
+    folded into it ("fold"). ``fp8``: qkv and o as FP8 codes (the router stays bf16, as in
+    the FP8 checkpoints); the unfused chain then runs their dequantized twins."""
     import torch.nn.functional as F
 
     from phalanx.kernels.gpu.gemv import gemv_triton
@@ -125,13 +134,22 @@ def _chain(c: Ctx, M: int, cfg: dict | None = None, route: str | None = None):
     layers = [dict(qkv=c.randn(*QKV, scale=QKV[1] ** -0.5), o=c.randn(*O, scale=O[1] ** -0.5),
                    router=c.randn(*ROUTER, scale=HID ** -0.5), n1=1 + 0.1 * c.randn(HID),
                    n2=1 + 0.1 * c.randn(HID)) for _ in range(CHAIN_LAYERS)]
+    scales = {}
+    if fp8:
+        from phalanx.kernels.fp8 import dequantize
+
+        for i, w in enumerate(layers):
+            for name in ("qkv", "o"):
+                w[name], scales[i, name] = _fp8(w[name])
+                w[name + "_deq"] = dequantize(w[name], scales[i, name], c.dtype)
     x0, r0 = c.randn(M, HID), c.randn(M, HID)
 
     def fused():
         x, r = x0, r0
-        for w in layers:
-            qkv, _, r = gemv_triton(x, w["qkv"], norm=(r, w["n1"], 1e-6), cfg=(cfg or {}).get("qkv"))
-            x = gemv_triton(qkv[:, : NQ * HD], w["o"], cfg=(cfg or {}).get("o"))[0]
+        for i, w in enumerate(layers):
+            qkv, _, r = gemv_triton(x, w["qkv"], norm=(r, w["n1"], 1e-6), cfg=(cfg or {}).get("qkv"),
+                                    scales=scales.get((i, "qkv")))
+            x = gemv_triton(qkv[:, : NQ * HD], w["o"], cfg=(cfg or {}).get("o"), scales=scales.get((i, "o")))[0]
             if route == "fold":
                 _, x, r = norm_route_triton(x, r, w["n2"], 1e-6, w["router"], TOPK, True)
                 continue
@@ -145,13 +163,15 @@ def _chain(c: Ctx, M: int, cfg: dict | None = None, route: str | None = None):
         x, r = x0, r0
         for w in layers:
             h, r = add_rms_norm(x, r, w["n1"], 1e-6)
-            qkv = F.linear(h, w["qkv"])
-            x = F.linear(qkv[:, : NQ * HD], w["o"])
+            qkv = F.linear(h, w.get("qkv_deq", w["qkv"]))
+            x = F.linear(qkv[:, : NQ * HD], w.get("o_deq", w["o"]))
             x, r = add_rms_norm(x, r, w["n2"], 1e-6)
             F.linear(x, w["router"])
         return x
 
-    nbytes = CHAIN_LAYERS * sum(w[k].numel() for w in layers[:1] for k in ("qkv", "o", "router")) * 2
+    nbytes = CHAIN_LAYERS * sum(w[k].numel() * w[k].element_size() for w in layers[:1]
+                                for k in ("qkv", "o", "router"))
+    nbytes += CHAIN_LAYERS * sum(v.numel() * 4 for (i, _), v in scales.items() if i == 0)
     return fused, unfused, nbytes
 
 
@@ -180,6 +200,16 @@ def time_gemv(c: Ctx, row):
         row("chain-cublas", f"48 layers M={M}", unfused, unfused, None, nbytes=nbytes, bw=GEMV_BW)
     kernel, fold = _chain(c, 1, route="kernel")[0], _chain(c, 1, route="fold")[0]
     row("chain-route", "M=1 route kernel / folded", fold, kernel, None, nbytes=nbytes, bw=GEMV_BW)
+    from phalanx.kernels.gpu import gemv
+
+    before = gemv.FP8_FORM
+    try:  # FP8 qkv and o: the codes reshaped to their scale blocks (1) or loaded 3-D (2)
+        fused8, unfused8, nbytes8 = _chain(c, 1, fp8=True)
+        for form in (1, 2):
+            gemv.FP8_FORM = form
+            row("chain-fp8", f"M=1 form {form} / cuBLAS deq", fused8, unfused8, None, nbytes=nbytes8, bw=GEMV_BW)
+    finally:
+        gemv.FP8_FORM = before
     for name, cfg in CHAIN_SWEEP.items():  # M = 1, PDL on
         fused, _, nbytes = _chain(c, 1, cfg)
         row("chain-pdl", f"M=1 {name}", fused, fused, None, nbytes=nbytes, bw=GEMV_BW)

@@ -94,8 +94,8 @@ def time_moe(c: Ctx, row):
 MOE_SMALL_SWEEP = {
     "dot": [dict(N1=16, K1=128, N2=16, K2=128), dict(N1=64, K1=128, N2=64, K2=128),
             dict(N1=32, K1=256, N2=32, K2=256, warps=8)],
-    "gemv": [dict(N1=8, K1=256, N2=8, K2=256), dict(N1=32, K1=128, N2=16, K2=128),
-             dict(N1=16, K1=512, N2=16, K2=512, warps=8)],
+    "gemv": [dict(N1=2), dict(N1=8), dict(N2=4), dict(N2=16), dict(N1=8, N2=16, warps=8),
+             dict(N1=8, K1=512, N2=8, K2=256, stages=3), dict(split=False)],
 }
 
 
@@ -123,7 +123,8 @@ def time_moe_paths(c: Ctx, row):
             for mode, cfgs in MOE_SMALL_SWEEP.items():
                 for cfg in cfgs:
                     f = {**small_config(mode), **cfg}
-                    tiles = f"{f['N1']}/{f['K1']},{f['N2']}/{f['K2']}w{f['warps']}"
+                    tiles = (f"{f['N1']}/{f['K1'] or 'K'},{f['N2']}/{f['K2'] or 'K'}w{f['warps']}"
+                             f"{'' if f.get('split') else ' loop'}")
                     row("moe", f"T=1 {mode} {tiles}",
                         lambda: fused_experts_small_triton(x, w, ids, w13, w2, mode=mode, cfg=cfg), ref, None, **kw)
 

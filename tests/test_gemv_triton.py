@@ -160,7 +160,22 @@ def check_gemv_fp8(g: torch.Generator) -> float:
     """FP8 codes with per-row, 128-column-block scales, dequantized in registers: the
     projection (linear's dispatch at one row, the kernel at 3), the norm folded in, and
     qkv + rope folded, against the references over the dequantized weights; K 72 (one
-    partial block), 200 (a partial last block), 256; N 1/8/100."""
+    partial block), 200 (a partial last block), 256; N 1/8/100; both forms of loading
+    the codes (`gemv.FP8_FORM`)."""
+    from phalanx.kernels.gpu import gemv
+
+    before = gemv.FP8_FORM
+    try:
+        errs = []
+        for form in (1, 2):
+            gemv.FP8_FORM = form
+            errs.append(_gemv_fp8_errors(g))
+    finally:
+        gemv.FP8_FORM = before
+    return max(errs)
+
+
+def _gemv_fp8_errors(g: torch.Generator) -> float:
     from phalanx.kernels import linear
     from phalanx.kernels.backend import force_triton
     from phalanx.kernels.fp8 import dequantize, expand_block_scales, fp8_linear_ref, quantize_blocks

@@ -369,6 +369,8 @@ def check_fused_experts_paths(g: torch.Generator) -> float:
                 outs = {"general": fused_experts_triton(x, w, ids, w13, w2, emap, path="general"),
                         "small": fused_experts_triton(x, w, ids, w13, w2, emap, path="small"),
                         "small-gemv": fused_experts_small_triton(x, w, ids, w13, w2, emap, mode="gemv"),
+                        "small-gemv-loop": fused_experts_small_triton(x, w, ids, w13, w2, emap, mode="gemv",
+                                                                      cfg={"split": False}),
                         "small-combine": fused_experts_small_triton(x, w, ids, w13, w2, emap,
                                                                     cfg={"merge": False})}
                 assert torch.equal(outs["small"], outs["small-combine"]), \
@@ -417,19 +419,26 @@ def check_fused_experts_dispatch(g: torch.Generator) -> float:
     assert gpu_moe.SMALL_MAX_PAIRS >= 8, "T=1 at top-8 must take the small path"
     calls: list[str] = []
     real_small, real_align = moe_decode.fused_experts_small_triton, gpu_moe._align
-    moe_decode.fused_experts_small_triton = lambda *a, **kw: (calls.append("small"), real_small(*a, **kw))[1]
+    real_one = gpu_moe.SMALL_MODE_ONE
+    moe_decode.fused_experts_small_triton = lambda *a, **kw: (calls.append(f"small-{kw['mode']}"),
+                                                              real_small(*a, **kw))[1]
     gpu_moe._align = lambda *a, **kw: (calls.append("general"), real_align(*a, **kw))[1]
     try:
         limit = gpu_moe.SMALL_MAX_PAIRS
-        for T, k, want in [(1, 8, "small"), (1, 1, "small"), (limit // 8, 8, "small"),
-                           (limit // 8 + 1, 8, "general"), (limit // 2 + 1, 2, "general")]:
-            x, w, ids, w13, w2, _ = _moe_case(g, T, k, 16, 16)
-            calls.clear()
-            out = moe.fused_experts(x, w, ids, w13, w2)
-            assert calls == [want], (T, k, calls)
-            assert rel_err(out, moe.fused_experts_ref(x, w, ids, w13, w2)) < MOE_PATH_TOL, (T, k)
+        for one in ("gemv", "dot"):  # a lone token takes SMALL_MODE_ONE, more take SMALL_MODE
+            gpu_moe.SMALL_MODE_ONE = one
+            small = f"small-{gpu_moe.SMALL_MODE}"
+            for T, k, want in [(1, 8, f"small-{one}"), (1, 1, f"small-{one}"), (2, 4, small),
+                               (limit // 8, 8, small), (limit // 8 + 1, 8, "general"),
+                               (limit // 2 + 1, 2, "general")]:
+                x, w, ids, w13, w2, _ = _moe_case(g, T, k, 16, 16)
+                calls.clear()
+                out = moe.fused_experts(x, w, ids, w13, w2)
+                assert calls == [want], (T, k, calls)
+                assert rel_err(out, moe.fused_experts_ref(x, w, ids, w13, w2)) < MOE_PATH_TOL, (T, k)
     finally:
         moe_decode.fused_experts_small_triton, gpu_moe._align = real_small, real_align
+        gpu_moe.SMALL_MODE_ONE = real_one
     return 0.0
 
 

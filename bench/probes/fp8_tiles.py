@@ -1,6 +1,6 @@
 """Tile sweep of the FP8 kernels (issue 33) at the Qwen3-30B-A3B shapes, one H200.
 
-    python bench/probes/fp8_tiles.py [--only linear-decode,linear-prefill,experts-decode,experts-prefill]
+    python bench/probes/fp8_tiles.py [--only linear-decode,linear-mid,linear-prefill,experts-decode,experts-mid,experts-prefill]
 
 (``-prefill16``: the prefill shapes with bf16 activations, weights dequantized in registers.)
 
@@ -25,6 +25,16 @@ from fp8_kernels_gpu import HID, INTER, LINEARS, NE, TOPK, _acts_deq, _experts_a
 
 LIN_DECODE = [dict(BLOCK_N=n, stages=st, warps=w, SCALE_AFTER=sa)
               for n in (16, 32, 64) for st in (4, 6) for w in (2, 4) for sa in (False, True)]
+# Batch 16 < M <= 128 (decode at batch 64 / 128): FP8 dots (a_fp8, the default there) in narrower
+# N tiles than 64 (o has 2048 rows: 32 programs at 64), and weights dequantized in registers.
+LIN_MID = [dict(a_fp8=af, BLOCK_N=n, stages=st, warps=4, SCALE_AFTER=False)
+           for af in (True, False) for n in (16, 32, 64) for st in (3, 5)]
+# The experts at decode batches 16-128 (4-8 pairs per expert): FP8 dots (activations
+# quantized, gate_up quantizing its output; N1 one group) against the default dequantize-
+# in-registers tiles.
+EXP_MID = ([dict(A_FP8=False, SCALE_AFTER=False, BLOCK_M=16, N1=128, N2=128, warps=4, stages=3)]
+           + [dict(A_FP8=True, SCALE_AFTER=False, BLOCK_M=bm, N1=128, N2=n2, warps=w, stages=st)
+              for bm in (16, 32, 64) for n2 in (128, 256) for w, st in ((4, 3), (8, 3), (4, 4))])
 LIN_PREFILL = [dict(BLOCK_M=bm, BLOCK_N=bn, warps=w, stages=st)
                for bm, bn, w, st in [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3),
                                      (128, 256, 8, 3), (64, 256, 8, 3), (128, 64, 4, 4)]]
@@ -67,18 +77,20 @@ def linear_cases(kind: str, g) -> list[dict]:
 
     rows = []
     ms, variants, a_fp8 = {"decode": ((1, 16, 64, 128), LIN_DECODE, False), "prefill": ((16384,), LIN_PREFILL, True),
-                           "prefill16": ((16384,), LIN_PREFILL16, False)}[kind]
+                           "prefill16": ((16384,), LIN_PREFILL16, False), "mid": ((64, 128), LIN_MID, None)}[kind]
     for name, (n, k) in LINEARS.items():
         q, s = _weight((n, k), g)
         wd = dequantize(q, s, torch.bfloat16)
         for m in ms:
             x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-            ref = F.linear(_acts_deq(x), wd.float()) if a_fp8 else fp8_linear_ref(x, q, s)
+            refs = {True: F.linear(_acts_deq(x), wd.float()), False: fp8_linear_ref(x, q, s)}
             bf16 = _time_us(lambda: F.linear(x, wd))
             for v in variants:
-                cfg = dict(v, BLOCK_M=v.get("BLOCK_M", 16 if m <= 16 else 64 if m <= 64 else 128))
-                fn = lambda cfg=cfg: fp8_linear_triton(x, q, s, a_fp8=a_fp8, config=cfg)  # noqa: E731
-                rows += _measure(f"linear {name} M={m}", cfg, fn, ref, bf16)
+                af = v["a_fp8"] if a_fp8 is None else a_fp8
+                cfg = {key: val for key, val in v.items() if key != "a_fp8"}
+                cfg["BLOCK_M"] = v.get("BLOCK_M", 16 if m <= 16 else 64 if m <= 64 else 128)
+                fn = lambda cfg=cfg, af=af: fp8_linear_triton(x, q, s, a_fp8=af, config=cfg)  # noqa: E731
+                rows += _measure(f"linear {name} M={m}", dict(cfg, a_fp8=af), fn, refs[af], bf16)
             _print_case(f"linear {name} M={m}", rows)
     return rows
 
@@ -94,17 +106,17 @@ def experts_cases(kind: str, g) -> list[dict]:
     w13d, w2d = dequantize(w13, s13, torch.bfloat16), dequantize(w2, s2, torch.bfloat16)
     rows = []
     ms, variants = {"decode": ((16, 64, 128), EXP_DECODE), "prefill": ((16384,), EXP_PREFILL),
-                    "prefill16": ((16384,), EXP_PREFILL16)}[kind]
+                    "prefill16": ((16384,), EXP_PREFILL16), "mid": ((16, 64, 128), EXP_MID)}[kind]
     for m in ms:
         x = torch.randn(m, HID, device="cuda", generator=g).to(torch.bfloat16)
         w, ids = route(torch.randn(m, NE, device="cuda", generator=g), TOPK, True, torch.bfloat16)
-        ref = (_experts_acts_ref(x, w, ids, w13d, w2d) if kind == "prefill"
-               else fused_experts_ref(x, w, ids, w13d, w2d))
+        refs = {True: _experts_acts_ref(x, w, ids, w13d, w2d), False: fused_experts_ref(x, w, ids, w13d, w2d)}
         bf16 = _time_us(lambda: fused_experts_triton(x, w, ids, w13d, w2d))
         for v in variants:
-            fn = lambda v=v: fused_experts_fp8_triton(x, w, ids, w13, s13, w2, s2,  # noqa: E731
-                                                      a_fp8=kind == "prefill", config=v)
-            rows += _measure(f"experts T={m}", v, fn, ref, bf16)
+            af = v.get("A_FP8", kind == "prefill")
+            fn = lambda v=v, af=af: fused_experts_fp8_triton(x, w, ids, w13, s13, w2, s2,  # noqa: E731
+                                                             a_fp8=af, config=v)
+            rows += _measure(f"experts T={m}", v, fn, refs[af], bf16)
         _print_case(f"experts T={m}", rows)
     return rows
 

@@ -36,9 +36,12 @@ import triton.language as tl
 
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
-__all__ = ["gemv_triton", "gemv_block_n", "gemv_rows", "GEMV_TILE_BYTES"]
+__all__ = ["gemv_triton", "gemv_block_n", "gemv_rows", "fp8_form", "GEMV_TILE_BYTES", "FP8_FORM"]
 
 GEMV_TILE_BYTES = 64 << 10  # a program's weight tile (kernels/linear.py's GEMV_ROW_BYTES equals it)
+# How FP8 codes reach their scale blocks (`gemv_rows`): 1 reshapes the 2-D tile, 2 loads
+# it 3-D. Not measured against each other yet (bench/kernels_gpu.py --only gemv, chain-fp8).
+FP8_FORM = 1
 _PROGRAMS = 128  # aim: about one program per SM or more, for bytes in flight
 
 
@@ -64,16 +67,23 @@ def gemv_rows(
     HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program ``pid``'s rows of y for all M rows of x (the module docstring's schedule).
-    FP8: w holds e4m3 codes, ``s_ptr`` their scales per row and 128-column block (GROUP =
-    min(128, BLOCK_K) columns share a scale within the tile)."""
+    FP8 (0: off): w holds e4m3 codes, ``s_ptr`` their scales per row and 128-column block
+    (GROUP = min(128, BLOCK_K) columns share a scale within the tile); the codes are loaded
+    as a [BLOCK_N, BLOCK_K] tile and reshaped to the scale blocks (1) or loaded as
+    [BLOCK_N, BLOCK_K / GROUP, GROUP] (2; `FP8_FORM`). Same products and sums either way."""
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     nm = n < N
     km = k < K
     if PDL:
         gdc_launch_dependents()
-    w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
-                other=0.0)
+    if FP8 == 2:  # the codes as [BLOCK_N, K/GROUP, GROUP]: a scale block per middle index
+        kb3 = tl.arange(0, BLOCK_K // GROUP)[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+        w = tl.load(w_ptr + n[:, None, None].to(tl.int64) * sw + kb3,
+                    mask=nm[:, None, None] & (kb3 < K), other=0.0)
+    else:
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * sw + k[None, :], mask=nm[:, None] & km[None, :],
+                    other=0.0)
     if FP8:
         kb = tl.arange(0, BLOCK_K // GROUP)
         s = tl.load(s_ptr + n[:, None].to(tl.int64) * ss + kb[None, :],
@@ -99,7 +109,8 @@ def gemv_rows(
             if WRITE_NORMED:
                 tl.store(xn_ptr + m * K + k, x, mask=first)
         if FP8:  # dequantized in registers as kernels/fp8.dequantize does, in x's dtype
-            wd = (tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP]).to(tl.float32) * s[:, :, None])
+            w3 = w if FP8 == 2 else tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP])
+            wd = (w3.to(tl.float32) * s[:, :, None])
             wd = wd.to(x.dtype).to(tl.float32)
             xg = tl.reshape(x.to(tl.float32), [BLOCK_K // GROUP, GROUP])
             acc = tl.sum(tl.sum(wd * xg[None, :, :], axis=2), axis=1)
@@ -108,6 +119,11 @@ def gemv_rows(
         if HAS_BIAS:
             acc += b
         tl.store(y_ptr + m * sy + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
+
+
+def fp8_form(scales: torch.Tensor | None) -> int:
+    """The ``FP8`` constexpr of `gemv_rows` for a weight with these scales (None: bf16)."""
+    return 0 if scales is None else FP8_FORM
 
 
 def gemv_block_n(n: int, k: int, elem_bytes: int) -> int:
@@ -158,7 +174,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         res_out if res_out is not None else y, normed if normed is not None else y,
         N, K, x.stride(0), r.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0,
         y.stride(0), float(eps), M=M, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(K),
-        FP8=scales is not None, GROUP=min(128, triton.next_power_of_2(K)), NORM=norm is not None,
+        FP8=fp8_form(scales), GROUP=min(128, triton.next_power_of_2(K)), NORM=norm is not None,
         HAS_RES=residual is not None, WRITE_NORMED=normed is not None, HAS_BIAS=bias is not None,
         num_warps=warps, **pdl_launch(x.device, "gemv"),
     )

@@ -152,6 +152,21 @@ def _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _row_fma(a_row, w_rows, kk, nm, I, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """"gemv" mode down projection of one pair: float32 ``[BLOCK_N]`` =
+    ``w2[e][tile rows] @ inter[p]`` over I in BLOCK_K steps (one step when BLOCK_K >= I:
+    the whole tile in flight at once)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + kk
+        km = k < I
+        av = tl.load(a_row + k, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_rows[:, None] + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        acc += w.to(tl.float32) * av[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _small_down_kernel(
     inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, out_ptr, ws_ptr,
     K_TOP, HID, I, E, si_p, sw_e, sw_n, so_t, sws_e, sws_n,
@@ -184,14 +199,7 @@ def _small_down_kernel(
                 acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
                 acc_t += (acc.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32)
             else:
-                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-                for k0 in range(0, I, BLOCK_K):
-                    k = k0 + kk
-                    km = k < I
-                    av = tl.load(a_row + k, mask=km, other=0.0).to(tl.float32)
-                    w = tl.load(w_rows[:, None] + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                    acc += w.to(tl.float32) * av[None, :]
-                h = tl.sum(acc, axis=1).to(ty).to(tl.float32)
+                h = _row_fma(a_row, w_rows, kk, nm, I, BLOCK_N, BLOCK_K).to(ty).to(tl.float32)
                 acc_t += (h * wt).to(ty).to(tl.float32)
     if DOT:
         tl.store(out_ptr + t * so_t + r[:, None] * 0 + n[None, :], acc_t.to(ty), mask=r0 & nm[None, :])
@@ -203,12 +211,13 @@ def _small_down_kernel(
 def _small_down_pair_kernel(
     inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, pair_out_ptr, out_ptr, arrived_ptr, ws_ptr,
     HID, I, E, K_TOP, si_p, sw_e, sw_n, so_p, sws_e, sws_n,
-    HAS_MAP: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr, FP8: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr,
+    FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
-    # "dot" mode with the slots spread over programs: pair_out[p, tile] =
-    # round(round(w2[e] @ inter[p]) * weight[p]); non-local pairs write nothing. With
+    # The slots spread over programs: pair_out[p, tile] =
+    # round(round(w2[e] @ inter[p]) * weight[p]) (DOT: "dot" mode's 16-row MMA tile; else
+    # the "gemv" mode's FMA rows); non-local pairs write nothing. With
     # MERGE every pair of a token arrives at the token's tile counter (arrivals.py) and
     # the last one writes out[t, tile]: the slot sum of _small_combine_kernel. PDL: as
     # the gate_up kernel's. TRIGGER: let a PDL-launched next kernel (the next layer's qkv
@@ -225,15 +234,19 @@ def _small_down_pair_kernel(
     ty = pair_out_ptr.dtype.element_ty
     if (e >= 0) & (e < E):
         kk = tl.arange(0, BLOCK_K)
-        r = tl.arange(0, ROWS)
-        r0 = (r == 0)[:, None]
         wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
         w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
         a_row = inter_ptr + p * si_p
-        s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
-        acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
-        h = (acc.to(ty).to(tl.float32) * wt).to(ty)
-        tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
+        if DOT:
+            r = tl.arange(0, ROWS)
+            r0 = (r == 0)[:, None]
+            s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
+            acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
+            h = (acc.to(ty).to(tl.float32) * wt).to(ty)
+            tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
+        else:
+            h = (_row_fma(a_row, w_rows, kk, nm, I, BLOCK_N, BLOCK_K).to(ty).to(tl.float32) * wt).to(ty)
+            tl.store(pair_out_ptr + p * so_p + n, h, mask=nm)
     if MERGE:
         tl.debug_barrier()
         t = p // K_TOP
@@ -271,7 +284,11 @@ def _slot_sum(pair_out_ptr, ids_ptr, emap_ptr, out_ptr, t, cols, HID, K_TOP, E,
 # Tile configs per mode. Not tuned on a GPU yet: bench/kernels_gpu.py times a few at T=1.
 # "dot": K tiles as the general path's BLOCK_M=16 config (K1 = K2 = 128); N smaller than
 # its 64 for more programs at T=1 (gate_up 8 pairs * 768/32 = 192, down 2048/16 = 128).
-# "gemv": [16, 256] weight tiles, 16 rows of 512 contiguous bytes (bf16) per load.
+# "gemv": a GEMV's schedule (kernels/gpu/gemv.py): K1 = K2 = 0 take the whole K in one
+# tile (K rounded up to a power of two), so all of a program's weight bytes are in flight
+# at once; gate_up 4 gate + 4 up rows of 2048 (32 KiB bf16, 8 pairs * 192 = 1536
+# programs at T=1), down 8 rows of 768 (12 KiB, 8 pairs * 256 programs), split and merged
+# as the "dot" mode's.
 _CONFIGS = {
     # split: the down projection runs one program per (pair, H-tile) (8x the programs of
     # the per-token loop at T=1); the last pair of a token's tile sums its slots (merge;
@@ -282,13 +299,13 @@ _CONFIGS = {
     # twenty-eighth session): 4 stages gave batch 1 377-378 tok/s against 372-374 with 3,
     # but batch 4 676 against 690, so 4 at one token only.
     "dot": dict(N1=64, K1=128, N2=64, K2=128, warps=4, stages=3, stages1=4, split=True),
-    "gemv": dict(N1=16, K1=256, N2=16, K2=256, warps=4, stages=3),
+    "gemv": dict(N1=4, K1=0, N2=8, K2=0, warps=4, stages=1, split=True),
 }
 
 
 def small_config(mode: str) -> dict:
-    """The default tiles of ``mode`` (a copy): N1/K1 gate_up, N2/K2 down, warps, stages
-    (``stages1``, if given: the stages at T = 1)."""
+    """The default tiles of ``mode`` (a copy): N1/K1 gate_up, N2/K2 down (K 0: the whole
+    K in one tile), warps, stages (``stages1``, if given: the stages at T = 1), split."""
     return dict(_CONFIGS[mode])
 
 
@@ -298,10 +315,10 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     """Small-batch SwiGLU experts with weighted top-k combine; see ``fused_experts_ref``.
 
     Same arguments as ``fused_experts_triton``; ``mode`` is one of ``SMALL_MODES``,
-    ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages, stages1). Any T
-    works (the work grows as T * k: meant for T * k <= ``SMALL_MAX_PAIRS``). Local expert
-    ids outside ``[0, E)`` count as not held. Two kernel launches (three with the "dot"
-    mode's ``split`` and ``merge=False``), no host sync. ``scales``: (w13_scale, w2_scale)
+    ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages, stages1,
+    split, merge). Any T works (the work grows as T * k: meant for T * k <=
+    ``SMALL_MAX_PAIRS``). Local expert ids outside ``[0, E)`` count as not held. Two
+    kernel launches (three with ``split`` and ``merge=False``), no host sync. ``scales``: (w13_scale, w2_scale)
     when the stacks are FP8 codes (`moe_fp8`; "dot" mode, K tiles of one 128-column block):
     each weight tile is dequantized in registers as the reference does.
     """
@@ -319,6 +336,8 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     P = T * k_top
     c = small_config(mode)
     c.update(cfg or {})
+    c["K1"] = c["K1"] or triton.next_power_of_2(hid)
+    c["K2"] = c["K2"] or triton.next_power_of_2(inter_dim)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
@@ -336,7 +355,7 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
         s13.stride(0), s13.stride(1), BLOCK_N=c["N1"], BLOCK_K=c["K1"], **meta,
         **pdl_launch(x.device, "moe"),
     )
-    if mode == "dot" and c.get("split"):
+    if c.get("split"):
         _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top)
         return out
     _small_down_kernel[(T, triton.cdiv(hid, c["N2"]))](
@@ -360,7 +379,7 @@ def _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top) -> None:
     _small_down_pair_kernel[(P, tiles)](
         inter, ids, emap, weights, w2, pair_out, out, arrived, s2,
         hid, inter_dim, E, k_top, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        s2.stride(0), s2.stride(1), HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], MERGE=merge,
+        s2.stride(0), s2.stride(1), HAS_MAP=meta["HAS_MAP"], DOT=meta["DOT"], ROWS=meta["ROWS"], MERGE=merge,
         FP8=meta["FP8"], BLOCK_N=c["N2"], BLOCK_K=c["K2"], PREC=meta["PREC"],
         TRIGGER=merge and pdl_enabled(out.device), num_warps=meta["num_warps"],
         num_stages=meta["num_stages"], **pdl_launch(out.device, "moe"),

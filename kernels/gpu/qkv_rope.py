@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .arrivals import arrival_counts
-from .gemv import gemv_block_n, gemv_rows
+from .gemv import fp8_form, gemv_block_n, gemv_rows
 from .pdl import pdl_launch
 from .rope import _norm_rotate
 
@@ -122,7 +122,7 @@ def qkv_rope_triton(x, residual, norm_weight, eps, weight, bias, positions, cos,
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_cache.shape[2],
         num_heads, num_kv_heads, M=M, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(K),
-        FP8=scales is not None, GROUP=min(128, triton.next_power_of_2(K)), HALF=D // 2,
+        FP8=fp8_form(scales), GROUP=min(128, triton.next_power_of_2(K)), HALF=D // 2,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, HAS_QK_NORM=q_norm is not None,
         num_warps=4, **pdl_launch(x.device, "gemv"),
     )
