@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from itertools import islice
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional
 
@@ -143,15 +144,20 @@ class Admission:
         """The held request (of the `window` oldest) that the groups in `room` serve best;
         None if every one of them would rather wait."""
         cfg, tree = self.config, pool.tree
-        ps, now = tree.page_size, self._clock()
+        ps, now, per_s = tree.page_size, self._clock(), cfg.wait_tokens_per_s
+        match, page_hashes, room = tree.match_pages, self.router.page_hashes, set(room)
         best_rid, best = None, -float(cfg.move_tokens) - 1e-9
-        for i, (rid, (record, since)) in enumerate(self._held.items()):
-            if i == cfg.window:
-                break
-            pages = tree.match_pages(self.router.page_hashes(record, pool))
-            inside = max((pages.get(g, 0) for g in room), default=0)
-            outside = max((n for g, n in pages.items() if g not in room), default=0)
-            score = ps * (inside - outside) + cfg.wait_tokens_per_s * (now - since)
+        # One plain loop per held request (a pick scans up to `window` of them): the
+        # longest match among the groups with room (inside) and among the others.
+        for rid, (record, since) in islice(self._held.items(), cfg.window):
+            inside = outside = 0
+            for g, n in match(page_hashes(record, pool)).items():
+                if g in room:
+                    if n > inside:
+                        inside = n
+                elif n > outside:
+                    outside = n
+            score = ps * (inside - outside) + per_s * (now - since)
             if score > best:
                 best_rid, best = rid, score
         return best_rid

@@ -29,9 +29,15 @@ slot sum in float32, one rounding):
   whose per-element order does depend on the tile's N and K: there the bits match the
   general path only with its tiles, ``N1=N2=64, K1=K2=128``.)
 * ``"gemv"``: ``tl.sum(w * x[None, :], axis=1)`` over a ``[N, K]`` weight tile loaded
-  along the contiguous hidden dim, no tensor cores and no shared-memory staging. Same
-  semantics, different float32 summation order: a token's result differs (within
-  rounding) between this path and the general one.
+  along the contiguous hidden dim, no tensor cores and no shared-memory staging; by
+  default the tile spans the whole K (a GEMV's schedule: all of a program's weight
+  bytes in flight at once). Same semantics, different float32 summation order: a
+  token's result differs (within rounding) between this path and the general one, and
+  does not depend on the other tokens of the batch.
+
+With ``split`` (the default in both modes) step 2 runs one program per (pair, H-tile)
+instead (``_small_down_pair_kernel``), and the last pair of a token's tile to finish sums
+the token's slots in slot order (an arrival counter, `arrivals.py`).
 
 Nothing here syncs with the host: grids come from shapes only (CUDA-graph capturable).
 """
