@@ -18,7 +18,9 @@ few-row part turned off, in the same process, tokens checked against the main ro
 * ``moegemv`` / ``moedot``: a lone token's experts in the small path's "gemv" / "dot"
   mode (`kernels.gpu.moe.SMALL_MODE_ONE`); the sums run in another order, so tokens
   agree within bf16 rounding. ``moegemvw``: "gemv" with twice the rows per program
-  (gate_up 8 + 8, down 16).
+  (gate_up 8 + 8, down 16). ``moegemvk`` / ``moegemvk16``: "gemv" in K tiles, 8 rows of
+  512 / 8 of 256 (the fastest T = 1 tile of `kernels_gpu --only moe` on one H100) / 16
+  rows of 256 in both, 3 stages.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -35,7 +37,8 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold", "moegemv", "moegemvw", "moedot")
+             "moes4", "moes5", "moes6", "routefold", "moegemv", "moegemvw", "moegemvk", "moegemvk16",
+             "moedot")
 _SAVED: dict = {}
 
 
@@ -60,7 +63,7 @@ def _switch(name: str, on: bool) -> None:
             attention._decode_partition = lambda s, *a: want if s == 1 else real(s, *a)
         else:
             attention._decode_partition = _SAVED.pop("part")
-    elif name in ("moegemv", "moegemvw", "moedot"):
+    elif name in ("moegemv", "moegemvw", "moegemvk", "moegemvk16", "moedot"):
         from phalanx.kernels.gpu import moe, moe_decode
         gemv = moe_decode._CONFIGS["gemv"]
         if on:
@@ -68,6 +71,10 @@ def _switch(name: str, on: bool) -> None:
             moe.SMALL_MODE_ONE = "dot" if name == "moedot" else "gemv"
             if name == "moegemvw":
                 gemv.update(N1=2 * gemv["N1"], N2=2 * gemv["N2"])
+            elif name == "moegemvk":
+                gemv.update(N1=8, K1=512, N2=8, K2=256, stages=3)
+            elif name == "moegemvk16":
+                gemv.update(N1=16, K1=256, N2=16, K2=256, stages=3)
         else:
             moe.SMALL_MODE_ONE = _SAVED.pop("one")
             gemv.update(_SAVED.pop("gemv"))

@@ -55,14 +55,22 @@ static const uint8_t SIGMA[12][16] = {
 
 static inline uint64_t rotr(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
 
+/* Little-endian 64-bit loads and stores as one move (a byte loop is not always folded
+ * into one by the compiler); a big-endian host swaps. */
 static inline uint64_t load_le64(const uint8_t *p) {
-    uint64_t x = 0;
-    for (int i = 7; i >= 0; i--) x = (x << 8) | p[i];
+    uint64_t x;
+    memcpy(&x, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    x = __builtin_bswap64(x);
+#endif
     return x;
 }
 
 static inline void store_le64(uint8_t *p, uint64_t x) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(x >> (8 * i));
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    x = __builtin_bswap64(x);
+#endif
+    memcpy(p, &x, 8);
 }
 
 #define G(a, b, c, d, x, y)          \
@@ -129,42 +137,60 @@ static uint64_t blake2b_64(const uint8_t *prefix, size_t plen, const uint8_t *ms
     return h[0];
 }
 
-static PyObject *pack(PyObject *self, PyObject *tokens) {
-    (void)self;
-    /* A list is read in place only while reading its items runs no Python code (exact
-     * ints); anything else is read from a tuple copy, which no __index__ can resize. */
-    PyObject *seq = NULL;
-    if (PyList_CheckExact(tokens)) {
-        Py_ssize_t n = PyList_GET_SIZE(tokens);
-        PyObject **items = PySequence_Fast_ITEMS(tokens);
-        Py_ssize_t i = 0;
-        while (i < n && PyLong_CheckExact(items[i])) i++;
-        if (i == n) {
-            seq = tokens;
-            Py_INCREF(seq);
-        }
-    }
-    if (seq == NULL) seq = PySequence_Tuple(tokens);
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, 8 * n);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+/* The value of an exact int that fits in one internal digit (|x| < 2**30), read straight
+ * from the object without a call: 1 if so, 0 if not (the caller takes the slow path). */
+static inline int small_int(PyObject *o, long long *x) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject *)o)) return 0;
+    *x = (long long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+    return 1;
+#else
+    Py_ssize_t size = Py_SIZE(o);
+    if (size > 1 || size < -1) return 0;
+    *x = size * (long long)((PyLongObject *)o)->ob_digit[0];
+    return 1;
+#endif
+}
+
+/* Packs items[0, n) into p as little-endian int64: ints, or objects with __index__. With
+ * `exact_only` (items of a list, which Python code could resize) it stops at the first
+ * item that is not an exact int, before any Python code runs. Returns the number of
+ * items packed (n when all are), -1 on error. */
+static Py_ssize_t pack_items(PyObject **items, Py_ssize_t n, uint8_t *p, int exact_only) {
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long x = PyLong_AsLongLong(items[i]); /* ints, or objects with __index__ */
-        if (x == -1 && PyErr_Occurred()) goto fail;
+        PyObject *o = items[i];
+        long long x;
+        int exact = PyLong_CheckExact(o);
+        if (!exact && exact_only) return i;
+        if (!(exact && small_int(o, &x))) {
+            x = PyLong_AsLongLong(o);
+            if (x == -1 && PyErr_Occurred()) return -1;
+        }
         store_le64(p + 8 * i, (uint64_t)x);
     }
-    Py_DECREF(seq);
-    return out;
-fail:
-    Py_DECREF(seq);
-    Py_DECREF(out);
-    return NULL;
+    return n;
+}
+
+static PyObject *pack(PyObject *self, PyObject *tokens) {
+    (void)self;
+    /* A list is read in place, in one pass, while its items are exact ints; at the first
+     * item that is not, everything is read again from a tuple copy, which no __index__
+     * can resize. */
+    int in_place = PyList_CheckExact(tokens);
+    for (;;) {
+        PyObject *seq = in_place ? Py_NewRef(tokens) : PySequence_Tuple(tokens);
+        if (seq == NULL) return NULL;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        PyObject *out = PyBytes_FromStringAndSize(NULL, 8 * n);
+        Py_ssize_t done = out == NULL ? -1
+            : pack_items(PySequence_Fast_ITEMS(seq), n, (uint8_t *)PyBytes_AS_STRING(out),
+                         in_place);
+        Py_DECREF(seq);
+        if (done == n) return out;
+        Py_XDECREF(out);
+        if (done < 0) return NULL;
+        in_place = 0;
+    }
 }
 
 /* Appends a new int h to `out`; the int (a new reference) or NULL on error. */

@@ -13,7 +13,7 @@ of the n pages of `data` through the runs it remembers (the contract: `walk_py`)
 
 All three come from the C module `_page_hash` (`router/_page_hash.c`, built by `pip
 install`) when it is there: it reads a Python int in ~1 ns where `struct` takes ~6, and
-hashes a page in ~0.35 µs where a hashlib object takes ~0.6 plus the loop's own calls.
+hashes a page in ~0.30 µs where a hashlib object takes ~0.6 plus the loop's own calls.
 Without it (a source tree used without installing it) the Python versions below give the
 same bytes and hashes; `NATIVE` says which is in use.
 """

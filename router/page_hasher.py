@@ -35,7 +35,7 @@ call remembers, plus `REAP_SPARE`), so that no request pays for a large run at o
 
 Cost per call: packing the tokens, then the walk: one blake2b per page hashed and a
 `memcmp` per jump, all in C when `router/_page_hash.c` is built (`page_hash.pack` and
-`walk`: ~1.3 ns a token and ~0.35 µs a page; in Python ~6.5 ns and ~0.6 µs plus the
+`walk`: ~0.8 ns a token and ~0.30 µs a page; in Python ~6.5 ns and ~0.6 µs plus the
 loop's own calls); then remembering the fresh pages (runs keep their tokens in a
 `bytearray`, so a run grows in place, not by copying it). The walk only reads the runs;
 `_walk` applies what it reports (the runs used become the most recent; one our tokens

@@ -76,6 +76,25 @@ def check_fp8_linear_prefill(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_fp8_linear_split_k(g: torch.Generator) -> float:
+    """K shared by 2-4 programs a tile, the last merging (4 over 3 K blocks: one program
+    gets none), in both modes, with and without bias."""
+    from phalanx.kernels.fp8 import dequantize, fp8_linear_ref
+    from phalanx.kernels.gpu.arrivals import all_zero
+    from phalanx.kernels.gpu.fp8_linear import fp8_linear_triton
+
+    errs = []
+    for (m, n, k), split in [((5, 70, 384), 2), ((40, 33, 384), 4), ((70, 64, 520), 3)]:
+        q, s = _weight(g, n, k)
+        x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        cfg = dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=16, SPLIT_K=split)
+        errs.append(rel_err(fp8_linear_triton(x, q, s, bias, a_fp8=False, config=cfg),
+                            fp8_linear_ref(x, q, s, bias)))
+        ref = F.linear(_deq_acts(x), dequantize(q, s, torch.float32))
+        errs.append(rel_err(fp8_linear_triton(x, q, s, a_fp8=True, config=cfg), ref))
+    return max(errs) if all_zero() else float("inf")
+
+
 def _moe_case(g: torch.Generator, t: int, e_local: int = 6, e_global: int = 8, hid: int = 200,
               inter: int = 160, top_k: int = 3):
     from phalanx.kernels.moe import make_expert_map

@@ -25,10 +25,12 @@ from fp8_kernels_gpu import HID, INTER, LINEARS, NE, TOPK, _acts_deq, _experts_a
 
 LIN_DECODE = [dict(BLOCK_N=n, stages=st, warps=w, SCALE_AFTER=sa)
               for n in (16, 32, 64) for st in (4, 6) for w in (2, 4) for sa in (False, True)]
-# Batch 16 < M <= 128 (decode at batch 64 / 128): FP8 dots (a_fp8, the default there) in narrower
-# N tiles than 64 (o has 2048 rows: 32 programs at 64), and weights dequantized in registers.
-LIN_MID = [dict(a_fp8=af, BLOCK_N=n, stages=st, warps=4, SCALE_AFTER=False)
-           for af in (True, False) for n in (16, 32, 64) for st in (3, 5)]
+# Batch 16 < M <= 128 (decode at batch 64 / 128): FP8 dots (a_fp8, the default there) in N
+# tiles of 16-64 rows (o has 2048 rows: 32 programs at 64), K shared by 1-8 programs a tile
+# (SPLIT_K, the last merging); a_fp8=False (weights dequantized in registers) lost at every
+# tile in the thirty-third session's run.
+LIN_MID = [dict(a_fp8=True, BLOCK_N=n, stages=st, warps=4, SCALE_AFTER=False, SPLIT_K=sk)
+           for n in (16, 32, 64) for sk in (1, 2, 4, 8) for st in (3, 5)]
 # The experts at decode batches 16-128 (4-8 pairs per expert): FP8 dots (activations
 # quantized, gate_up quantizing its output; N1 one group) against the default dequantize-
 # in-registers tiles.

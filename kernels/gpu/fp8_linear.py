@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import arrival_counts
 from .attention import dot_precision
 from .fp8_quant import GROUP, quantize_groups_triton
 
@@ -49,12 +50,17 @@ def fp8_block_dot(acc, a, a_s, w, w_s, A_FP8: tl.constexpr, SCALE_AFTER: tl.cons
 
 @triton.jit(do_not_specialize=["M"])  # M follows the batch (engine/warmup.py)
 def _fp8_linear_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, M, N, K,
+    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, c_ptr, part_ptr, arrived_ptr, M, N, K,
     sa_m, sas_m, sw_n, sws_n, sc_m,
     HAS_BIAS: tl.constexpr, A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # SPLIT_K > 1: the SPLIT_K programs of an output tile (adjacent ids) each sum one
+    # share of the K blocks into part[split, M, N] (float32); the last to arrive at the
+    # tile's counter (arrivals.py) adds the parts in split order and writes the tile.
+    pid = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n  # programs sharing a band of GROUP_M row blocks (L2 reuse of w)
@@ -70,7 +76,8 @@ def _fp8_linear_kernel(
     a_rows = a_ptr + rm[:, None].to(tl.int64) * sa_m
     w_rows = w_ptr + rn[None, :].to(tl.int64) * sw_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    for kb in range(split * share, tl.minimum((split + 1) * share, tl.cdiv(K, BLOCK_K))):
         k = kb * BLOCK_K + kk
         km = k < K
         a = tl.load(a_rows + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
@@ -80,19 +87,42 @@ def _fp8_linear_kernel(
         if A_FP8:
             a_s = tl.load(as_ptr + rm.to(tl.int64) * sas_m + kb, mask=mm, other=0.0)
         acc = fp8_block_dot(acc, a, a_s, w, w_s, A_FP8, SCALE_AFTER, PREC)
-    ty = c_ptr.dtype.element_ty
+    tile_mask = mm[:, None] & nm[None, :]
+    if SPLIT_K > 1:
+        cells = rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part_ptr + (split * M).to(tl.int64) * N + cells, acc, mask=tile_mask)
+        tl.debug_barrier()
+        if tl.atomic_add(arrived_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            tl.store(arrived_ptr + pid, 0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for sk in range(0, SPLIT_K):  # other programs wrote the parts: read past L1
+                acc += tl.load(part_ptr + (sk * M).to(tl.int64) * N + cells, mask=tile_mask,
+                               other=0.0, cache_modifier=".cg")
+            _store_tile(acc, bias_ptr, c_ptr, rm, rn, nm, tile_mask, sc_m, HAS_BIAS)
+    else:
+        _store_tile(acc, bias_ptr, c_ptr, rm, rn, nm, tile_mask, sc_m, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, c_ptr, rm, rn, nm, tile_mask, sc_m, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         # the reference adds the bias inside F.linear, in its dtype's GEMM epilogue
         acc += tl.load(bias_ptr + rn, mask=nm, other=0.0).to(tl.float32)
-    tl.store(c_ptr + rm[:, None].to(tl.int64) * sc_m + rn[None, :], acc.to(ty),
-             mask=mm[:, None] & nm[None, :])
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * sc_m + rn[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=tile_mask)
 
 
-def _tiles(m: int, a_fp8: bool) -> dict:
-    """One H200, Qwen3-30B-A3B qkv / o shapes (bench/probes/fp8_tiles.py, bench/NOTES.md):
-    decode tiles of 16 weight rows (the most programs), FP8 dots in 64-row tiles."""
+def _tiles(m: int, n: int, k: int, a_fp8: bool) -> dict:
+    """Qwen3-30B-A3B qkv / o shapes (bench/probes/fp8_tiles.py, bench/NOTES.md): decode
+    tiles of 16 weight rows (the most programs), FP8 dots in 64-row tiles. At decode
+    batches up to 128 a program takes at most 2048 columns of K: a longer K is shared by
+    programs of 32-row tiles, the last merging (o, K = 4096: 10.1 µs against 16.2 at M = 64,
+    13.0 against 22.8 at M = 128 on one H100; qkv's K = 2048 loses with any split)."""
     if not a_fp8:
         return dict(BLOCK_M=16, BLOCK_N=16, warps=4, stages=4, SCALE_AFTER=False)
+    if m <= 128 and k > 2048:
+        return dict(BLOCK_M=64, BLOCK_N=32, warps=4, stages=3, SCALE_AFTER=False,
+                    SPLIT_K=min(8, triton.cdiv(k, 2048)))
     if m <= 1024:
         return dict(BLOCK_M=64, BLOCK_N=64, warps=4, stages=4, SCALE_AFTER=False)
     return dict(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3, SCALE_AFTER=False)
@@ -103,7 +133,8 @@ def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                       config: dict | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize(q, scales), bias)``; see the module docstring. ``a_fp8``
     forces the mode (None: FP8 activations iff M > SKINNY_MAX_M and x is not float32);
-    ``config`` overrides tile keys (BLOCK_M, BLOCK_N, warps, stages, SCALE_AFTER)."""
+    ``config`` overrides tile keys (BLOCK_M, BLOCK_N, warps, stages, SCALE_AFTER, SPLIT_K:
+    K shared by that many programs a tile, the last merging)."""
     m, k = x.shape
     n = q.shape[0]
     out = x.new_empty((m, n))
@@ -113,13 +144,19 @@ def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
         a_fp8 = m > SKINNY_MAX_M and x.dtype != torch.float32
     x = x if x.stride(-1) == 1 else x.contiguous()
     a, a_s = quantize_groups_triton(x) if a_fp8 else (x, scales)
-    cfg = dict(_tiles(m, a_fp8), **(config or {}))
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _fp8_linear_kernel[grid](
-        a, a_s, q, scales, bias if bias is not None else scales, out, m, n, k,
+    cfg = dict(_tiles(m, n, k, a_fp8), **(config or {}))
+    split = cfg.get("SPLIT_K", 1)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if split > 1:  # the parts: float32, per call (a graph keeps it in its pool)
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        arrived = arrival_counts("fp8_linear", tiles, x.device)
+    else:
+        part = arrived = out
+    _fp8_linear_kernel[(tiles * split,)](
+        a, a_s, q, scales, bias if bias is not None else scales, out, part, arrived, m, n, k,
         a.stride(0), a_s.stride(0), q.stride(0), scales.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, A_FP8=a_fp8, SCALE_AFTER=cfg["SCALE_AFTER"], PREC=dot_precision(x.dtype),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, GROUP_M=8,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, GROUP_M=8, SPLIT_K=split,
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return out

@@ -40,8 +40,9 @@ __all__ = ["gemv_triton", "gemv_block_n", "gemv_rows", "fp8_form", "GEMV_TILE_BY
 
 GEMV_TILE_BYTES = 64 << 10  # a program's weight tile (kernels/linear.py's GEMV_ROW_BYTES equals it)
 # How FP8 codes reach their scale blocks (`gemv_rows`): 1 reshapes the 2-D tile, 2 loads
-# it 3-D. Not measured against each other yet (bench/kernels_gpu.py --only gemv, chain-fp8).
-FP8_FORM = 1
+# it 3-D. 2 is the faster: a 48-layer FP8 chain at M = 1 in 797 µs against 840 (one H100,
+# bench/kernels_gpu.py --only gemv, chain-fp8; bench/NOTES.md).
+FP8_FORM = 2
 _PROGRAMS = 128  # aim: about one program per SM or more, for bytes in flight
 
 
