@@ -90,11 +90,12 @@ class DecodeGraphs:
                 sized: Callable[[int], None] = lambda size: None) -> None:
         """Capture every size (whole, then split), largest first, sharing one memory pool.
 
-        The largest and the smallest size run first (twice) outside capture, within
-        `rehearsal()`: that compiles every kernel the graphs use (some paths depend on
-        the batch size, e.g. the MoE small path) and creates the buffers they keep
-        across launches, which must not come from the graphs' shared pool (see
-        kernels/gpu/arrivals.py; each lane has its own). A DP×EP group rehearses with
+        Every size runs first outside capture (the largest and the smallest twice),
+        within `rehearsal()`: that compiles every kernel the graphs use (some paths and
+        tiles depend on the batch size, e.g. the MoE small path at a few tokens, the FP8
+        linear's split K at 17-128) and creates the buffers they keep across launches,
+        which must not come from the graphs' shared pool (see kernels/gpu/arrivals.py;
+        each lane has its own). A DP×EP group rehearses with
         stand-in exchanges, so capturing needs no peer. `sized(rows)` runs before each
         forward of that many rows (the group's exchange capacity per size or lane)."""
         kinds = [(size, False) for size in reversed(self.sizes)]
@@ -102,10 +103,11 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), rehearsal():
-            for _ in range(2):
+            for rep in range(2):
                 for split in sorted({split for _, split in kinds}):
                     sizes = [size for size, s in kinds if s == split]
-                    for size in sorted({sizes[0], sizes[-1]}, reverse=True):
+                    again = sorted({sizes[0], sizes[-1]}, reverse=True)
+                    for size in sizes if rep == 0 else again:
                         self._forward(size, split, sized)
         torch.cuda.current_stream().wait_stream(stream)
         pool = None
