@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Hashable, Sequence
+from typing import Any, ClassVar, Hashable, NamedTuple, Sequence
 
 from . import registry
 from .checks import is_int as _is_int, is_real as _is_real, require as _require
@@ -49,9 +49,9 @@ class GroupLoad:
                  "kv_usage", f"must be a number in [0, 1], got {self.kv_usage!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One group a request may go to: its id, load, and prefix-tree match in tokens."""
+class Candidate(NamedTuple):
+    """One group a request may go to: its id, load, and prefix-tree match in tokens.
+    A named tuple: the router builds one per group per decision, on its hot path."""
 
     group: Hashable
     load: GroupLoad
@@ -204,9 +204,10 @@ class LeastLoadedPolicy(RoutingPolicy):
     Config = LeastLoadedConfig
 
     def _choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Candidate:
-        rc = self.config.running_cost_tokens
-        return min(below_watermark(candidates, self.config.kv_high_watermark),
-                   key=lambda c: (load_tokens(c.load, rc), c.load.kv_usage))
+        rc, hw = self.config.running_cost_tokens, self.config.kv_high_watermark
+        cands = below_watermark(candidates, hw)
+        keys = [(c.load.queued_tokens + rc * c.load.running, c.load.kv_usage) for c in cands]
+        return cands[keys.index(min(keys))]
 
 
 @registry.register(KIND, "prefix_aware")
@@ -240,7 +241,9 @@ class PrefixAwarePolicy(RoutingPolicy):
     def imbalanced(self, loads: Sequence[int]) -> bool:
         """Whether the busiest and least busy of `loads` (`load_tokens` values) differ
         beyond both thresholds."""
-        hi, lo = max(loads), min(loads)
+        return self._imbalanced(max(loads), min(loads))
+
+    def _imbalanced(self, hi: int, lo: int) -> bool:
         cfg = self.config
         return hi - lo > cfg.balance_abs_tokens and hi > cfg.balance_ratio * lo
 
@@ -249,42 +252,54 @@ class PrefixAwarePolicy(RoutingPolicy):
         every load at least `saturation_tokens`, `1 + saturation_gain * min(loads) /
         prompt_tokens` (the prompt-sized requests queued on the least busy group, each
         of which a move's extra prefill would delay). Never below 1."""
+        return self._weight(min(loads), prompt_tokens)
+
+    def _weight(self, lo: int, prompt_tokens: int) -> float:
         cfg = self.config
-        lo = min(loads)
         if cfg.saturation_gain <= 0.0 or lo < cfg.saturation_tokens:
             return 1.0
         return 1.0 + cfg.saturation_gain * lo / max(1, prompt_tokens)
 
     def _choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> Candidate:
+        # one pass per list over a handful of candidates: this runs once per request
         cfg = self.config
-        cands = below_watermark(candidates, cfg.kv_high_watermark)
-        loads = [load_tokens(c.load, cfg.running_cost_tokens) for c in cands]
-        n = len(cands)
-        if self.imbalanced(loads):
+        hw, rc = cfg.kv_high_watermark, cfg.running_cost_tokens
+        cands = below_watermark(candidates, hw)
+        loads = [c.load.queued_tokens + rc * c.load.running for c in cands]
+        matched = [c.matched_tokens for c in cands]
+        hi, lo = max(loads), min(loads)
+        if self._imbalanced(hi, lo):
             self.load_overrides += 1
-            i = min(range(n), key=lambda i: (loads[i], -cands[i].matched_tokens,
-                                             cands[i].load.kv_usage, i))
+            i = min(range(len(cands)), key=lambda i: (loads[i], -matched[i],
+                                                      cands[i].load.kv_usage, i))
             return cands[i]
-        w, wm = cfg.load_weight, self.prefix_weight(loads, prompt_tokens)
-        self.saturated += wm > 1.0
-        best = self._pick(cands, loads, [(w * loads[i] - wm * cands[i].matched_tokens,)
-                                         for i in range(n)])
-        costs = [loads[i] + max(0, prompt_tokens - cands[i].matched_tokens) for i in range(n)]
-        cheapest = min(costs)
-        if costs[best] > cfg.spill_ratio * cheapest + cfg.spill_abs_tokens:
-            self.cost_overrides += 1
-            return cands[self._pick(cands, loads, [(costs[i], -cands[i].matched_tokens)
-                                                   for i in range(n)])]
+        w, wm = cfg.load_weight, self._weight(lo, prompt_tokens)
+        if wm > 1.0:
+            self.saturated += 1
+        scores = [w * x - wm * m for x, m in zip(loads, matched)]
+        best = scores.index(min(scores))
+        if scores.count(scores[best]) > 1:
+            best = self._pick(cands, loads, scores)
+        cost = loads[best] + max(0, prompt_tokens - matched[best])
+        if cost > cfg.spill_ratio * lo + cfg.spill_abs_tokens:  # lo <= the cheapest cost
+            costs = [x + max(0, prompt_tokens - m) for x, m in zip(loads, matched)]
+            if cost > cfg.spill_ratio * min(costs) + cfg.spill_abs_tokens:
+                self.cost_overrides += 1
+                return cands[self._pick(cands, loads, costs, [-m for m in matched])]
         self.prefix_choices += 1
         return cands[best]
 
-    def _pick(self, cands: Sequence[Candidate], loads: Sequence[int],
-              keys: Sequence[tuple]) -> int:
-        """Index of the lowest key; ties: lower load, lower KV usage, then rotation."""
-        n = len(cands)
-        full = [(*keys[i], loads[i], cands[i].load.kv_usage) for i in range(n)]
-        top = min(full)
-        tied = [i for i in range(n) if full[i] == top]
+    def _pick(self, cands: Sequence[Candidate], loads: Sequence[int], keys: Sequence[float],
+              then: Sequence[int] = ()) -> int:
+        """Index of the lowest `keys` value; ties: lower `then` (when given), lower load,
+        lower KV usage, then rotation."""
+        top = min(keys)
+        tied = [i for i, k in enumerate(keys) if k == top]
+        if len(tied) == 1:
+            return tied[0]
+        full = {i: (then[i] if then else 0, loads[i], cands[i].load.kv_usage) for i in tied}
+        top2 = min(full.values())
+        tied = [i for i in tied if full[i] == top2]
         if len(tied) == 1:
             return tied[0]
         cursor = self._tie_cursor

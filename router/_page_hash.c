@@ -16,15 +16,19 @@
  *       [p * page_bytes, (p + 1) * page_bytes)), the first chained to `parent` (an int,
  *       or None for a sequence's first page); with `stop_at` (a dict, or None) the list
  *       ends at the first hash that is a key of `stop_at`, that hash included.
- *   walk(data, n, page_bytes, parent, first_page, at) -> (hashes, fresh, touched, reused)
- *       the hashes of the n pages of `data` (page 0 is the sequence's page `first_page`),
- *       hashing pages until one is a page of a remembered run and taking the run's
- *       following hashes for as long as their tokens are byte-equal; `at` maps a chain
- *       hash to a run (attributes `start`, `hashes`: list, `data`: bytearray). Returns the
- *       hashes, the ranges [a, b) of pages hashed that no run holds, for each run used
- *       (run, cut) with cut = the run's page where the tokens differ or -1, and the number
- *       of hashes taken from runs. The runs are only read: the caller cuts them.
+ *   walk(data, n, page_bytes, parent, first_page, at, out) -> (fresh, touched, reused)
+ *       writes the hashes of the n pages of `data` (page 0 is the sequence's page
+ *       `first_page`) into `out` (n native uint64: an array('Q')), hashing pages until
+ *       one is a page of a remembered run and copying the run's following hashes for as
+ *       long as their tokens are byte-equal; `at` (a PageIndex, page_index.c) maps a
+ *       chain hash to a run (attributes `start`, `hashes`: array('Q'), `data`:
+ *       bytearray). Returns the ranges [a, b) of
+ *       pages hashed that no run holds, for each run used (run, cut) with cut = the
+ *       run's page where the tokens differ or -1, and the number of hashes taken from
+ *       runs. Runs are looked up only until the first page none holds (the pages after
+ *       it chain to a new hash). The runs are only read: the caller cuts them.
  *       `page_hash.walk_py` is the same in Python, with the contract in its docstring.
+ *   PageIndex: the map `at` (page_index.c).
  *
  * Optional: `router/page_hash.py` falls back to hashlib and struct when this module was
  * not built (a source tree used without `pip install`).
@@ -34,108 +38,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static const uint64_t IV[8] = {
-    0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL,
-    0xa54ff53a5f1d36f1ULL, 0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL,
-    0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL};
-
-static const uint8_t SIGMA[12][16] = {
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
-    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
-    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
-    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
-    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
-    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
-    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
-    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
-    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3}};
-
-static inline uint64_t rotr(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
-
-/* Little-endian 64-bit loads and stores as one move (a byte loop is not always folded
- * into one by the compiler); a big-endian host swaps. */
-static inline uint64_t load_le64(const uint8_t *p) {
-    uint64_t x;
-    memcpy(&x, p, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    x = __builtin_bswap64(x);
-#endif
-    return x;
-}
-
-static inline void store_le64(uint8_t *p, uint64_t x) {
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    x = __builtin_bswap64(x);
-#endif
-    memcpy(p, &x, 8);
-}
-
-#define G(a, b, c, d, x, y)          \
-    do {                             \
-        a = a + b + (x);             \
-        d = rotr(d ^ a, 32);         \
-        c = c + d;                   \
-        b = rotr(b ^ c, 24);         \
-        a = a + b + (y);             \
-        d = rotr(d ^ a, 16);         \
-        c = c + d;                   \
-        b = rotr(b ^ c, 63);         \
-    } while (0)
-
-/* One compression of the 128-byte block `block` into state h; t = bytes hashed so far,
- * this block's included; last = the message's final block. */
-static void compress(uint64_t h[8], const uint8_t block[128], uint64_t t, int last) {
-    uint64_t m[16], v[16];
-    for (int i = 0; i < 16; i++) m[i] = load_le64(block + 8 * i);
-    for (int i = 0; i < 8; i++) {
-        v[i] = h[i];
-        v[i + 8] = IV[i];
-    }
-    v[12] ^= t; /* the counter's high word stays 0: messages are far below 2**64 bytes */
-    if (last) v[14] = ~v[14];
-    /* unrolled, the sigma indices are constants */
-    _Pragma("GCC unroll 12") for (int r = 0; r < 12; r++) {
-        const uint8_t *s = SIGMA[r];
-        G(v[0], v[4], v[8], v[12], m[s[0]], m[s[1]]);
-        G(v[1], v[5], v[9], v[13], m[s[2]], m[s[3]]);
-        G(v[2], v[6], v[10], v[14], m[s[4]], m[s[5]]);
-        G(v[3], v[7], v[11], v[15], m[s[6]], m[s[7]]);
-        G(v[0], v[5], v[10], v[15], m[s[8]], m[s[9]]);
-        G(v[1], v[6], v[11], v[12], m[s[10]], m[s[11]]);
-        G(v[2], v[7], v[8], v[13], m[s[12]], m[s[13]]);
-        G(v[3], v[4], v[9], v[14], m[s[14]], m[s[15]]);
-    }
-    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
-}
-
-/* BLAKE2b-64 of (prefix, 0 or 8 bytes) + (msg, len bytes): the digest as an integer. */
-static uint64_t blake2b_64(const uint8_t *prefix, size_t plen, const uint8_t *msg,
-                           size_t len) {
-    uint64_t h[8];
-    uint8_t block[128];
-    memcpy(h, IV, sizeof h);
-    h[0] ^= 0x01010000ULL ^ 8; /* fanout 1, depth 1, no key, 8-byte digest */
-    size_t total = plen + len, done = 0, fill = plen;
-    memcpy(block, prefix, plen);
-    /* the final block (full or not) is compressed with the last flag, so a block is
-     * compressed only once more bytes follow it */
-    while (total - done > 128) {
-        size_t take = 128 - fill;
-        memcpy(block + fill, msg, take);
-        msg += take;
-        done += 128;
-        compress(h, block, done, 0);
-        fill = 0;
-    }
-    size_t rest = total - done - fill;
-    memcpy(block + fill, msg, rest);
-    memset(block + fill + rest, 0, 128 - fill - rest);
-    compress(h, block, total, 1);
-    return h[0];
-}
+#include "blake2b64.h"
+#include "page_index.h"
 
 /* The value of an exact int that fits in one internal digit (|x| < 2**30), read straight
  * from the object without a call: 1 if so, 0 if not (the caller takes the slow path). */
@@ -193,43 +97,36 @@ static PyObject *pack(PyObject *self, PyObject *tokens) {
     }
 }
 
-/* Appends a new int h to `out`; the int (a new reference) or NULL on error. */
 static PyObject *s_start, *s_hashes, *s_data; /* interned attribute names of a run */
 
-/* The run `at` names for hash `hobj` if that run's page i = pos - run.start holds it:
- * a new reference with *hs (new reference) and *i set; NULL with no error if none. */
-static PyObject *run_holding(PyObject *at, PyObject *hobj, uint64_t h, Py_ssize_t pos,
-                             PyObject **hs, Py_ssize_t *i) {
-    PyObject *run = PyDict_GetItemWithError(at, hobj);
+/* A view of `run.hashes` (an array('Q')): 0, or -1 with an error set. The caller
+ * releases it before any Python code can run. */
+static int hashes_view(PyObject *run, Py_buffer *v) {
+    PyObject *hashes = PyObject_GetAttr(run, s_hashes);
+    if (hashes == NULL) return -1;
+    int rc = u64_view(hashes, v, "a run's hashes");
+    Py_DECREF(hashes); /* the view holds its own reference */
+    return rc;
+}
+
+/* The run `at` names for hash h if that run's page i = pos - run.start holds it: a new
+ * reference, with *v a view of its hashes and *i set; NULL with no error if none. */
+static PyObject *run_holding(PageIndex *at, uint64_t h, Py_ssize_t pos, Py_buffer *v,
+                             Py_ssize_t *i) {
+    PyObject *run = page_index_get(at, h);
     if (run == NULL) return NULL;
     Py_INCREF(run);
     PyObject *start = PyObject_GetAttr(run, s_start);
-    PyObject *hashes = start ? PyObject_GetAttr(run, s_hashes) : NULL;
-    if (hashes == NULL || !PyList_Check(hashes)) {
-        if (hashes != NULL)
-            PyErr_SetString(PyExc_TypeError, "a run's hashes must be a list");
-        goto fail;
-    }
+    if (start == NULL) goto fail;
     Py_ssize_t at_pos = pos - PyLong_AsSsize_t(start);
-    if (PyErr_Occurred()) goto fail;
-    if (at_pos >= 0 && at_pos < PyList_GET_SIZE(hashes)) {
-        PyObject *item = PyList_GET_ITEM(hashes, at_pos);
-        unsigned long long held = PyLong_AsUnsignedLongLong(item);
-        if (held == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
-        if (held == h) {
-            Py_DECREF(start);
-            *hs = hashes;
-            *i = at_pos;
-            return run;
-        }
-    }
     Py_DECREF(start);
-    Py_DECREF(hashes);
-    Py_DECREF(run);
-    return NULL;
+    if (PyErr_Occurred() || hashes_view(run, v) < 0) goto fail;
+    if (at_pos >= 0 && at_pos < v->len / 8 && ((const uint64_t *)v->buf)[at_pos] == h) {
+        *i = at_pos;
+        return run;
+    }
+    PyBuffer_Release(v);
 fail:
-    Py_XDECREF(start);
-    Py_XDECREF(hashes);
     Py_DECREF(run);
     return NULL;
 }
@@ -276,79 +173,106 @@ static int parent_prefix(PyObject *parent, uint8_t prev[8], size_t *plen) {
     return 0;
 }
 
+/* Layout of one walk: the packed pages, their hashes as they are found, the runs. */
+typedef struct {
+    const uint8_t *data;
+    uint64_t *out;
+    Py_ssize_t n, pb, first_page;
+    PageIndex *at;
+    PyObject *fresh, *touched;
+} Walk;
+
+/* Hashes pages from k on until one is the page of a run `at` names (NULL: none; else a
+ * new reference with *v and *i set as by run_holding) and returns it; *k is then the
+ * page after the last one hashed. Runs are looked up only until the first page no run
+ * holds: past it every chain hash is new (a run holding a later page would hold this
+ * one, its parent), so the pages after it are hashed without a lookup. */
+static PyObject *hash_until_run(Walk *w, Py_ssize_t *k, uint8_t prev[8], size_t *plen,
+                                int *lookup, Py_buffer *v, Py_ssize_t *i) {
+    while (*k < w->n) {
+        uint64_t h = blake2b_64(prev, *plen, w->data + *k * w->pb, (size_t)w->pb);
+        store_le64(prev, h);
+        *plen = 8;
+        w->out[(*k)++] = h;
+        if (!*lookup) continue;
+        PyObject *run = run_holding(w->at, h, w->first_page + *k - 1, v, i);
+        if (run != NULL || PyErr_Occurred()) return run;
+        *lookup = 0;
+    }
+    return NULL;
+}
+
+/* Takes the hashes of the pages from k on from `run` (page k-1 is its page i) for as
+ * long as their tokens are byte-equal to the run's; reports the run as touched (with
+ * the page it should be cut at, or -1). Returns the pages taken, -1 on error. */
+static Py_ssize_t take_from_run(Walk *w, Py_ssize_t k, PyObject *run, const Py_buffer *v,
+                                Py_ssize_t i, uint8_t prev[8]) {
+    const uint64_t *hs = (const uint64_t *)v->buf;
+    Py_ssize_t limit = w->n - k, left = v->len / 8 - i - 1, m = 0;
+    if (left < limit) limit = left;
+    if (limit > 0) {
+        m = equal_pages(run, w->data, k, i + 1, w->pb, limit);
+        if (m < 0) return -1;
+    }
+    Py_ssize_t cut = limit > 0 && m < limit ? i + 1 + m : -1;
+    if (append_new(w->touched, Py_BuildValue("(On)", run, cut)) < 0) return -1;
+    if (m) {
+        memcpy(w->out + k, hs + i + 1, (size_t)m * 8);
+        store_le64(prev, hs[i + m]);
+    }
+    return m;
+}
+
 static PyObject *walk(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer data;
-    Py_ssize_t n, pb, first_page;
-    PyObject *parent, *at;
-    if (!PyArg_ParseTuple(args, "y*nnOnO!", &data, &n, &pb, &parent, &first_page,
-                          &PyDict_Type, &at))
+    Py_buffer data, out;
+    PyObject *parent;
+    Walk w;
+    if (!PyArg_ParseTuple(args, "y*nnOnO!w*", &data, &w.n, &w.pb, &parent, &w.first_page,
+                          &PageIndexType, &w.at, &out))
         return NULL;
-    PyObject *out = NULL, *fresh = PyList_New(0), *touched = PyList_New(0);
-    PyObject *result = NULL, *run = NULL, *hs = NULL;
+    PyObject *result = NULL;
+    w.fresh = PyList_New(0);
+    w.touched = PyList_New(0);
     uint8_t prev[8];
     size_t plen = 0;
-    Py_ssize_t k = 0, reused = 0, i = 0;
-    if (fresh == NULL || touched == NULL) goto done;
-    if (pb <= 0 || n < 0 || n * pb > data.len || first_page < 0) {
+    Py_ssize_t k = 0, reused = 0;
+    int lookup = 1;
+    if (w.fresh == NULL || w.touched == NULL) goto done;
+    if (w.pb <= 0 || w.n < 0 || w.n * w.pb > data.len || w.first_page < 0) {
         PyErr_SetString(PyExc_ValueError, "pages out of the data's range");
         goto done;
     }
-    out = PyList_New(n); /* slot k is filled when page k's hash is known */
-    if (out == NULL) goto done;
+    if (out.len < w.n * 8 || (w.n && ((uintptr_t)out.buf & 7))) {
+        PyErr_SetString(PyExc_ValueError, "out must hold n uint64 (an array('Q'))");
+        goto done;
+    }
     if (parent_prefix(parent, prev, &plen) < 0) goto done;
-    const uint8_t *base = (const uint8_t *)data.buf;
-    while (k < n) {
-        Py_ssize_t a = k; /* hash pages until one is a remembered run's page */
-        while (k < n && run == NULL) {
-            uint64_t h = blake2b_64(prev, plen, base + k * pb, (size_t)pb);
-            store_le64(prev, h);
-            plen = 8;
-            PyObject *hobj = PyLong_FromUnsignedLongLong(h);
-            if (hobj == NULL) goto done;
-            PyList_SET_ITEM(out, k, hobj); /* the list owns it; borrowed below */
-            k++;
-            run = run_holding(at, hobj, h, first_page + k - 1, &hs, &i);
-            if (run == NULL && PyErr_Occurred()) goto done;
-        }
+    w.data = (const uint8_t *)data.buf;
+    w.out = (uint64_t *)out.buf;
+    while (k < w.n) {
+        Py_ssize_t a = k, i = 0;
+        Py_buffer v;
+        PyObject *run = hash_until_run(&w, &k, prev, &plen, &lookup, &v, &i);
         if (run == NULL) {
-            if (append_new(fresh, Py_BuildValue("(nn)", a, n)) < 0) goto done;
+            if (PyErr_Occurred() ||
+                append_new(w.fresh, Py_BuildValue("(nn)", a, w.n)) < 0) goto done;
             break;
         }
-        if (a < k - 1 && append_new(fresh, Py_BuildValue("(nn)", a, k - 1)) < 0) goto done;
-        /* page k-1 is the run's page i: the pages after it are the run's for as long as
-         * their tokens are equal (same parent hash, same tokens) */
-        Py_ssize_t limit = n - k, left = PyList_GET_SIZE(hs) - i - 1, m = 0;
-        if (left < limit) limit = left;
-        if (limit > 0) {
-            m = equal_pages(run, base, k, i + 1, pb, limit);
-            if (m < 0) goto done;
-        }
-        Py_ssize_t cut = limit > 0 && m < limit ? i + 1 + m : -1;
-        if (append_new(touched, Py_BuildValue("(On)", run, cut)) < 0) goto done;
-        for (Py_ssize_t j = i + 1; j <= i + m; j++) {
-            PyObject *taken = PyList_GET_ITEM(hs, j);
-            Py_INCREF(taken);
-            PyList_SET_ITEM(out, k + (j - i - 1), taken);
-        }
-        if (m) {
-            unsigned long long last = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(hs, i + m));
-            if (last == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-            store_le64(prev, last);
-            k += m;
-            reused += m;
-        }
-        Py_CLEAR(run);
-        Py_CLEAR(hs);
+        int rc = a < k - 1 ? append_new(w.fresh, Py_BuildValue("(nn)", a, k - 1)) : 0;
+        Py_ssize_t m = rc < 0 ? -1 : take_from_run(&w, k, run, &v, i, prev);
+        PyBuffer_Release(&v);
+        Py_DECREF(run);
+        if (m < 0) goto done;
+        k += m;
+        reused += m;
     }
-    result = Py_BuildValue("(OOOn)", out, fresh, touched, reused);
+    result = Py_BuildValue("(OOn)", w.fresh, w.touched, reused);
 done:
-    Py_XDECREF(run);
-    Py_XDECREF(hs);
-    Py_XDECREF(out);
-    Py_XDECREF(fresh);
-    Py_XDECREF(touched);
+    Py_XDECREF(w.fresh);
+    Py_XDECREF(w.touched);
     PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
     return result;
 }
 
@@ -413,5 +337,9 @@ PyMODINIT_FUNC PyInit__page_hash(void) {
     s_hashes = PyUnicode_InternFromString("hashes");
     s_data = PyUnicode_InternFromString("data");
     if (s_start == NULL || s_hashes == NULL || s_data == NULL) return NULL;
-    return PyModule_Create(&module);
+    if (PyType_Ready(&PageIndexType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObjectRef(m, "PageIndex", (PyObject *)&PageIndexType) < 0)
+        Py_CLEAR(m);
+    return m;
 }

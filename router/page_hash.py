@@ -8,10 +8,16 @@ page_bytes, parent, stop_at)` is the chain hashes of pages `first .. stop - 1` o
 key of the dict `stop_at` (that hash included). A page's chain hash is blake2b-64 of its
 parent's hash as 8 little-endian bytes and the page's bytes (`page_hasher.page_hashes`).
 
-`walk(data, n, page_bytes, parent, first_page, at)` is `PageHasher`'s walk: the hashes
-of the n pages of `data` through the runs it remembers (the contract: `walk_py`).
+`walk(data, n, page_bytes, parent, first_page, at, out)` is `PageHasher`'s walk: the
+hashes of the n pages of `data`, written into the array('Q') `out`, through the runs it
+remembers (the contract: `walk_py`). Hashes travel as array('Q'), not lists of ints: a
+hash taken from a run is 8 bytes copied, not an int object referenced.
 
-All three come from the C module `_page_hash` (`router/_page_hash.c`, built by `pip
+`PageIndex()` is the map from a page's chain hash to the run holding it that `walk`
+reads (`get`, `set_range`, `unindex`, `clear`, `len`): a table of uint64 keys, no int
+object or dict entry per page.
+
+All four come from the C module `_page_hash` (`router/_page_hash.c`, built by `pip
 install`) when it is there: it reads a Python int in ~1 ns where `struct` takes ~6, and
 hashes a page in ~0.30 µs where a hashlib object takes ~0.6 plus the loop's own calls.
 Without it (a source tree used without installing it) the Python versions below give the
@@ -22,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
+from itertools import repeat
 from typing import Any, Optional, Sequence
 
 _BLAKE8 = hashlib.blake2b(digest_size=8)  # copied per page: cheaper than a new object
@@ -54,52 +62,57 @@ Range = tuple[int, int]
 
 
 def walk_py(data: bytes, n: int, page_bytes: int, parent: Optional[int], first_page: int,
-            at: dict) -> tuple[list[int], list[Range], list[tuple[Any, int]], int]:
-    """The chain hashes of the `n` pages of `data` (its page 0 is page `first_page` of a
-    sequence whose previous page has hash `parent`), taking hashes from remembered runs.
+            at: dict, out: array) -> tuple[list[Range], list[tuple[Any, int]], int]:
+    """Writes the chain hashes of the `n` pages of `data` (its page 0 is page `first_page`
+    of a sequence whose previous page has hash `parent`) into `out` (an array('Q') of at
+    least n items), taking hashes from remembered runs.
 
-    `at` maps a chain hash to a run that holds that page: an object with `start` (the
-    sequence position of its first page), `hashes` (its pages' hashes, a list) and `data`
-    (their tokens packed, a bytearray). Pages are hashed until one is a page of the run
-    `at` names for it, at the same position; the run's following hashes are then taken
-    for as long as its tokens equal ours (the same parent and the same tokens give the
-    same hash, so this is exact), and hashing resumes after them.
+    `at` (a `PageIndex`) maps a chain hash to a run that holds that page: an object with
+    `start` (the sequence position of its first page), `hashes` (its pages' hashes, an
+    array('Q')) and `data` (their tokens packed, a bytearray). Pages are hashed until one
+    is a page of the
+    run `at` names for it, at the same position; the run's following hashes are then
+    taken for as long as its tokens equal ours (the same parent and the same tokens give
+    the same hash, so this is exact), and hashing resumes after them. Runs are looked up
+    only until the first hashed page that no run holds: every later page chains to a hash
+    never seen (a run holding one would hold its parent too), so the rest is hashed
+    without lookups. A run whose parent run was dropped is then not found: more hashing,
+    never a wrong hash.
 
-    Returns (hashes, fresh, touched, reused): `fresh` the ranges [a, b) of pages hashed
-    that no run holds; `touched` a (run, cut) per run used, in order, with cut = the run's
-    page where our tokens differ from its (it should be cut there) or -1; `reused` the
-    number of hashes taken from runs. The runs are only read."""
-    out: list[int] = []
+    Returns (fresh, touched, reused): `fresh` the ranges [a, b) of pages hashed that no
+    run holds; `touched` a (run, cut) per run used, in order, with cut = the run's page
+    where our tokens differ from its (it should be cut there) or -1; `reused` the number
+    of hashes taken from runs. The runs are only read."""
     fresh: list[Range] = []
     touched: list[tuple[Any, int]] = []
-    prev, k, reused = parent, 0, 0
+    prev, k, reused, lookup = parent, 0, 0, True
     while k < n:
         a, run = k, None  # hash pages until one is a remembered run's page
-        while k < n:
-            out += chain_py(data, k, n, page_bytes, prev, at)
-            k = len(out)
-            prev = out[-1]
+        while k < n and lookup:
+            prev = out[k] = chain_py(data, k, k + 1, page_bytes, prev, None)[0]
+            k += 1
             run = at.get(prev)
-            if run is not None:
-                i = first_page + k - 1 - run.start
-                hs = run.hashes
-                if 0 <= i < len(hs) and hs[i] == prev:
-                    break
-                run = None
+            i = first_page + k - 1 - run.start if run is not None else -1
+            if run is not None and 0 <= i < len(run.hashes) and run.hashes[i] == prev:
+                break
+            run, lookup = None, False
         if run is None:
+            if k < n:
+                out[k:n] = array("Q", chain_py(data, k, n, page_bytes, prev, None))
             fresh.append((a, n))
             break
         if a < k - 1:
             fresh.append((a, k - 1))
+        hs = run.hashes
         limit = min(n - k, len(hs) - i - 1)
         m = _equal_pages(data, k, run.data, i + 1, page_bytes, limit) if limit > 0 else 0
         touched.append((run, i + 1 + m if m < limit else -1))
         if m:
-            out += hs[i + 1:i + 1 + m]
+            out[k:k + m] = hs[i + 1:i + 1 + m]
             k += m
             reused += m
-            prev = out[-1]
-    return out, fresh, touched, reused
+            prev = out[k - 1]
+    return fresh, touched, reused
 
 
 def _equal_pages(data: bytes, k: int, rdata: bytearray, j: int, pb: int, limit: int) -> int:
@@ -119,11 +132,52 @@ def _equal_pages(data: bytes, k: int, rdata: bytearray, j: int, pb: int, limit: 
         return lo
 
 
+class PageIndexPy:
+    """Chain hash -> run over a dict: `PageIndex` (router/page_index.c) in Python."""
+
+    __slots__ = ("_runs",)
+
+    def __init__(self) -> None:
+        self._runs: dict[int, Any] = {}
+
+    def get(self, h: int, default: Any = None) -> Any:
+        return self._runs.get(h, default)
+
+    def set_range(self, hashes: array, start: int, stop: int, run: Any) -> None:
+        """Maps each of `hashes[start:stop]` to `run`."""
+        _check_range(hashes, start, stop)
+        self._runs.update(zip(hashes[start:stop], repeat(run)))
+
+    def unindex(self, hashes: array, start: int, stop: int, run: Any) -> int:
+        """Unmaps each of `hashes[start:stop]` that maps to `run` (by identity); returns
+        how many it unmapped."""
+        _check_range(hashes, start, stop)
+        runs = self._runs
+        gone = [h for h in hashes[start:stop] if runs.get(h) is run]
+        for h in gone:
+            del runs[h]
+        return len(gone)
+
+    def clear(self) -> None:
+        self._runs.clear()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+
+def _check_range(hashes: array, start: int, stop: int) -> None:
+    if not (isinstance(hashes, array) and hashes.typecode == "Q"):
+        raise TypeError("hashes must be an array('Q')")
+    if start < 0 or stop < start or stop > len(hashes):
+        raise ValueError("entries out of the hashes' range")
+
+
 try:
-    from ._page_hash import chain, pack, walk
+    from ._page_hash import PageIndex, chain, pack, walk
     NATIVE = True
 except ImportError:  # not built: the same results, slower
-    pack, chain, walk = pack_py, chain_py, walk_py
+    pack, chain, walk, PageIndex = pack_py, chain_py, walk_py, PageIndexPy  # type: ignore[misc]
     NATIVE = False
 
-__all__ = ["NATIVE", "chain", "chain_py", "pack", "pack_py", "walk", "walk_py"]
+__all__ = ["NATIVE", "PageIndex", "PageIndexPy", "chain", "chain_py", "pack", "pack_py",
+           "walk", "walk_py"]

@@ -24,8 +24,12 @@ run there and seals the head against growing (a shared system prompt stays a run
 own that every conversation reads to its end, without searching for where they part).
 A chat turn thus costs about two jumps plus its new pages.
 
-Layout: `_at` maps a chain hash to a run that holds that page; the run's index of the page
-is the page's position in its sequence minus `run.start` (a chain hash fixes the position).
+Layout: `_at` (a `page_hash.PageIndex`: a table of uint64 keys, no int object per page)
+maps a chain hash to a run that holds that page; the run's index of the page is the
+page's position in its sequence minus `run.start` (a chain hash fixes the position).
+Hashes travel as `array('Q')` (a run's, and what `hashes` returns): a hash taken from a
+run is 8 bytes copied, not an int object referenced. The walk looks runs up only until
+the first page no run holds (every later chain hash is new).
 Memory is bounded: runs are kept in least-recently-used order and the oldest dropped while
 more than `budget` pages are remembered (the owner sets the budget, e.g. from its tree's
 size); a dropped run's pages are simply hashed again next time. Dropping is O(1) for the
@@ -37,7 +41,7 @@ Cost per call: packing the tokens, then the walk: one blake2b per page hashed an
 `memcmp` per jump, all in C when `router/_page_hash.c` is built (`page_hash.pack` and
 `walk`: ~0.8 ns a token and ~0.30 µs a page; in Python ~6.5 ns and ~0.6 µs plus the
 loop's own calls); then remembering the fresh pages (runs keep their tokens in a
-`bytearray`, so a run grows in place, not by copying it). The walk only reads the runs;
+`bytearray` and their hashes in an array, so a run grows in place, not by copying it). The walk only reads the runs;
 `_walk` applies what it reports (the runs used become the most recent; one our tokens
 leave in its middle is cut there).
 """
@@ -46,14 +50,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from collections import OrderedDict, deque
-from itertools import compress, repeat
-from operator import is_
 from typing import Optional, Sequence
 
-from .page_hash import pack, walk
+from .page_hash import PageIndex, pack, walk
 
 REAP_SPARE = 64  # `_at` entries of dropped runs deleted per call beyond those it remembered
+_ZERO = array("Q", [0])  # `_ZERO * n`: n hashes to fill
 
 def page_hashes(tokens: Sequence[int], page_size: int,
                 parent: Optional[int] = None) -> list[int]:
@@ -80,14 +84,15 @@ def page_hashes(tokens: Sequence[int], page_size: int,
 class _Run:
     """Pages `start, start+1, ...` of one sequence: `data` their tokens packed as
     little-endian int64 (8 * page_size bytes a page, a `bytearray`: it grows and is cut
-    in place, so no buffer of it may be held across calls), `hashes` their chain hashes.
+    in place, so no buffer of it may be held across calls), `hashes` their chain hashes
+    (an array('Q'), likewise grown and cut in place).
     Grows at its end only (`PageHasher._extend`), until `sealed` (another sequence
     branched off at its end). A dropped run is emptied (no hashes, sealed): an `_at`
     entry still naming it finds nothing."""
 
     __slots__ = ("start", "data", "hashes", "sealed")
 
-    def __init__(self, start: int, data: bytearray, hashes: list[int]) -> None:
+    def __init__(self, start: int, data: bytearray, hashes: array) -> None:
         self.start, self.data, self.hashes = start, data, hashes
         self.sealed = False
 
@@ -101,7 +106,7 @@ class PageHasher:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
         self.page_size = page_size
         self.budget = budget
-        self._at: dict[int, _Run] = {}
+        self._at = PageIndex()  # chain hash -> a run holding that page
         self._runs: OrderedDict[_Run, None] = OrderedDict()  # least recently used first
         self._pages = 0  # pages held by the runs in `_runs`
         # dropped runs whose `_at` entries are still to delete: [their hashes, run, done]
@@ -114,15 +119,15 @@ class PageHasher:
         return self._pages
 
     def hashes(self, tokens: Sequence[int], *, parent: Optional[int] = None,
-               first_page: int = 0, remember: bool = True) -> list[int]:
-        """Chain hashes of the full pages of `tokens`, equal to
-        `page_hashes(tokens, page_size, parent)`. `tokens` continue a sequence whose page
+               first_page: int = 0, remember: bool = True) -> array:
+        """Chain hashes of the full pages of `tokens`, an array('Q') equal item by item
+        to `page_hashes(tokens, page_size, parent)`. `tokens` continue a sequence whose page
         `first_page - 1` has chain hash `parent` (defaults: a sequence's start). With
         `remember`, the pages are remembered for later calls."""
         ps = self.page_size
         n = len(tokens) // ps
         if n == 0:
-            return []
+            return array("Q")
         if parent is None and first_page:
             raise ValueError("first_page > 0 needs the parent page's hash")
         # the partial last page is packed too (no copy of `tokens`) and never read
@@ -133,12 +138,13 @@ class PageHasher:
         return out
 
     def _walk(self, data: bytes, n: int, parent: Optional[int], first_page: int
-              ) -> tuple[list[int], list[tuple[int, int]]]:
+              ) -> tuple[array, list[tuple[int, int]]]:
         """(hashes of the `n` pages packed in `data`, the ranges [a, b) of pages hashed
         that no run holds), through the remembered runs (`page_hash.walk`); the runs used
         become the most recent, and one our tokens leave in its middle is cut there."""
-        out, fresh, touched, reused = walk(data, n, 8 * self.page_size, parent, first_page,
-                                           self._at)
+        out = _ZERO * n
+        fresh, touched, reused = walk(data, n, 8 * self.page_size, parent, first_page,
+                                      self._at, out)
         runs = self._runs
         for run, cut in touched:
             runs.move_to_end(run)
@@ -148,7 +154,7 @@ class PageHasher:
         self.reused += reused
         return out, fresh
 
-    def _remember(self, data: bytes, hashes: list[int], fresh: list[tuple[int, int]],
+    def _remember(self, data: bytes, hashes: array, fresh: list[tuple[int, int]],
                   parent: Optional[int], first_page: int) -> None:
         """Remembers the fresh ranges of pages: each continues the run that ends at its
         parent page when there is one (a chat's next turn grows its conversation's run,
@@ -182,19 +188,19 @@ class PageHasher:
         del run.data[j * pb:]
         del run.hashes[j:]
         run.sealed = True
-        self._at.update(zip(tail.hashes, repeat(tail)))
+        self._at.set_range(tail.hashes, 0, len(tail.hashes), tail)
         self._runs[tail] = None
 
-    def _extend(self, run: _Run, data: memoryview, hashes: list[int]) -> None:
+    def _extend(self, run: _Run, data: memoryview, hashes: array) -> None:
         """Appends pages to `run` (they follow its last page in one sequence)."""
         run.data += data
         run.hashes += hashes
-        self._at.update(zip(hashes, repeat(run)))
+        self._at.set_range(hashes, 0, len(hashes), run)
         self._runs.move_to_end(run)
         self._pages += len(hashes)
 
     def _add(self, run: _Run) -> None:
-        self._at.update(zip(run.hashes, repeat(run)))
+        self._at.set_range(run.hashes, 0, len(run.hashes), run)
         self._runs[run] = None
         self._pages += len(run.hashes)
 
@@ -207,7 +213,7 @@ class PageHasher:
             run, _ = runs.popitem(last=False)
             self._pages -= len(run.hashes)
             self._dying.append([run.hashes, run, 0])
-            run.hashes, run.data, run.sealed = [], bytearray(), True
+            run.hashes, run.data, run.sealed = array("Q"), bytearray(), True
 
     def _reap(self, limit: int) -> None:
         """Deletes up to `limit` `_at` entries of dropped runs, oldest run first (only
@@ -216,12 +222,11 @@ class PageHasher:
         while dying and limit > 0:
             entry = dying[0]
             hs, run, done = entry
-            part = hs[done:done + limit]
-            deque(map(at.__delitem__, compress(part, map(is_, map(at.get, part), repeat(run)))),
-                  maxlen=0)
-            limit -= len(part)
-            if done + len(part) < len(hs):
-                entry[2] = done + len(part)
+            stop = min(len(hs), done + limit)
+            at.unindex(hs, done, stop, run)
+            limit -= stop - done
+            if stop < len(hs):
+                entry[2] = stop
             else:
                 dying.popleft()
 

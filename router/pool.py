@@ -28,6 +28,7 @@ from .prefix_tree import PrefixTree
 _ZERO = GroupLoad()
 _set_queued, _set_running = GroupLoad.queued_tokens.__set__, GroupLoad.running.__set__
 _set_kv = GroupLoad.kv_usage.__set__
+_candidate = tuple.__new__  # a Candidate of valid fields, without the call through __new__
 
 
 def _merged_load(queued_tokens: int, running: int, kv_usage: float) -> GroupLoad:
@@ -183,8 +184,8 @@ class PlacementPool:
             hashes = tree.hashes(tokens)
         pages = tree.match_pages(hashes)
         ps = tree.page_size
-        eff = self._effective
-        cands = [Candidate(t, eff[t], pages.get(t, 0) * ps) for t in targets]
+        eff, held_pages = self._effective, pages.get
+        cands = [_candidate(Candidate, (t, eff[t], held_pages(t, 0) * ps)) for t in targets]
         n_tokens = len(tokens)
         target = self.policy.choose(cands, n_tokens)
         if target not in targets:

@@ -95,8 +95,9 @@ class PrefixTree(TreePruning):
         """The current logical time (number of inserts so far)."""
         return self._clock
 
-    def hashes(self, tokens: Sequence[int], remember: bool = True) -> list[int]:
-        """Chain hashes of the full pages of `tokens` (remembered for later calls)."""
+    def hashes(self, tokens: Sequence[int], remember: bool = True) -> Sequence[int]:
+        """Chain hashes of the full pages of `tokens`, an array('Q') (remembered for later
+        calls)."""
         return self.hasher.hashes(tokens, remember=remember)
 
     def groups(self) -> list[GroupId]:

@@ -91,7 +91,7 @@ class RequestRecord:
     recoveries: int = 0
     # page size -> chain hashes of the prompt's full pages: computed once per request (at
     # admission, `Router.prepare`, or at its first routing) and reused by every later one
-    page_hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    page_hashes: dict[int, Sequence[int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self, seed_rng: Optional[random.Random]) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -216,7 +216,7 @@ class Router:
         return on_decode or on_prefill
 
     @staticmethod
-    def page_hashes(record: RequestRecord, pool: PlacementPool) -> list[int]:
+    def page_hashes(record: RequestRecord, pool: PlacementPool) -> Sequence[int]:
         """Chain hashes of `record`'s resume tokens at `pool`'s page size: the prompt's
         pages are hashed once per request and page size (kept on the record), the
         emitted tokens' pages (after a fault, or at `finish`) on top of them."""

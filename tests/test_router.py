@@ -129,8 +129,8 @@ def test_prepare_hashes_at_admission_and_the_record_carries_the_hashes():
     r = Router(page_size=PS, prefill_page_size=8, groups=[0, 1], prefill_instances=["p0"])
     rec = RequestRecord("a", tuple(SYSTEM + [1, 2, 3]), SamplingParams(max_tokens=16))
     assert r.prepare(rec) is rec
-    assert rec.page_hashes == {PS: page_hashes(rec.prompt_token_ids, PS),
-                               8: page_hashes(rec.prompt_token_ids, 8)}
+    assert {ps: list(hs) for ps, hs in rec.page_hashes.items()} == \
+        {PS: page_hashes(rec.prompt_token_ids, PS), 8: page_hashes(rec.prompt_token_ids, 8)}
     dec, pre = r.decode.tree.hasher, r.prefill.tree.hasher
     done = (dec.hashed, pre.hashed)
     r.prepare(rec)
@@ -140,8 +140,8 @@ def test_prepare_hashes_at_admission_and_the_record_carries_the_hashes():
     assert r.finish(rec) is True and (dec.hashed, pre.hashed) == done
     assert not hasattr(r, "_prompt_hashes")
     bare = Router(page_size=PS, groups=[0])
-    assert bare.prepare(RequestRecord("b", (1, 2, 3, 4, 5))).page_hashes == \
-        {PS: page_hashes([1, 2, 3, 4], PS)}
+    assert list(bare.prepare(RequestRecord("b", (1, 2, 3, 4, 5))).page_hashes[PS]) == \
+        page_hashes([1, 2, 3, 4], PS)
 
 
 def test_prefill_instances_with_their_own_page_size_hash_their_own_pages():
