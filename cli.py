@@ -103,6 +103,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                     "(prefill TP=1 -> decode DP=2) on a local Ray cluster; --tp 1 --dp 1: one "
                     "in-process engine without Ray. Ctrl-C or SIGTERM shuts down cleanly.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_serve_http(p)
+    _add_serve_layout(p)
+    _add_serve_engine(p)
+    _add_serve_faults(p)
+
+
+def _add_serve_http(p: argparse.ArgumentParser) -> None:
+    """The model served and the HTTP front."""
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                    help="Hugging Face model folder (as `--model`; vLLM's spelling)")
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the tiny model)")
@@ -122,6 +130,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated origins (scheme://host[:port]) or * whose browser "
                         "pages may call the API (CORS); default: none")
+
+
+def _add_serve_layout(p: argparse.ArgumentParser) -> None:
+    """Where the ranks run and how they are laid out."""
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (e.g. 10.0.0.1:6379 or auto) instead of "
                         "starting a local one")
@@ -131,6 +143,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", "-dp", "--data-parallel-size", dest="dp", type=int, default=None,
                    help="colocated: data-parallel ranks")
     add_disagg_arguments(p)
+
+
+def _add_serve_engine(p: argparse.ArgumentParser) -> None:
+    """Each rank's engine: batching, KV cache, weights, graphs."""
     p.add_argument("--max-num-seqs", type=int, default=64, help="running requests per DP rank")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step per DP rank")
@@ -152,6 +168,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cuda-graph-max-prefill", type=int, default=512,
                    help="one GPU: prefill and mixed steps of up to this many tokens replay "
                         "CUDA graphs (0: they run eagerly)")
+
+
+def _add_serve_faults(p: argparse.ArgumentParser) -> None:
+    """Deadlines, recovery and routing."""
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds any collective or KV transfer may take before a group fails")
     p.add_argument("--max-recoveries", type=int, default=5,
