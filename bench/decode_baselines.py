@@ -21,6 +21,11 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (gate_up 8 + 8, down 16). ``moegemvk`` / ``moegemvk16``: "gemv" in K tiles, 8 rows of
   512 / 8 of 256 (the fastest T = 1 tile of `kernels_gpu --only moe` on one H100) / 16
   rows of 256 in both, 3 stages.
+* ``attnreduce``: decode attention's splits merged by a second launch (the reduce
+  kernel) instead of by the last split to arrive; the same merge, so tokens equal.
+* ``attn64``: decode attention with 64 positions a tile at every batch (32 past 64
+  sequences by default); the softmax sums run in another order, so tokens agree within
+  rounding.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -38,7 +43,7 @@ from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
              "moes4", "moes5", "moes6", "routefold", "moegemv", "moegemvw", "moegemvk", "moegemvk16",
-             "moedot")
+             "moedot", "attnreduce", "attn64")
 _SAVED: dict = {}
 
 
@@ -78,6 +83,20 @@ def _switch(name: str, on: bool) -> None:
         else:
             moe.SMALL_MODE_ONE = _SAVED.pop("one")
             gemv.update(_SAVED.pop("gemv"))
+    elif name == "attnreduce":
+        from phalanx.kernels.gpu import attention
+        if on:
+            _SAVED["counts"] = attention.arrival_counts
+            attention.arrival_counts = lambda *a, **k: None
+        else:
+            attention.arrival_counts = _SAVED.pop("counts")
+    elif name == "attn64":
+        from phalanx.kernels.gpu import attention
+        if on:
+            _SAVED["bn"] = attention._decode_block_n
+            attention._decode_block_n = lambda s, d: 64 if d <= 128 else 32
+        else:
+            attention._decode_block_n = _SAVED.pop("bn")
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on

@@ -40,13 +40,17 @@ def lane_scope(lane: int) -> Iterator[None]:
         _lane.reset(token)
 
 
-def arrival_counts(user: str, n: int, device: torch.device) -> torch.Tensor:
+def arrival_counts(user: str, n: int, device: torch.device,
+                   required: bool = True) -> torch.Tensor | None:
     """At least `n` zeroed int32 counters reserved for `user` on `device` in the current
-    lane."""
+    lane. Inside a graph capture they must exist already: else RuntimeError, or None
+    when not `required` (the caller then merges without counters)."""
     key = (user, torch.device(device), _lane.get())
     buf = _buffers.get(key)
     if buf is None or buf.numel() < n:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if not required:
+                return None
             raise RuntimeError(f"arrival counters for {user!r} ({n}) first requested inside a CUDA "
                                "graph capture: run the path once before capturing")
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)

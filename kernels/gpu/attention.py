@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import arrival_counts
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
 __all__ = ["write_kv_triton", "decode_attention_triton"]
@@ -121,19 +122,23 @@ def _attend_tile(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, seq_lens_ptr, bt_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, seq_lens_ptr, bt_ptr, part_o_ptr, part_lse_ptr, out_ptr, arrived_ptr,
     sq_s, sq_h, s_kp, s_kh, s_kt, s_vp, s_vh, s_vt, s_bt,
     sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h,
     scale_log2, G, HD, PAGE, PART,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+    DIRECT: tl.constexpr, MERGE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     # Program (split, kv_head, seq): the G query heads of kv_head over KV positions
     # [split*PART, min((split+1)*PART, seq_len)). DIRECT (one split) writes the final
     # output; otherwise the normalized partial output [S, H, NSPLIT, D] (float32) and
-    # its log2-sum-exp [S, H, NSPLIT] for _decode_reduce_kernel. PDL (kernels/gpu/pdl.py):
-    # launched dependent, wait for the previous kernel first. TRIGGER: let a PDL-launched
-    # next kernel (the o projection's GEMV) start its weight reads now.
+    # its log2-sum-exp [S, H, NSPLIT]. MERGE: the last of the sequence's working splits
+    # to arrive at the (seq, kv_head) counter (arrivals.py) merges the partials into the
+    # output; without it _decode_reduce_kernel does, in a second launch. PDL
+    # (kernels/gpu/pdl.py): launched dependent, wait for the previous kernel first.
+    # TRIGGER: let a PDL-launched next kernel (the o projection's GEMV) start its weight
+    # reads now (it waits for this grid to finish before it reads the output).
     if PDL:
         gdc_wait()
     if PDL or TRIGGER:
@@ -172,41 +177,70 @@ def _decode_split_kernel(
     else:
         tl.store(part_o_ptr + s * sp_s + heads[:, None] * sp_h + split * sp_n + d[None, :], o, mask=om)
         tl.store(part_lse_ptr + s * sl_s + heads * sl_h + split, m_i + tl.log2(l_i), mask=gm)
+        if MERGE:
+            tl.debug_barrier()
+            slot = arrived_ptr + s * tl.num_programs(1) + kvh
+            n_splits = tl.cdiv(seq_len, PART)
+            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                tl.store(slot, 0)
+                _merge_parts(part_o_ptr, part_lse_ptr, out_ptr, s, heads, gm, d, dm, n_splits,
+                             sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h, BLOCK_G, BLOCK_D)
+
+
+@triton.jit
+def _merge_parts(part_o_ptr, part_lse_ptr, out_ptr, s, heads, hm, d, dm, n_splits,
+                 sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[s, heads] = the `n_splits` partials of those heads merged in split order (the
+    float32 online log-sum-exp merge, one rounding). Reads past L1: other programs of
+    the merging launch wrote the partials."""
+    lse_base = part_lse_ptr + s * sl_s + heads * sl_h
+    o_base = part_o_ptr + s * sp_s + heads[:, None] * sp_h + d[None, :]
+    om = hm[:, None] & dm[None, :]
+    m = tl.load(lse_base, mask=hm, other=0.0, cache_modifier=".cg")
+    l_sum = m * 0.0
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for i in range(0, n_splits):
+        lse = tl.load(lse_base + i, mask=hm, other=0.0, cache_modifier=".cg")
+        o = tl.load(o_base + i * sp_n, mask=om, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        a = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * a[:, None] + w[:, None] * o
+        l_sum = l_sum * a + w
+        m = m_new
+    tl.store(out_ptr + s * so_s + heads[:, None] * so_h + d[None, :],
+             (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty), mask=om)
 
 
 @triton.jit
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr,
-    sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h, HD, PART,
-    BLOCK_D: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+    sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h, G, HD, PART,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
-    # Program (head, seq): merge the cdiv(seq_len, PART) partials in split order.
-    # PDL, TRIGGER: as the split kernel's.
+    # Program (kv_head, seq): merge its G heads' cdiv(seq_len, PART) partials in split
+    # order. PDL, TRIGGER: as the split kernel's.
     if PDL:
         gdc_wait()
     if PDL or TRIGGER:
         gdc_launch_dependents()
-    h = tl.program_id(0)
+    kvh = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + s)
-    n_splits = tl.cdiv(seq_len, PART)
+    g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    dm = d < HD
-    lse_base = part_lse_ptr + s * sl_s + h * sl_h
-    o_base = part_o_ptr + s * sp_s + h * sp_h
-    m = tl.load(lse_base)
-    l_sum = m * 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for i in range(0, n_splits):
-        lse = tl.load(lse_base + i)
-        o = tl.load(o_base + i * sp_n + d, mask=dm, other=0.0)
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * a + w * o
-        l_sum = l_sum * a + w
-        m = m_new
-    tl.store(out_ptr + s * so_s + h * so_h + d, (acc / l_sum).to(out_ptr.dtype.element_ty), mask=dm)
+    _merge_parts(part_o_ptr, part_lse_ptr, out_ptr, s, kvh * G + g, g < G, d, d < HD,
+                 tl.cdiv(tl.load(seq_lens_ptr + s), PART), sp_s, sp_h, sp_n, sl_s, sl_h,
+                 so_s, so_h, BLOCK_G, BLOCK_D)
+
+
+def _decode_block_n(num_seqs: int, head_dim: int) -> int:
+    """KV positions per tile of the split kernel: 32 past 64 sequences, else 64 (32 for
+    head dims past 128). One H100, ctx 1k: alone (bench/probes/decode_attention_tiles.py)
+    128 sequences take 103 µs with 32 against 122 with 64, 64 sequences 61 against 66;
+    in the decode step (decode_gpu.py --baselines attn64, 24 layers) 128 sequences gain
+    3.4%, 64 lose 0.6% (so they keep 64)."""
+    return 32 if num_seqs > 64 or head_dim > 128 else 64
 
 
 def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim: int,
@@ -218,13 +252,15 @@ def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim
     splitting a 1k context four ways beat one program per (kv_head, seq) even at 64
     sequences. From a sweep on one H200 (graph replay, ctx 1k, 256-page tables;
     bench/NOTES.md): B=1 best at 64 (7.4 µs vs 8.1 at 128), B=4 at 64, B=16 at 256, B=64
-    at 256 (49.7 vs 54.5 at 1024). Past 64 sequences (not swept) the earlier rule stays. Longer contexts only add programs, up to 256 splits of the block table (the
-    reduce walks a long context's splits one after another). Grown if the float32 partial buffer
-    [S, H, splits, D] would pass 128 MiB (huge block tables).
+    at 256 (49.7 vs 54.5 at 1024). Past 64 sequences up to 2048 (one H100, 32-position
+    tiles, 128 sequences: 103 µs at 2048, 110 at 512). Longer contexts only add programs,
+    up to 256 splits of the block table (the merge walks a long context's splits one
+    after another). Grown if the float32 partial buffer [S, H, splits, D] would pass
+    128 MiB (huge block tables).
     """
     want = triton.next_power_of_2(num_seqs * num_kv_heads * 4)
     part = max(64, min(256, want)) if num_seqs <= 64 else min(2048, want)
-    # At most 256 splits of the table: the reduce walks a long context's splits in turn.
+    # At most 256 splits of the table: the merge walks a long context's splits in turn.
     part = max(part, block_n, triton.next_power_of_2(triton.cdiv(bound, 256)))
     while num_seqs * num_heads * triton.cdiv(bound, part) * head_dim * 4 > (128 << 20):
         part *= 2
@@ -232,12 +268,13 @@ def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim
 
 
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: float,
-                            partition: int | None = None) -> torch.Tensor:
+                            partition: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Split-K paged decode attention; see ``decode_attention_ref``.
 
     q [S, H, D]; caches [P, KVH, page, D]; seq_lens int32 [S] (>= 1); block_tables
     int32 [S, max_pages]. ``partition`` (positions per split, a multiple of the KV tile)
-    overrides the heuristic (tests use it to force several splits).
+    overrides the heuristic (tests use it to force several splits); ``config`` the split
+    kernel's tile (keys BLOCK_N, warps, stages; bench/probes/decode_attention_tiles.py).
     """
     S, H, D = q.shape
     _, KVH, page, _ = k_cache.shape
@@ -245,35 +282,43 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
     if S == 0:
         return out
     G = H // KVH
-    block_n = 64 if D <= 128 else 32
+    cfg = config or {}
+    block_n = cfg.get("BLOCK_N", _decode_block_n(S, D))
     bound = max(1, block_tables.shape[1] * page)
     part = partition or _decode_partition(S, KVH, H, D, bound, block_n)
     if part % block_n:
         block_n = math.gcd(part, block_n)
     n_split = triton.cdiv(bound, part)
     direct = n_split == 1
+    # the last split of a (seq, kv head) merges, unless counters would have to be made
+    # inside a graph capture: then a second launch does (arrivals.py)
+    arrived = None if direct else arrival_counts("attention", S * KVH, q.device, required=False)
     if direct:
         part_o = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
         part_lse = out.new_empty((1, 1, 1), dtype=torch.float32)
     else:
         part_o = out.new_empty((S, H, n_split, D), dtype=torch.float32)
         part_lse = out.new_empty((S, H, n_split), dtype=torch.float32)
-    block_d = triton.next_power_of_2(D)
+    merge = arrived is not None
+    block_d, block_g = triton.next_power_of_2(D), max(16, triton.next_power_of_2(G))
     _decode_split_kernel[(n_split, KVH, S)](
         q, k_cache, v_cache, seq_lens, block_tables, part_o, part_lse, out,
+        arrived if merge else seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), scale * _LOG2E, G, D, page, part,
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DIRECT=direct, PREC=dot_precision(q.dtype), TRIGGER=direct and pdl_enabled(q.device),
-        num_warps=4, num_stages=2, **pdl_launch(q.device, "attention"),
+        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        DIRECT=direct, MERGE=merge, PREC=dot_precision(q.dtype),
+        TRIGGER=(direct or merge) and pdl_enabled(q.device),
+        num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 2),
+        **pdl_launch(q.device, "attention"),
     )
-    if not direct:
-        _decode_reduce_kernel[(H, S)](
+    if not (direct or merge):
+        _decode_reduce_kernel[(KVH, S)](
             part_o, part_lse, seq_lens, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1), D, part, BLOCK_D=block_d, TRIGGER=pdl_enabled(q.device),
-            num_warps=1, **pdl_launch(q.device, "attention"),
+            out.stride(0), out.stride(1), G, D, part, BLOCK_G=block_g, BLOCK_D=block_d,
+            TRIGGER=pdl_enabled(q.device), num_warps=4, **pdl_launch(q.device, "attention"),
         )
     return out

@@ -1,0 +1,107 @@
+"""Decode attention tiles on one GPU (issue 33 point 5 / issue 31: at batch 64 the split
+kernel read the KV cache at 0.62 of the copy rate on one H200, 0.77 on one H100).
+
+    python bench/probes/decode_attention_tiles.py [--ctx 1024] [--batches 1,64,128]
+
+Qwen3-30B-A3B attention shape (32 query heads, 4 KV heads, head_dim 128, pages of 16,
+block tables as wide as the decode bench's graphs: 4096 positions), bf16, every sequence
+at `ctx`. For each batch, every (positions per split, BLOCK_N, warps, stages): the
+relative error against the float32 reference on fresh random inputs, then the time of one
+call replayed in a CUDA graph (median of 30 after 5 warm-ups), and the KV bytes read over
+that time against the measured copy rate. The default config is the row marked *. A
+table last; JSON to $OUT/decode_attention_tiles.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cuda_timing import median_ms  # noqa: E402  (bench/)
+
+from phalanx.kernels.attention import decode_attention_ref  # noqa: E402
+from phalanx.kernels.gpu import attention  # noqa: E402
+
+NQ, NKV, HD, PAGE, WIDTH = 32, 4, 128, 16, 4096
+TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))  # BLOCK_N, warps, stages
+
+
+def copy_rate() -> float:
+    a = torch.empty(1 << 28, device="cuda", dtype=torch.uint8)
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (median_ms(lambda: b.copy_(a), 10) / 1e3)  # bytes/s
+
+
+def graphed_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay) * 1e3
+
+
+def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator) -> list[dict]:
+    pages = WIDTH // PAGE
+    tables = torch.randperm(b * pages, generator=g, device="cuda").view(b, pages).to(torch.int32)
+    kc = torch.randn(b * pages, NKV, PAGE, HD, generator=g, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(b, NQ, HD, generator=g, device="cuda", dtype=torch.bfloat16)
+    sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    scale = HD ** -0.5
+    ref = decode_attention_ref(q.float(), kc.float(), vc.float(), sl, tables, scale)
+    default_bn = attention._decode_block_n(b, HD)
+    default = attention._decode_partition(b, NKV, NQ, HD, WIDTH, default_bn)
+    floor_us = 2 * b * ctx * NKV * HD * 2 / rate * 1e6
+    rows = []
+    for part in sorted({default, 64, 128, 256, 512, 1024}):
+        for bn, w, st in TILES:
+            if part % bn:
+                continue
+            cfg = dict(BLOCK_N=bn, warps=w, stages=st)
+            fn = lambda: attention.decode_attention_triton(q, kc, vc, sl, tables, scale,  # noqa: E731
+                                                           partition=part, config=cfg)
+            row = dict(batch=b, part=part, cfg=cfg, default=part == default and (bn, w, st) == (default_bn, 4, 2))
+            try:
+                row["err"] = ((fn().float() - ref).norm() / ref.norm()).item()
+                row["us"] = graphed_us(fn)
+                row["of_copy"] = floor_us / row["us"]
+            except Exception as e:  # a tile past shared memory, say
+                row["error"] = f"{type(e).__name__}: {e}"[:160]
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 64, 128])
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rate = copy_rate()
+    rows = [r for b in args.batches for r in batch_rows(b, args.ctx, rate, g)]
+    with open(os.path.join(os.environ.get("OUT", "."), "decode_attention_tiles.json"), "w") as f:
+        json.dump(dict(copy_bytes_per_s=rate, ctx=args.ctx, rows=rows), f, indent=1)
+    print(f"copy {rate / 1e12:.2f} TB/s, ctx {args.ctx}; best 6 per batch and the default (*)")
+    print("| batch | part | BLOCK_N, warps, stages | err | us | of copy |")
+    print("|---|---|---|---|---|---|")
+    for b in args.batches:
+        ok = sorted((r for r in rows if r["batch"] == b and "us" in r), key=lambda r: r["us"])
+        show = ok[:6] + [r for r in ok[6:] if r["default"]]
+        for r in show:
+            c = r["cfg"]
+            print(f"| {b} | {r['part']}{'*' if r['default'] else ''} | {c['BLOCK_N']}, {c['warps']}, "
+                  f"{c['stages']} | {r['err']:.1e} | {r['us']:.1f} | {r['of_copy']:.2f} |")
+    bad = [r for r in rows if "error" in r or r.get("err", 0) > 2e-2]
+    print(f"{len(rows)} configs, {len(bad)} failed or off: " + "; ".join(
+        f"b{r['batch']} p{r['part']} {r['cfg']}: {r.get('error', r.get('err'))}" for r in bad[:6]))
+
+
+if __name__ == "__main__":
+    main()
