@@ -8,7 +8,8 @@ reads the parts past L1 and writes the output, then stores 0 back. So the counte
 all zero between launches, and a CUDA graph replays against the same buffer without a
 memset node.
 
-One zeroed int32 buffer per (user, device, lane), grown on demand; the users of one lane
+One zeroed int32 buffer per (user, device, lane), grown on demand (a grown-out buffer is
+kept, never freed: a graph captured earlier still counts in it); the users of one lane
 run on one stream, one launch at a time. Lanes (`lane_scope`) are a step's micro-batches
 on streams of their own (engine/lanes.py): their launches may run at once, so each lane
 counts in its own buffer. A buffer must not be created while a CUDA graph is being
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 import torch
 
 _buffers: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []  # replaced buffers: captured graphs may still use them
 _lane: contextvars.ContextVar[int] = contextvars.ContextVar("arrival_lane", default=0)
 
 
@@ -53,6 +55,8 @@ def arrival_counts(user: str, n: int, device: torch.device,
                 return None
             raise RuntimeError(f"arrival counters for {user!r} ({n}) first requested inside a CUDA "
                                "graph capture: run the path once before capturing")
+        if buf is not None:
+            _outgrown.append(buf)
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _buffers[key] = buf
     return buf
@@ -60,4 +64,4 @@ def arrival_counts(user: str, n: int, device: torch.device,
 
 def all_zero() -> bool:
     """Every counter is back at zero (tests: no merge left a count behind)."""
-    return all(int(buf.abs().sum()) == 0 for buf in _buffers.values())
+    return all(int(buf.abs().sum()) == 0 for buf in [*_buffers.values(), *_outgrown])
