@@ -62,7 +62,7 @@ Range = tuple[int, int]
 
 
 def walk_py(data: bytes, n: int, page_bytes: int, parent: Optional[int], first_page: int,
-            at: dict, out: array) -> tuple[list[Range], list[tuple[Any, int]], int]:
+            at: Any, out: array) -> tuple[list[Range], list[tuple[Any, int]], int]:
     """Writes the chain hashes of the `n` pages of `data` (its page 0 is page `first_page`
     of a sequence whose previous page has hash `parent`) into `out` (an array('Q') of at
     least n items), taking hashes from remembered runs.
@@ -70,10 +70,9 @@ def walk_py(data: bytes, n: int, page_bytes: int, parent: Optional[int], first_p
     `at` (a `PageIndex`) maps a chain hash to a run that holds that page: an object with
     `start` (the sequence position of its first page), `hashes` (its pages' hashes, an
     array('Q')) and `data` (their tokens packed, a bytearray). Pages are hashed until one
-    is a page of the
-    run `at` names for it, at the same position; the run's following hashes are then
-    taken for as long as its tokens equal ours (the same parent and the same tokens give
-    the same hash, so this is exact), and hashing resumes after them. Runs are looked up
+    is a page of the run `at` names for it, at the same position; the run's following
+    hashes are then taken for as long as its tokens equal ours (the same parent and the
+    same tokens give the same hash, so this is exact), and hashing resumes after them. Runs are looked up
     only until the first hashed page that no run holds: every later page chains to a hash
     never seen (a run holding one would hold its parent too), so the rest is hashed
     without lookups. A run whose parent run was dropped is then not found: more hashing,

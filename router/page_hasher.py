@@ -41,9 +41,9 @@ Cost per call: packing the tokens, then the walk: one blake2b per page hashed an
 `memcmp` per jump, all in C when `router/_page_hash.c` is built (`page_hash.pack` and
 `walk`: ~0.8 ns a token and ~0.30 µs a page; in Python ~6.5 ns and ~0.6 µs plus the
 loop's own calls); then remembering the fresh pages (runs keep their tokens in a
-`bytearray` and their hashes in an array, so a run grows in place, not by copying it). The walk only reads the runs;
-`_walk` applies what it reports (the runs used become the most recent; one our tokens
-leave in its middle is cut there).
+`bytearray` and their hashes in an array, so a run grows in place, not by copying it).
+The walk only reads the runs; `_walk` applies what it reports (the runs used become the
+most recent; one our tokens leave in its middle is cut there).
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator) -> list[dict]:
             cfg = dict(BLOCK_N=bn, warps=w, stages=st)
             fn = lambda: attention.decode_attention_triton(q, kc, vc, sl, tables, scale,  # noqa: E731
                                                            partition=part, config=cfg)
-            row = dict(batch=b, part=part, cfg=cfg, default=part == default and (bn, w, st) == (default_bn, 4, 2))
+            is_default = part == default and (bn, w, st) == (default_bn, 4, 2)
+            row = dict(batch=b, part=part, cfg=cfg, default=is_default)
             try:
                 row["err"] = ((fn().float() - ref).norm() / ref.norm()).item()
                 row["us"] = graphed_us(fn)
