@@ -15,12 +15,6 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (64 by default).
 * ``moew8`` / ``moes<N>``: the small MoE path with 8 warps / N pipeline stages at every
   batch (default 4 warps; 4 stages at batch 1, 3 above).
-* ``moegemv`` / ``moedot``: a lone token's experts in the small path's "gemv" / "dot"
-  mode (`kernels.gpu.moe.SMALL_MODE_ONE`); the sums run in another order, so tokens
-  agree within bf16 rounding. ``moegemvw``: "gemv" with twice the rows per program
-  (gate_up 8 + 8, down 16). ``moegemvk`` / ``moegemvk16``: "gemv" in K tiles, 8 rows of
-  512 / 8 of 256 (the fastest T = 1 tile of `kernels_gpu --only moe` on one H100) / 16
-  rows of 256 in both, 3 stages.
 * ``attnreduce``: decode attention's splits merged by a second launch (the reduce
   kernel) instead of by the last split to arrive; the same merge, so tokens equal.
 * ``attn64``: decode attention with 64 positions a tile at every batch (32 past 64
@@ -42,8 +36,7 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold", "moegemv", "moegemvw", "moegemvk", "moegemvk16",
-             "moedot", "attnreduce", "attn64")
+             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64")
 _SAVED: dict = {}
 
 
@@ -59,7 +52,7 @@ def _switch(name: str, on: bool) -> None:
         linear.GEMV_MAX_M = 0 if on else _GEMV_MAX_M
     elif name == "moe32":
         from phalanx.kernels.gpu import moe_decode
-        moe_decode._CONFIGS["dot"]["N1"] = 32 if on else 64
+        moe_decode._CONFIG["N1"] = 32 if on else 64
     elif name in ("part128", "part32"):
         from phalanx.kernels.gpu import attention
         if on:
@@ -68,21 +61,6 @@ def _switch(name: str, on: bool) -> None:
             attention._decode_partition = lambda s, *a: want if s == 1 else real(s, *a)
         else:
             attention._decode_partition = _SAVED.pop("part")
-    elif name in ("moegemv", "moegemvw", "moegemvk", "moegemvk16", "moedot"):
-        from phalanx.kernels.gpu import moe, moe_decode
-        gemv = moe_decode._CONFIGS["gemv"]
-        if on:
-            _SAVED["one"], _SAVED["gemv"] = moe.SMALL_MODE_ONE, dict(gemv)
-            moe.SMALL_MODE_ONE = "dot" if name == "moedot" else "gemv"
-            if name == "moegemvw":
-                gemv.update(N1=2 * gemv["N1"], N2=2 * gemv["N2"])
-            elif name == "moegemvk":
-                gemv.update(N1=8, K1=512, N2=8, K2=256, stages=3)
-            elif name == "moegemvk16":
-                gemv.update(N1=16, K1=256, N2=16, K2=256, stages=3)
-        else:
-            moe.SMALL_MODE_ONE = _SAVED.pop("one")
-            gemv.update(_SAVED.pop("gemv"))
     elif name == "attnreduce":
         from phalanx.kernels.gpu import attention
         if on:
@@ -102,7 +80,7 @@ def _switch(name: str, on: bool) -> None:
         norm_linear.ROUTE_FOLD = on
     elif name == "moew8" or name.startswith("moes"):
         from phalanx.kernels.gpu import moe_decode
-        dot = moe_decode._CONFIGS["dot"]
+        dot = moe_decode._CONFIG
         keys = ("warps",) if name == "moew8" else ("stages", "stages1")
         value = 8 if name == "moew8" else int(name[4:])
         for key in keys:

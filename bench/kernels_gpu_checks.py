@@ -146,13 +146,14 @@ def check_moe(c: Ctx, rec):
 
 
 def check_moe_paths(c: Ctx, rec):
-    """Both fused_experts paths forced at decode sizes (general; small in each mode), and
-    the small "dot" mode bit-identical to the general path (batch invariance across the
+    """Both fused_experts paths forced at decode sizes (general; small, its down projection
+    merged in the launch, by a combine launch or per token), and the small path
+    bit-identical to the general path (batch invariance across the
     dispatch threshold). Under the interpreter (dry run) that holds only with the general
     path's tiles (numpy's per-element order depends on the tile), so it uses them there."""
     from phalanx.kernels import moe
     from phalanx.kernels.gpu.moe import fused_experts_triton
-    from phalanx.kernels.gpu.moe_decode import SMALL_MODES, fused_experts_small_triton
+    from phalanx.kernels.gpu.moe_decode import fused_experts_small_triton
 
     same_tiles = dict(N1=64, K1=128, N2=64, K2=128) if c.small else None
     for T in [1, 2, 3] if c.small else [1, 2, 4, 8, 16]:
@@ -164,15 +165,13 @@ def check_moe_paths(c: Ctx, rec):
             case = f"T={T} map={emap is not None}"
             c.poison(); gen = fused_experts_triton(x, w, ids, w13l, w2l, emap, path="general")
             rec("moe", case + " general", gen, ref)
-            for mode in SMALL_MODES:
-                c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode=mode)
-                rec("moe", case + f" small-{mode}", out, ref)
-            c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, mode="dot",
-                                                         cfg={"split": False})
+            c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap)
+            rec("moe", case + " small-dot", out, ref)
+            c.poison(); out = fused_experts_small_triton(x, w, ids, w13l, w2l, emap, cfg={"split": False})
             rec("moe", case + " small-dot-loop", out, ref)
             for split, merge in ((True, True), (True, False), (False, False)):
                 c.poison(); out = fused_experts_small_triton(
-                    x, w, ids, w13l, w2l, emap, mode="dot",
+                    x, w, ids, w13l, w2l, emap,
                     cfg={**(same_tiles or {}), "split": split, "merge": merge})
                 rec("moe", case + f" small-dot split={split} merge={merge} bits == general",
                     c.torch.equal(out, gen))

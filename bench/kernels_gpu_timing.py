@@ -91,12 +91,8 @@ def time_moe(c: Ctx, row):
 
 
 # Extra small-path tiles timed at T=1 (defaults: moe_decode.small_config).
-MOE_SMALL_SWEEP = {
-    "dot": [dict(N1=16, K1=128, N2=16, K2=128), dict(N1=64, K1=128, N2=64, K2=128),
-            dict(N1=32, K1=256, N2=32, K2=256, warps=8)],
-    "gemv": [dict(N1=2), dict(N1=8), dict(N2=4), dict(N2=16), dict(N1=8, N2=16, warps=8),
-             dict(N1=8, K1=512, N2=8, K2=256, stages=3), dict(split=False)],
-}
+MOE_SMALL_SWEEP = [dict(N1=16, K1=128, N2=16, K2=128), dict(N1=64, K1=128, N2=64, K2=128),
+                   dict(N1=32, K1=256, N2=32, K2=256, warps=8)]
 
 
 def time_moe_paths(c: Ctx, row):
@@ -104,7 +100,7 @@ def time_moe_paths(c: Ctx, row):
     kernels.gpu.moe.SMALL_MAX_PAIRS pairs, T = 4 at top-8), then small-path tiles at T=1."""
     from phalanx.kernels import moe
     from phalanx.kernels.gpu.moe import fused_experts_triton
-    from phalanx.kernels.gpu.moe_decode import SMALL_MODES, fused_experts_small_triton, small_config
+    from phalanx.kernels.gpu.moe_decode import fused_experts_small_triton, small_config
 
     for T in [1, 2, 4, 8]:
         x, w, ids, w13, w2 = moe_inputs(c, T)
@@ -113,20 +109,17 @@ def time_moe_paths(c: Ctx, row):
         ref = lambda: moe.fused_experts_ref(x, w, ids, w13, w2)  # noqa: E731
         row("moe", f"T={T} e={touched} general",
             lambda: fused_experts_triton(x, w, ids, w13, w2, path="general"), ref, None, **kw)
-        for mode in SMALL_MODES:
-            row("moe", f"T={T} e={touched} small-{mode}",
-                lambda: fused_experts_small_triton(x, w, ids, w13, w2, mode=mode), ref, None, **kw)
+        row("moe", f"T={T} e={touched} small-dot",
+            lambda: fused_experts_small_triton(x, w, ids, w13, w2), ref, None, **kw)
         row("moe", f"T={T} e={touched} small-dot-loop",
-            lambda: fused_experts_small_triton(x, w, ids, w13, w2, mode="dot", cfg={"split": False}),
-            ref, None, **kw)
+            lambda: fused_experts_small_triton(x, w, ids, w13, w2, cfg={"split": False}), ref, None, **kw)
         if T == 1:
-            for mode, cfgs in MOE_SMALL_SWEEP.items():
-                for cfg in cfgs:
-                    f = {**small_config(mode), **cfg}
-                    tiles = (f"{f['N1']}/{f['K1'] or 'K'},{f['N2']}/{f['K2'] or 'K'}w{f['warps']}"
-                             f"{'' if f.get('split') else ' loop'}")
-                    row("moe", f"T=1 {mode} {tiles}",
-                        lambda: fused_experts_small_triton(x, w, ids, w13, w2, mode=mode, cfg=cfg), ref, None, **kw)
+            for cfg in MOE_SMALL_SWEEP:
+                f = {**small_config(), **cfg}
+                tiles = (f"{f['N1']}/{f['K1']},{f['N2']}/{f['K2']}w{f['warps']}"
+                         f"{'' if f.get('split') else ' loop'}")
+                row("moe", f"T=1 dot {tiles}",
+                    lambda cfg=cfg: fused_experts_small_triton(x, w, ids, w13, w2, cfg=cfg), ref, None, **kw)
 
 
 def time_norm(c: Ctx, row):

@@ -321,9 +321,8 @@ def check_fused_experts(g: torch.Generator) -> float:
 def check_fused_experts_batch_invariant(g: torch.Generator) -> float:
     """A token's output is the same bits whether it runs alone or in a batch.
 
-    Within each path (general: 33 vs 17 tokens; small: 1 vs 3 tokens, both modes), and
-    across the dispatch threshold for the small path's "dot" mode given the general
-    path's tiles (under the interpreter tl.dot is numpy's BLAS, whose per-element order
+    Within each path (general: 33 vs 17 tokens; small: 1 vs 3 tokens), and across the
+    dispatch threshold for the small path given the general path's tiles (under the interpreter tl.dot is numpy's BLAS, whose per-element order
     depends on the tile's N and K; on the GPU bench/kernels_gpu.py checks the default tiles).
     """
     from phalanx.kernels.gpu.moe import fused_experts_triton
@@ -337,13 +336,12 @@ def check_fused_experts_batch_invariant(g: torch.Generator) -> float:
     part = fused_experts(x[:17], weights[:17], ids[:17], w13, w2)
     assert torch.equal(full[:17], part), "batch-dependent result (general path)"
     alone = fused_experts(x[5:6], weights[5:6], ids[5:6], w13, w2)  # small path (dispatch)
-    for mode in ("dot", "gemv"):
-        trio = fused_experts_small_triton(x[4:7], weights[4:7], ids[4:7], w13, w2, mode=mode)
-        one = fused_experts_small_triton(x[5:6], weights[5:6], ids[5:6], w13, w2, mode=mode)
-        assert torch.equal(trio[1:2], one), f"batch-dependent result (small path, {mode})"
+    trio = fused_experts_small_triton(x[4:7], weights[4:7], ids[4:7], w13, w2)
+    one = fused_experts_small_triton(x[5:6], weights[5:6], ids[5:6], w13, w2)
+    assert torch.equal(trio[1:2], one), "batch-dependent result (small path)"
     general_tiles = dict(N1=64, K1=128, N2=64, K2=128)
-    matched = fused_experts_small_triton(x[5:6], weights[5:6], ids[5:6], w13, w2, mode="dot", cfg=general_tiles)
-    assert torch.equal(full[5:6], matched), "small dot path != general path bits"
+    matched = fused_experts_small_triton(x[5:6], weights[5:6], ids[5:6], w13, w2, cfg=general_tiles)
+    assert torch.equal(full[5:6], matched), "small path != general path bits"
     return rel_err(alone, full[5:6])
 
 
@@ -364,7 +362,8 @@ MOE_PATH_TOL = 1e-5  # float32 under the interpreter, either path vs fused_exper
 
 
 def check_fused_experts_paths(g: torch.Generator) -> float:
-    """Both paths forced (general; small in both modes) vs the reference: T = 1, 2, 3,
+    """Both paths forced (general; small with its down projection merged in the launch,
+    by a combine launch, or per token) vs the reference: T = 1, 2, 3,
     top-k 1, 2, 3, 5 and 8 (one, even and odd counts, the largest), all experts local and
     8 of 16 local (non-local pairs skipped)."""
     from phalanx.kernels.gpu.moe import fused_experts_triton
@@ -379,9 +378,7 @@ def check_fused_experts_paths(g: torch.Generator) -> float:
                 ref = fused_experts_ref(x, w, ids, w13, w2, emap)
                 outs = {"general": fused_experts_triton(x, w, ids, w13, w2, emap, path="general"),
                         "small": fused_experts_triton(x, w, ids, w13, w2, emap, path="small"),
-                        "small-gemv": fused_experts_small_triton(x, w, ids, w13, w2, emap, mode="gemv"),
-                        "small-gemv-loop": fused_experts_small_triton(x, w, ids, w13, w2, emap, mode="gemv",
-                                                                      cfg={"split": False}),
+                        "small-loop": fused_experts_small_triton(x, w, ids, w13, w2, emap, cfg={"split": False}),
                         "small-combine": fused_experts_small_triton(x, w, ids, w13, w2, emap,
                                                                     cfg={"merge": False})}
                 assert torch.equal(outs["small"], outs["small-combine"]), \
@@ -402,21 +399,20 @@ def check_fused_experts_small_tiles(g: torch.Generator) -> float:
     from phalanx.kernels.moe import fused_experts_ref
 
     errs = []
-    tiles = {"dot": dict(N1=16, K1=16, N2=16, K2=16, warps=2, stages=2),
-             "gemv": dict(N1=16, K1=32, N2=8, K2=16, warps=2, stages=2)}
+    tiles = dict(N1=16, K1=16, N2=16, K2=16, warps=2, stages=2)
     for T, k, hid, inter, use_map in [(2, 3, 40, 24, True), (3, 8, 72, 40, True), (1, 5, 48, 36, False)]:
         x, w, ids, w13, w2, emap = _moe_case(g, T, k, hid, inter, use_map=use_map)
         if use_map:  # token 0: no local expert at all -> a zero row
             off = (emap < 0).nonzero().flatten()
             ids[0] = off[torch.randperm(off.numel(), generator=g)[:k]]
         ref = fused_experts_ref(x, w, ids, w13, w2, emap)
-        views = {"dot": torch.cat([x, x], 1)[:, :hid],  # row stride 2*hid
-                 "gemv": torch.stack([x, x], 2).reshape(T, 2 * hid)[:, ::2]}  # column stride 2
-        for mode, cfg in tiles.items():
-            assert torch.equal(views[mode], x)
-            out = fused_experts_small_triton(views[mode], w, ids, w13, w2, emap, mode=mode, cfg=cfg)
+        views = {"row stride 2*hid": torch.cat([x, x], 1)[:, :hid],
+                 "column stride 2": torch.stack([x, x], 2).reshape(T, 2 * hid)[:, ::2]}
+        for view, xv in views.items():
+            assert torch.equal(xv, x)
+            out = fused_experts_small_triton(xv, w, ids, w13, w2, emap, cfg=tiles)
             if use_map:
-                assert torch.equal(out[0], torch.zeros_like(out[0])), f"{mode}: non-local token not zero"
+                assert torch.equal(out[0], torch.zeros_like(out[0])), f"{view}: non-local token not zero"
             errs.append(rel_err(out, ref))
     assert max(errs) < MOE_PATH_TOL, errs
     return max(errs)
@@ -430,26 +426,19 @@ def check_fused_experts_dispatch(g: torch.Generator) -> float:
     assert gpu_moe.SMALL_MAX_PAIRS >= 8, "T=1 at top-8 must take the small path"
     calls: list[str] = []
     real_small, real_align = moe_decode.fused_experts_small_triton, gpu_moe._align
-    real_one = gpu_moe.SMALL_MODE_ONE
-    moe_decode.fused_experts_small_triton = lambda *a, **kw: (calls.append(f"small-{kw['mode']}"),
-                                                              real_small(*a, **kw))[1]
+    moe_decode.fused_experts_small_triton = lambda *a, **kw: (calls.append("small"), real_small(*a, **kw))[1]
     gpu_moe._align = lambda *a, **kw: (calls.append("general"), real_align(*a, **kw))[1]
     try:
         limit = gpu_moe.SMALL_MAX_PAIRS
-        for one in ("gemv", "dot"):  # a lone token takes SMALL_MODE_ONE, more take SMALL_MODE
-            gpu_moe.SMALL_MODE_ONE = one
-            small = f"small-{gpu_moe.SMALL_MODE}"
-            for T, k, want in [(1, 8, f"small-{one}"), (1, 1, f"small-{one}"), (2, 4, small),
-                               (limit // 8, 8, small), (limit // 8 + 1, 8, "general"),
-                               (limit // 2 + 1, 2, "general")]:
-                x, w, ids, w13, w2, _ = _moe_case(g, T, k, 16, 16)
-                calls.clear()
-                out = moe.fused_experts(x, w, ids, w13, w2)
-                assert calls == [want], (T, k, calls)
-                assert rel_err(out, moe.fused_experts_ref(x, w, ids, w13, w2)) < MOE_PATH_TOL, (T, k)
+        for T, k, want in [(1, 8, "small"), (1, 1, "small"), (2, 4, "small"), (limit // 8, 8, "small"),
+                           (limit // 8 + 1, 8, "general"), (limit // 2 + 1, 2, "general")]:
+            x, w, ids, w13, w2, _ = _moe_case(g, T, k, 16, 16)
+            calls.clear()
+            out = moe.fused_experts(x, w, ids, w13, w2)
+            assert calls == [want], (T, k, calls)
+            assert rel_err(out, moe.fused_experts_ref(x, w, ids, w13, w2)) < MOE_PATH_TOL, (T, k)
     finally:
         moe_decode.fused_experts_small_triton, gpu_moe._align = real_small, real_align
-        gpu_moe.SMALL_MODE_ONE = real_one
     return 0.0
 
 

@@ -46,7 +46,7 @@ import triton.language as tl
 from . import moe_decode
 from .attention import dot_precision
 
-__all__ = ["fused_experts_triton", "SMALL_MAX_PAIRS", "SMALL_MODE", "SMALL_MODE_ONE"]
+__all__ = ["fused_experts_triton", "SMALL_MAX_PAIRS"]
 
 # Pairs (T * top_k) up to which fused_experts_triton takes the small-batch path
 # (moe_decode: 2 launches, no align/combine). 32 = T <= 4 at top-8. Why: the general
@@ -60,14 +60,6 @@ __all__ = ["fused_experts_triton", "SMALL_MAX_PAIRS", "SMALL_MODE", "SMALL_MODE_
 # Not measured yet: bench/kernels_gpu.py times both paths at T=1, 2, 4, 8 to place the
 # crossover (the dispatch is from shapes only, so it stays CUDA-graph capturable).
 SMALL_MAX_PAIRS = 32
-SMALL_MODE = "dot"  # moe_decode accumulation mode used by the dispatch ("dot" | "gemv")
-# The mode for a single token (batch-1 decode). "gemv" reads each program's weights as one
-# whole-K tile (a GEMV's schedule) and sums in another float32 order than "dot", whose
-# results are bit-equal to the general path's; at T = 1 the dense projections take the
-# GEMV already (kernels/linear.py), so a lone token's bits depend on the batch either way.
-# Measured (one H100, 48 layers, bench/NOTES.md): "gemv" loses, batch-1 step 4.34 ms
-# against 3.22 with "dot" (its weights wait for the route kernel, a GEMV's do not).
-SMALL_MODE_ONE = "dot"
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -257,7 +249,7 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
     x [T, H]; topk_weights [T, k]; topk_ids int [T, k] global ids; w13 [E, 2I, H];
     w2 [E, H, I]; expert_map optional int [E_global] (-1 = not local). Returns [T, H].
     path: None (auto: "small" iff T * k <= SMALL_MAX_PAIRS, decided from shapes only),
-    "small" (moe_decode, mode SMALL_MODE) or "general" (sorted grouped GEMMs).
+    "small" (moe_decode) or "general" (sorted grouped GEMMs).
     """
     T, hid = x.shape
     if T == 0:
@@ -265,9 +257,7 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
     if path is None:
         path = "small" if T * topk_ids.shape[1] <= SMALL_MAX_PAIRS else "general"
     if path == "small":
-        mode = SMALL_MODE_ONE if T == 1 else SMALL_MODE
-        return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map,
-                                                     mode=mode)
+        return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map)
     if path != "general":
         raise ValueError(f"path must be None, 'small' or 'general', got {path!r}")
     out = x.new_empty((T, hid))  # contiguous: _combine_kernel writes rows of HID

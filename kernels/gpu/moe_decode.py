@@ -1,4 +1,4 @@
-"""Triton MoE experts for small batches (decode): per-pair GEMVs, combine fused, 2 launches.
+"""Triton MoE experts for small batches (decode): per-pair MMA tiles, combine fused, 2 launches.
 
 Contract: :func:`phalanx.kernels.moe.fused_experts_ref`, as :mod:`phalanx.kernels.gpu.moe`
 (which dispatches here when the number of (token, slot) pairs ``P = T * k`` is at most
@@ -15,27 +15,21 @@ Contract: :func:`phalanx.kernels.moe.fused_experts_ref`, as :mod:`phalanx.kernel
    ``w2[e] @ inter[p]`` scaled by the routing weight and adds them to a float32
    accumulator, then stores ``out[t]``: deterministic, no atomics, no ``pair_out``.
 
-Two accumulation modes (constexpr ``DOT``), same roundings as the general path (each
-linear's output, ``silu(gate)``, ``silu * up``, ``h * w`` rounded to ``x.dtype``; the
-slot sum in float32, one rounding):
+The same roundings as the general path (each linear's output, ``silu(gate)``,
+``silu * up``, ``h * w`` rounded to ``x.dtype``; the slot sum in float32, one rounding),
+and the same arithmetic: ``tl.dot`` on a 16-row tile whose row 0 is the pair's vector
+(rows 1..15 are masked zeros), ``K`` tiles in the same order as the general path's
+BLOCK_M=16 config. Each output element is then computed by the same MMA / FMA sequence
+as in the general path (an MMA's per-element result depends neither on the other rows
+nor on the N tiling), so a token gives the same bits on either side of the dispatch
+threshold, i.e. alone or in a batch. ``bench/kernels_gpu.py`` checks this bit-for-bit on
+the GPU. (Under Triton's interpreter, ``tl.dot`` is numpy's BLAS, whose per-element
+order does depend on the tile's N and K: there the bits match the general path only with
+its tiles, ``N1=N2=64, K1=K2=128``.) A GEMV's schedule instead (FMA rows over the whole K
+in flight at once, no tensor cores) lost at one token in the 48-layer decode step on one
+H100: 231 against 311 tok/s (bench/NOTES.md, thirty-third session), and was removed.
 
-* ``"dot"`` (default): ``tl.dot`` on a 16-row tile whose row 0 is the pair's vector
-  (rows 1..15 are masked zeros), ``K`` tiles in the same order as the general path's
-  BLOCK_M=16 config. Each output element is then computed by the same MMA / FMA
-  sequence as in the general path (an MMA's per-element result depends neither on
-  the other rows nor on the N tiling), so a token gives the same bits on either side of
-  the dispatch threshold, i.e. alone or in a batch. ``bench/kernels_gpu.py`` checks this
-  bit-for-bit on the GPU. (Under Triton's interpreter, ``tl.dot`` is numpy's BLAS,
-  whose per-element order does depend on the tile's N and K: there the bits match the
-  general path only with its tiles, ``N1=N2=64, K1=K2=128``.)
-* ``"gemv"``: ``tl.sum(w * x[None, :], axis=1)`` over a ``[N, K]`` weight tile loaded
-  along the contiguous hidden dim, no tensor cores and no shared-memory staging; by
-  default the tile spans the whole K (a GEMV's schedule: all of a program's weight
-  bytes in flight at once). Same semantics, different float32 summation order: a
-  token's result differs (within rounding) between this path and the general one, and
-  does not depend on the other tokens of the batch.
-
-With ``split`` (the default in both modes) step 2 runs one program per (pair, H-tile)
+With ``split`` (the default) step 2 runs one program per (pair, H-tile)
 instead (``_small_down_pair_kernel``), and the last pair of a token's tile to finish sums
 the token's slots in slot order (an arrival counter, `arrivals.py`).
 
@@ -52,10 +46,9 @@ from .arrivals import arrival_counts
 from .attention import dot_precision
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
-__all__ = ["fused_experts_small_triton", "small_config", "SMALL_MODES"]
+__all__ = ["fused_experts_small_triton", "small_config"]
 
-SMALL_MODES = ("dot", "gemv")
-_ROWS = 16  # padded M of the "dot" mode (tl.dot needs >= 16 rows); only row 0 is real
+_ROWS = 16  # padded M of the MMA tile (tl.dot needs >= 16 rows); only row 0 is real
 
 
 @triton.jit
@@ -70,7 +63,7 @@ def _local_expert(ids_ptr, emap_ptr, p, HAS_MAP: tl.constexpr):
 def _small_gate_up_kernel(
     x_ptr, ids_ptr, emap_ptr, w_ptr, inter_ptr, ws_ptr,
     K_TOP, HID, I, E, sx_t, sw_e, sw_n, si_p, sws_e, sws_n,
-    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
+    HAS_MAP: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1), HID contiguous. PDL
@@ -91,45 +84,28 @@ def _small_gate_up_kernel(
     w_gate = w_ptr + e * sw_e + n.to(tl.int64) * sw_n  # [BLOCK_N] row starts
     w_up = w_gate + I * sw_n
     ty = inter_ptr.dtype.element_ty
-    if DOT:
-        r = tl.arange(0, ROWS)
-        r0 = (r == 0)[:, None]
-        acc_g = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for k0 in range(0, HID, BLOCK_K):
-            k = k0 + kk
-            km = k < HID
-            a = tl.load(x_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
-            wm = km[:, None] & nm[None, :]
-            wg = tl.load(w_gate[None, :] + k[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
-            wu = tl.load(w_up[None, :] + k[:, None], mask=wm, other=0.0)
-            if FP8:  # codes -> x's dtype as the reference dequantizes (BLOCK_K = one scale block)
-                s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n + k0 // BLOCK_K
-                wg = _dequant(wg, s_gate, nm, a.dtype)
-                wu = _dequant(wu, s_gate + I * sws_n, nm, a.dtype)
-            acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PREC)
-        g = acc_g.to(ty).to(tl.float32)
-        u = acc_u.to(ty).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-        tl.store(inter_ptr + p * si_p + r[:, None] * 0 + n[None, :], (s * u).to(ty),
-                 mask=r0 & nm[None, :])
-    else:
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, HID, BLOCK_K):
-            k = k0 + kk
-            km = k < HID
-            xv = tl.load(x_row + k, mask=km, other=0.0).to(tl.float32)
-            wm = nm[:, None] & km[None, :]
-            wg = tl.load(w_gate[:, None] + k[None, :], mask=wm, other=0.0)  # [BLOCK_N, BLOCK_K]
-            wu = tl.load(w_up[:, None] + k[None, :], mask=wm, other=0.0)
-            acc_g += wg.to(tl.float32) * xv[None, :]
-            acc_u += wu.to(tl.float32) * xv[None, :]
-        g = tl.sum(acc_g, axis=1).to(ty).to(tl.float32)
-        u = tl.sum(acc_u, axis=1).to(ty).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-        tl.store(inter_ptr + p * si_p + n, (s * u).to(ty), mask=nm)
+    r = tl.arange(0, ROWS)
+    r0 = (r == 0)[:, None]
+    acc_g = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for k0 in range(0, HID, BLOCK_K):
+        k = k0 + kk
+        km = k < HID
+        a = tl.load(x_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
+        wm = km[:, None] & nm[None, :]
+        wg = tl.load(w_gate[None, :] + k[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
+        wu = tl.load(w_up[None, :] + k[:, None], mask=wm, other=0.0)
+        if FP8:  # codes -> x's dtype as the reference dequantizes (BLOCK_K = one scale block)
+            s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n + k0 // BLOCK_K
+            wg = _dequant(wg, s_gate, nm, a.dtype)
+            wu = _dequant(wu, s_gate + I * sws_n, nm, a.dtype)
+        acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PREC)
+    g = acc_g.to(ty).to(tl.float32)
+    u = acc_u.to(ty).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+    tl.store(inter_ptr + p * si_p + r[:, None] * 0 + n[None, :], (s * u).to(ty),
+             mask=r0 & nm[None, :])
 
 
 @triton.jit
@@ -142,7 +118,7 @@ def _dequant(w, s_ptrs, nm, ty):
 @triton.jit
 def _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_K: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
-    """"dot" mode down projection of one pair: row 0 of a [ROWS, BLOCK_N] float32 tile
+    """Down projection of one pair: row 0 of a [ROWS, BLOCK_N] float32 tile
     is inter[p] @ w2[e][tile rows].T over I in BLOCK_K steps (rows 1.. are zeros). FP8:
     w2 holds codes, ``s_rows`` the tile rows' scales."""
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -158,25 +134,10 @@ def _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _row_fma(a_row, w_rows, kk, nm, I, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """"gemv" mode down projection of one pair: float32 ``[BLOCK_N]`` =
-    ``w2[e][tile rows] @ inter[p]`` over I in BLOCK_K steps (one step when BLOCK_K >= I:
-    the whole tile in flight at once)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + kk
-        km = k < I
-        av = tl.load(a_row + k, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(w_rows[:, None] + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-        acc += w.to(tl.float32) * av[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def _small_down_kernel(
     inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, out_ptr, ws_ptr,
     K_TOP, HID, I, E, si_p, sw_e, sw_n, so_t, sws_e, sws_n,
-    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
+    HAS_MAP: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
 ):
     # w2[e] is [HID, I], I contiguous. out[t, tile] = sum over local slots, in slot order,
@@ -189,10 +150,7 @@ def _small_down_kernel(
     ty = out_ptr.dtype.element_ty
     r = tl.arange(0, ROWS)
     r0 = (r == 0)[:, None]
-    if DOT:
-        acc_t = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    else:
-        acc_t = tl.zeros([BLOCK_N], tl.float32)
+    acc_t = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for j in range(0, K_TOP):
         p = t * K_TOP + j
         e = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
@@ -200,30 +158,23 @@ def _small_down_kernel(
             wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
             w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n  # [BLOCK_N] row starts
             a_row = inter_ptr + p * si_p
-            if DOT:
-                s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
-                acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
-                acc_t += (acc.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32)
-            else:
-                h = _row_fma(a_row, w_rows, kk, nm, I, BLOCK_N, BLOCK_K).to(ty).to(tl.float32)
-                acc_t += (h * wt).to(ty).to(tl.float32)
-    if DOT:
-        tl.store(out_ptr + t * so_t + r[:, None] * 0 + n[None, :], acc_t.to(ty), mask=r0 & nm[None, :])
-    else:
-        tl.store(out_ptr + t * so_t + n, acc_t.to(ty), mask=nm)
+            s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
+            acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
+            acc_t += (acc.to(ty).to(tl.float32) * wt).to(ty).to(tl.float32)
+    tl.store(out_ptr + t * so_t + r[:, None] * 0 + n[None, :], acc_t.to(ty), mask=r0 & nm[None, :])
 
 
 @triton.jit
 def _small_down_pair_kernel(
     inter_ptr, ids_ptr, emap_ptr, tw_ptr, w_ptr, pair_out_ptr, out_ptr, arrived_ptr, ws_ptr,
     HID, I, E, K_TOP, si_p, sw_e, sw_n, so_p, sws_e, sws_n,
-    HAS_MAP: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr,
+    HAS_MAP: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr,
     FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     # The slots spread over programs: pair_out[p, tile] =
-    # round(round(w2[e] @ inter[p]) * weight[p]) (DOT: "dot" mode's 16-row MMA tile; else
-    # the "gemv" mode's FMA rows); non-local pairs write nothing. With
+    # round(round(w2[e] @ inter[p]) * weight[p]) (the 16-row MMA tile); non-local pairs
+    # write nothing. With
     # MERGE every pair of a token arrives at the token's tile counter (arrivals.py) and
     # the last one writes out[t, tile]: the slot sum of _small_combine_kernel. PDL: as
     # the gate_up kernel's. TRIGGER: let a PDL-launched next kernel (the next layer's qkv
@@ -243,16 +194,12 @@ def _small_down_pair_kernel(
         wt = tl.load(tw_ptr + p).to(ty).to(tl.float32)
         w_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
         a_row = inter_ptr + p * si_p
-        if DOT:
-            r = tl.arange(0, ROWS)
-            r0 = (r == 0)[:, None]
-            s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
-            acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
-            h = (acc.to(ty).to(tl.float32) * wt).to(ty)
-            tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
-        else:
-            h = (_row_fma(a_row, w_rows, kk, nm, I, BLOCK_N, BLOCK_K).to(ty).to(tl.float32) * wt).to(ty)
-            tl.store(pair_out_ptr + p * so_p + n, h, mask=nm)
+        r = tl.arange(0, ROWS)
+        r0 = (r == 0)[:, None]
+        s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
+        acc = _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS, BLOCK_N, BLOCK_K, PREC, FP8)
+        h = (acc.to(ty).to(tl.float32) * wt).to(ty)
+        tl.store(pair_out_ptr + p * so_p + r[:, None] * 0 + n[None, :], h, mask=r0 & nm[None, :])
     if MERGE:
         tl.debug_barrier()
         t = p // K_TOP
@@ -287,51 +234,39 @@ def _slot_sum(pair_out_ptr, ids_ptr, emap_ptr, out_ptr, t, cols, HID, K_TOP, E,
     tl.store(out_ptr + t * HID + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HID)
 
 
-# Tile configs per mode. Not tuned on a GPU yet: bench/kernels_gpu.py times a few at T=1.
-# "dot": K tiles as the general path's BLOCK_M=16 config (K1 = K2 = 128); N smaller than
-# its 64 for more programs at T=1 (gate_up 8 pairs * 768/32 = 192, down 2048/16 = 128).
-# "gemv": a GEMV's schedule (kernels/gpu/gemv.py): K1 = K2 = 0 take the whole K in one
-# tile (K rounded up to a power of two), so all of a program's weight bytes are in flight
-# at once; gate_up 4 gate + 4 up rows of 2048 (32 KiB bf16, 8 pairs * 192 = 1536
-# programs at T=1), down 8 rows of 768 (12 KiB, 8 pairs * 256 programs), split and merged
-# as the "dot" mode's.
-_CONFIGS = {
-    # split: the down projection runs one program per (pair, H-tile) (8x the programs of
-    # the per-token loop at T=1); the last pair of a token's tile sums its slots (merge;
-    # merge=False: a third launch does).
-    # H200 graph replay at T=1 (Qwen3-30B-A3B shape): N 64/64 26.9 us, 32/16 28.7, 16/16 30.6;
-    # per-token loop instead of split 38.5. 64/128 are also the general path's tiles.
-    # stages1: the pipeline stages at T = 1. 48-layer decode on the H200 (bench/NOTES.md,
-    # twenty-eighth session): 4 stages gave batch 1 377-378 tok/s against 372-374 with 3,
-    # but batch 4 676 against 690, so 4 at one token only.
-    "dot": dict(N1=64, K1=128, N2=64, K2=128, warps=4, stages=3, stages1=4, split=True),
-    "gemv": dict(N1=4, K1=0, N2=8, K2=0, warps=4, stages=1, split=True),
-}
+# K tiles as the general path's BLOCK_M=16 config (K1 = K2 = 128), N 64 as its too.
+# split: the down projection runs one program per (pair, H-tile) (8x the programs of the
+# per-token loop at T=1); the last pair of a token's tile sums its slots (merge;
+# merge=False: a third launch does).
+# H200 graph replay at T=1 (Qwen3-30B-A3B shape): N 64/64 26.9 us, 32/16 28.7, 16/16 30.6;
+# per-token loop instead of split 38.5.
+# stages1: the pipeline stages at T = 1. 48-layer decode on the H200 (bench/NOTES.md,
+# twenty-eighth session): 4 stages gave batch 1 377-378 tok/s against 372-374 with 3,
+# but batch 4 676 against 690, so 4 at one token only.
+_CONFIG = dict(N1=64, K1=128, N2=64, K2=128, warps=4, stages=3, stages1=4, split=True)
 
 
-def small_config(mode: str) -> dict:
-    """The default tiles of ``mode`` (a copy): N1/K1 gate_up, N2/K2 down (K 0: the whole
-    K in one tile), warps, stages (``stages1``, if given: the stages at T = 1), split."""
-    return dict(_CONFIGS[mode])
+def small_config() -> dict:
+    """The default tiles (a copy): N1/K1 gate_up, N2/K2 down, warps, stages (``stages1``:
+    the stages at T = 1), split."""
+    return dict(_CONFIG)
 
 
 def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
-                               mode: str = "dot", cfg: dict | None = None,
+                               cfg: dict | None = None,
                                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Small-batch SwiGLU experts with weighted top-k combine; see ``fused_experts_ref``.
 
-    Same arguments as ``fused_experts_triton``; ``mode`` is one of ``SMALL_MODES``,
-    ``cfg`` overrides :func:`small_config` (keys N1, K1, N2, K2, warps, stages, stages1,
+    Same arguments as ``fused_experts_triton``; ``cfg`` overrides :func:`small_config`
+    (keys N1, K1, N2, K2, warps, stages, stages1,
     split, merge). Any T works (the work grows as T * k: meant for T * k <=
     ``SMALL_MAX_PAIRS``). Local expert ids outside ``[0, E)`` count as not held. Two
     kernel launches (three with ``split`` and ``merge=False``), no host sync. ``scales``: (w13_scale, w2_scale)
-    when the stacks are FP8 codes (`moe_fp8`; "dot" mode, K tiles of one 128-column block):
+    when the stacks are FP8 codes (`moe_fp8`; K tiles of one 128-column block):
     each weight tile is dequantized in registers as the reference does.
     """
-    if mode not in SMALL_MODES:
-        raise ValueError(f"mode must be one of {SMALL_MODES}, got {mode!r}")
-    if scales is not None and (mode != "dot" or any((cfg or {}).get(k, 128) != 128 for k in ("K1", "K2"))):
-        raise ValueError("FP8 stacks take the 'dot' mode with K tiles of 128")
+    if scales is not None and any((cfg or {}).get(k, 128) != 128 for k in ("K1", "K2")):
+        raise ValueError("FP8 stacks take K tiles of 128")
     T, hid = x.shape
     out = x.new_empty((T, hid))
     if T == 0:
@@ -340,10 +275,8 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     inter_dim = two_i // 2
     k_top = topk_ids.shape[1]
     P = T * k_top
-    c = small_config(mode)
+    c = small_config()
     c.update(cfg or {})
-    c["K1"] = c["K1"] or triton.next_power_of_2(hid)
-    c["K2"] = c["K2"] or triton.next_power_of_2(inter_dim)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
@@ -352,7 +285,7 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     emap = ids if expert_map is None else expert_map  # dummy pointer without a map
     s13, s2 = scales if scales is not None else (w13, w2)  # dummy pointers without FP8
     stages = c.get("stages1", c["stages"]) if T == 1 else c["stages"]
-    meta = dict(HAS_MAP=expert_map is not None, DOT=mode == "dot", ROWS=_ROWS, FP8=scales is not None,
+    meta = dict(HAS_MAP=expert_map is not None, ROWS=_ROWS, FP8=scales is not None,
                 PREC=dot_precision(x.dtype), num_warps=c["warps"], num_stages=stages)
     inter = x.new_empty((P, inter_dim))
     _small_gate_up_kernel[(P, triton.cdiv(inter_dim, c["N1"]))](
@@ -385,7 +318,7 @@ def _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top) -> None:
     _small_down_pair_kernel[(P, tiles)](
         inter, ids, emap, weights, w2, pair_out, out, arrived, s2,
         hid, inter_dim, E, k_top, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        s2.stride(0), s2.stride(1), HAS_MAP=meta["HAS_MAP"], DOT=meta["DOT"], ROWS=meta["ROWS"], MERGE=merge,
+        s2.stride(0), s2.stride(1), HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], MERGE=merge,
         FP8=meta["FP8"], BLOCK_N=c["N2"], BLOCK_K=c["K2"], PREC=meta["PREC"],
         TRIGGER=merge and pdl_enabled(out.device), num_warps=meta["num_warps"],
         num_stages=meta["num_stages"], **pdl_launch(out.device, "moe"),

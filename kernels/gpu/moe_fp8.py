@@ -150,7 +150,7 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
     P = T * k_top
     if P <= SMALL_MAX_PAIRS and not a_fp8 and config is None:
         return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map,
-                                                     mode="dot", scales=(w13_scale, w2_scale))
+                                                     scales=(w13_scale, w2_scale))
     ids = topk_ids.reshape(-1)
     ids = (expert_map[ids] if expert_map is not None else ids).to(torch.int32)
     cfg = _config(P, E, x.dtype)
