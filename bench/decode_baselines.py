@@ -20,6 +20,10 @@ few-row part turned off, in the same process, tokens checked against the main ro
 * ``attn64``: decode attention with 64 positions a tile at every batch (32 past 64
   sequences by default); the softmax sums run in another order, so tokens agree within
   rounding.
+* ``attnahead``: decode attention's page ids loaded a tile ahead with 3 pipeline stages
+  (`kernels.gpu.attention.PAGE_PREFETCH` on; off by default until measured), so the next
+  tile's K/V copies stay in flight while a tile computes; the same tiles in the same
+  order, so tokens equal.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -36,7 +40,7 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64")
+             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead")
 _SAVED: dict = {}
 
 
@@ -75,6 +79,9 @@ def _switch(name: str, on: bool) -> None:
             attention._decode_block_n = lambda s, d: 64 if d <= 128 else 32
         else:
             attention._decode_block_n = _SAVED.pop("bn")
+    elif name == "attnahead":
+        from phalanx.kernels.gpu import attention
+        attention.PAGE_PREFETCH = on
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on

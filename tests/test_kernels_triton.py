@@ -186,6 +186,15 @@ def check_decode_attention(g: torch.Generator) -> float:
         assert torch.equal(merged, reduced)
         assert arrivals.all_zero()
         errs.append(rel_err(merged, ref))
+        # Page ids a tile ahead (several tiles per split, a masked last tile): the same
+        # tiles in the same order, so the same bits.
+        tiles = dict(BLOCK_N=8, warps=2)
+        ahead = decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=32,
+                                        config=dict(tiles, prefetch=True))
+        inline = decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=32,
+                                         config=dict(tiles, prefetch=False))
+        assert torch.equal(ahead, inline)
+        errs.append(rel_err(ahead, ref))
     return max(errs)
 
 

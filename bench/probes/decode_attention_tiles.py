@@ -5,7 +5,8 @@ kernel read the KV cache at 0.62 of the copy rate on one H200, 0.77 on one H100)
 
 Qwen3-30B-A3B attention shape (32 query heads, 4 KV heads, head_dim 128, pages of 16,
 block tables as wide as the decode bench's graphs: 4096 positions), bf16, every sequence
-at `ctx`. For each batch, every (positions per split, BLOCK_N, warps, stages): the
+at `ctx`. For each batch, every (positions per split, BLOCK_N, warps, stages, page ids
+loaded inline or a tile ahead): the
 relative error against the float32 reference on fresh random inputs, then the time of one
 call replayed in a CUDA graph (median of 30 after 5 warm-ups), and the KV bytes read over
 that time against the measured copy rate. The default config is the row marked *. A
@@ -29,7 +30,10 @@ from phalanx.kernels.attention import decode_attention_ref  # noqa: E402
 from phalanx.kernels.gpu import attention  # noqa: E402
 
 NQ, NKV, HD, PAGE, WIDTH = 32, 4, 128, 16, 4096
-TILES = list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4)))  # BLOCK_N, warps, stages
+# BLOCK_N, warps, (stages, page ids a tile ahead): without the prefetch 4 stages compile to
+# the code of 3 (bench/probes/kernel_resources.py), so they are not timed
+TILES = [(bn, w, st, pf) for bn, w in itertools.product((32, 64, 128), (4, 8))
+         for st, pf in ((2, False), (3, False), (3, True), (4, True))]
 
 
 def copy_rate() -> float:
@@ -58,16 +62,17 @@ def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator) -> list[dict]:
     ref = decode_attention_ref(q.float(), kc.float(), vc.float(), sl, tables, scale)
     default_bn = attention._decode_block_n(b, HD)
     default = attention._decode_partition(b, NKV, NQ, HD, WIDTH, default_bn)
+    default_pipe = (3, True) if attention.PAGE_PREFETCH else (2, False)
     floor_us = 2 * b * ctx * NKV * HD * 2 / rate * 1e6
     rows = []
     for part in sorted({default, 64, 128, 256, 512, 1024}):
-        for bn, w, st in TILES:
+        for bn, w, st, pf in TILES:
             if part % bn:
                 continue
-            cfg = dict(BLOCK_N=bn, warps=w, stages=st)
+            cfg = dict(BLOCK_N=bn, warps=w, stages=st, prefetch=pf)
             fn = lambda: attention.decode_attention_triton(q, kc, vc, sl, tables, scale,  # noqa: E731
                                                            partition=part, config=cfg)
-            is_default = part == default and (bn, w, st) == (default_bn, 4, 2)
+            is_default = part == default and (bn, w, st, pf) == (default_bn, 4, *default_pipe)
             row = dict(batch=b, part=part, cfg=cfg, default=is_default)
             try:
                 row["err"] = ((fn().float() - ref).norm() / ref.norm()).item()
@@ -90,7 +95,7 @@ def main() -> None:
     with open(os.path.join(os.environ.get("OUT", "."), "decode_attention_tiles.json"), "w") as f:
         json.dump(dict(copy_bytes_per_s=rate, ctx=args.ctx, rows=rows), f, indent=1)
     print(f"copy {rate / 1e12:.2f} TB/s, ctx {args.ctx}; best 6 per batch and the default (*)")
-    print("| batch | part | BLOCK_N, warps, stages | err | us | of copy |")
+    print("| batch | part | BLOCK_N, warps, stages, prefetch | err | us | of copy |")
     print("|---|---|---|---|---|---|")
     for b in args.batches:
         ok = sorted((r for r in rows if r["batch"] == b and "us" in r), key=lambda r: r["us"])
@@ -98,7 +103,8 @@ def main() -> None:
         for r in show:
             c = r["cfg"]
             print(f"| {b} | {r['part']}{'*' if r['default'] else ''} | {c['BLOCK_N']}, {c['warps']}, "
-                  f"{c['stages']} | {r['err']:.1e} | {r['us']:.1f} | {r['of_copy']:.2f} |")
+                  f"{c['stages']}, {'ahead' if c['prefetch'] else 'inline'} | {r['err']:.1e} | "
+                  f"{r['us']:.1f} | {r['of_copy']:.2f} |")
     bad = [r for r in rows if "error" in r or r.get("err", 0) > 2e-2]
     print(f"{len(rows)} configs, {len(bad)} failed or off: " + "; ".join(
         f"b{r['batch']} p{r['part']} {r['cfg']}: {r.get('error', r.get('err'))}" for r in bad[:6]))

@@ -87,19 +87,19 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, kc_base, vc_base, bt_row, pos, kv_mask, valid, d, dm,
+    q, m_i, l_i, acc, kc_base, vc_base, page, pos, kv_mask, valid, d, dm,
     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
 ):
     """One online-softmax step over the KV positions ``pos`` [BLOCK_N].
 
-    q: [M, BLOCK_D] (cache dtype); kv_mask: [BLOCK_N], positions to load (all
+    q: [M, BLOCK_D] (cache dtype); page: [BLOCK_N] int64, each position's page (from
+    the block table); kv_mask: [BLOCK_N], positions to load (all
     < seq_len, so their page-table entries are real); valid: [M, BLOCK_N] or
     [1, BLOCK_N], the positions each row may see (a subset of kv_mask); m_i, l_i: [M]
     float32 running max (log2 units) and sum; acc: [M, BLOCK_D] float32. Without
     HAS_MASK every loaded position is visible to every row (``valid`` is ignored).
     Returns the updated (m_i, l_i, acc).
     """
-    page = tl.load(bt_row + pos // PAGE, mask=kv_mask, other=0).to(tl.int64)
     off = (pos % PAGE).to(tl.int64)
     lm = kv_mask[:, None] & dm[None, :]
     k = tl.load(kc_base + page[:, None] * s_kp + off[:, None] * s_kt + d[None, :], mask=lm, other=0.0)
@@ -128,7 +128,7 @@ def _decode_split_kernel(
     scale_log2, G, HD, PAGE, PART,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # Program (split, kv_head, seq): the G query heads of kv_head over KV positions
     # [split*PART, min((split+1)*PART, seq_len)). DIRECT (one split) writes the final
@@ -139,6 +139,11 @@ def _decode_split_kernel(
     # (kernels/gpu/pdl.py): launched dependent, wait for the previous kernel first.
     # TRIGGER: let a PDL-launched next kernel (the o projection's GEMV) start its weight
     # reads now (it waits for this grid to finish before it reads the output).
+    # PREFETCH: a tile's page ids are loaded one iteration ahead, so no K/V address
+    # depends on a load of its own iteration and the pipeliner can keep the next tile's
+    # K/V copies in flight while this tile computes (num_stages >= 3; compiled for
+    # sm_90, bench/probes/kernel_resources.py: without it the loop waits for every copy
+    # it issued, at any num_stages).
     if PDL:
         gdc_wait()
     if PDL or TRIGGER:
@@ -163,10 +168,20 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     kc_base = kc_ptr + kvh * s_kh
     vc_base = vc_ptr + kvh * s_vh
+    bt_row = bt_ptr + s * s_bt
+    nn = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        page_next = tl.load(bt_row + (start + nn) // PAGE, mask=start + nn < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
+        pos = n0 + nn
         kv_mask = pos < end
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, bt_ptr + s * s_bt,
+        if PREFETCH:  # this tile's pages came with the last tile; fetch the next tile's
+            page = page_next
+            page_next = tl.load(bt_row + (pos + BLOCK_N) // PAGE, mask=pos + BLOCK_N < end,
+                                other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + pos // PAGE, mask=kv_mask, other=0).to(tl.int64)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, page,
                                      pos, kv_mask, kv_mask[None, :], d, dm,
                                      s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True, PREC)
     o = acc / l_i[:, None]
@@ -234,6 +249,12 @@ def _decode_reduce_kernel(
                  so_s, so_h, BLOCK_G, BLOCK_D)
 
 
+# The split kernel loads a tile's page ids one iteration ahead (PREFETCH), with 3 stages:
+# the next tile's K/V copies then stay in flight while a tile computes (compiled for sm_90:
+# bench/probes/kernel_resources.py). Off until a decode row on a GPU says it wins.
+PAGE_PREFETCH = False
+
+
 def _decode_block_n(num_seqs: int, head_dim: int) -> int:
     """KV positions per tile of the split kernel: 32 past 64 sequences, else 64 (32 for
     head dims past 128). One H100, ctx 1k: alone (bench/probes/decode_attention_tiles.py)
@@ -274,7 +295,8 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
     q [S, H, D]; caches [P, KVH, page, D]; seq_lens int32 [S] (>= 1); block_tables
     int32 [S, max_pages]. ``partition`` (positions per split, a multiple of the KV tile)
     overrides the heuristic (tests use it to force several splits); ``config`` the split
-    kernel's tile (keys BLOCK_N, warps, stages; bench/probes/decode_attention_tiles.py).
+    kernel's tile (keys BLOCK_N, warps, stages, prefetch: page ids a tile ahead;
+    bench/probes/decode_attention_tiles.py).
     """
     S, H, D = q.shape
     _, KVH, page, _ = k_cache.shape
@@ -283,6 +305,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
         return out
     G = H // KVH
     cfg = config or {}
+    prefetch = cfg.get("prefetch", PAGE_PREFETCH)
     block_n = cfg.get("BLOCK_N", _decode_block_n(S, D))
     bound = max(1, block_tables.shape[1] * page)
     part = partition or _decode_partition(S, KVH, H, D, bound, block_n)
@@ -310,8 +333,8 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
         out.stride(0), out.stride(1), scale * _LOG2E, G, D, page, part,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, MERGE=merge, PREC=dot_precision(q.dtype),
-        TRIGGER=(direct or merge) and pdl_enabled(q.device),
-        num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 2),
+        TRIGGER=(direct or merge) and pdl_enabled(q.device), PREFETCH=prefetch,
+        num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 3 if prefetch else 2),
         **pdl_launch(q.device, "attention"),
     )
     if not (direct or merge):
