@@ -1,8 +1,9 @@
 """The decode step's Triton kernels compiled for sm_90 on this CPU machine
 (`bench/offline_sm90.py` through `bench/probes/kernel_resources.py`): at their default tiles
 none spills or asks for more shared memory than a Hopper block may have, every pipelined
-loop keeps copies in flight, and decode attention's page ids a tile ahead let its loop
-keep the next tile's K/V in flight (the inline page lookup does not).
+loop keeps copies in flight, and page ids a tile ahead let decode attention's loop and
+prefill attention's prefix loop keep the next tile's K/V in flight (the inline page
+lookup does not).
 
 The probe runs in a subprocess: the stand-in driver is process-wide state, and Triton's
 interpreter (other tests) must not be on.
@@ -47,14 +48,19 @@ def test_pipelined_loops_keep_copies_in_flight(rows):
     flight, except decode attention with its page ids loaded inline (the known case the
     prefetch answers)."""
     from phalanx.kernels.gpu.attention import PAGE_PREFETCH
+    from phalanx.kernels.gpu.prefill_attention import PREFIX_PREFETCH
 
     staged = [r for r in rows if r["cp_async"] > 0]
     assert {r["name"] for r in staged} >= {"_decode_split_kernel", "_fp8_gate_up_kernel", "_gate_up_kernel",
-                                           "_small_gate_up_kernel"}
+                                           "_small_gate_up_kernel", "_prefill_kernel"}
     for r in staged:
         if r["case"] == "attention" and not PAGE_PREFETCH:
             assert max(r["waits"]) == 0, r  # the inline lookup: nothing in flight while it computes
+        elif r["case"] == "prefill prefix" and not PREFIX_PREFETCH:
+            assert r["waits"][0] == 0 and max(r["waits"]) > 0, r  # the prefix loop waits; the others not
         else:
             assert max(r["waits"]) > 0, f"{r['case']}: {r['name']} waits for every copy: {r['waits']}"
     ahead = [r for r in staged if r["case"] == "attention ahead"]
     assert {r["batch"] for r in ahead} == {1, 64} and all(r["stages"] == 3 for r in ahead)
+    prefix_ahead = [r for r in staged if r["case"] == "prefill ahead"]
+    assert len(prefix_ahead) == 1 and prefix_ahead[0]["waits"][0] > 0, prefix_ahead

@@ -238,10 +238,14 @@ def check_prefill_attention_tiles(g: torch.Generator) -> float:
     k_new, v_new = _new_rows(kc, tables, specs, T), _new_rows(vc, tables, specs, T)
     errs = []
     for bm, bn in [(16, 16), (16, 32), (32, 16), (64, 16)]:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, warps=4, stages=2)
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, warps=4, stages=2, prefetch=False)
         errs.append(rel_err(prefill_attention_triton(q, kc, vc, meta, hd**-0.5, config=cfg), ref))
-        errs.append(rel_err(prefill_attention_triton(q, kc, vc, meta, hd**-0.5, k_new, v_new,
-                                                  config=cfg), ref))
+        inline = prefill_attention_triton(q, kc, vc, meta, hd**-0.5, k_new, v_new, config=cfg)
+        errs.append(rel_err(inline, ref))
+        # the prefix tiles' page ids a tile ahead: the same tiles in the same order
+        ahead = prefill_attention_triton(q, kc, vc, meta, hd**-0.5, k_new, v_new,
+                                         config=dict(cfg, prefetch=True, stages=3))
+        assert torch.equal(ahead, inline), (bm, bn)
     return max(errs)
 
 

@@ -13,7 +13,8 @@ the pipeliner) and MMA instructions in the PTX, and the allowance of each async 
 (copies left in flight; a pipelined loop has one above 0).
 
 The GPU machine runs triton 3.6; to see its code, run this under a venv with that
-version (a wheel lies in the local package mirror):
+version (a wheel lies in the local package mirror). Batch 0 rows: prefill attention of 8 prompts
+of 2048 new tokens after a cached prefix of 2048.
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
     mkdir -p /tmp/site36 && ln -sfn "$PWD" /tmp/site36/phalanx
@@ -34,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offline_sm90 import offline_target  # noqa: E402  (bench/)
 
 from phalanx.kernels.fp8 import quantize_blocks  # noqa: E402
-from phalanx.kernels.gpu import attention, gemv, moe, moe_fp8  # noqa: E402
+from phalanx.kernels.attention import AttentionMetadata  # noqa: E402
+from phalanx.kernels.gpu import attention, gemv, moe, moe_fp8, prefill_attention  # noqa: E402
 from phalanx.kernels.gpu.fp8_linear import fp8_linear_triton  # noqa: E402
 
 HID, NQ, NKV, HD, E, INTER, TOPK, PAGE, CTX = 2048, 32, 4, 128, 128, 768, 8, 16, 1024
@@ -85,12 +87,33 @@ def launch_cases(batch: int) -> list[tuple[str, object]]:
     return cases
 
 
+def prefill_cases(seqs: int = 8, new: int = 2048, prefix: int = 2048) -> list[tuple[str, object]]:
+    """Prefill attention of `seqs` prompts of `new` tokens after a cached `prefix`, the
+    prefix tiles' page ids inline and a tile ahead (listed as batch 0)."""
+    pages = (prefix + new) // PAGE
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(seqs + 1, dtype=torch.int32) * new,
+        seq_lens=torch.full((seqs,), prefix + new, dtype=torch.int32),
+        block_tables=torch.zeros(seqs, pages, dtype=torch.int32),
+        slot_mapping=torch.full((seqs * new,), -1, dtype=torch.int64), max_query_len=new,
+        max_seq_len=prefix + new)
+    kc = torch.empty(seqs * pages, NKV, PAGE, HD, dtype=BF16)
+    q = torch.empty(seqs * new, NQ, HD, dtype=BF16)
+    kn = torch.empty(seqs * new, NKV, HD, dtype=BF16)
+
+    def prefill(ahead: bool):
+        cfg = prefill_attention._prefill_config(new, HD, prefetch=ahead)
+        return lambda: prefill_attention.prefill_attention_triton(q, kc, kc, meta, HD ** -0.5, kn, kn, config=cfg)
+
+    return [("prefill prefix", prefill(False)), ("prefill ahead", prefill(True))]
+
+
 def compile_rows(batches: list[int]) -> list[dict]:
     """One row per (batch, case, kernel compile); a compile listed once per case."""
     rows = []
     with offline_target() as records:
-        for b in batches:
-            for label, launch in launch_cases(b):
+        for b in batches + [0]:
+            for label, launch in launch_cases(b) if b else prefill_cases():
                 start, seen = len(records), set()
                 launch()
                 for r in records[start:]:

@@ -6,7 +6,8 @@ at 0.36 of its matmul floor, 19.9% of an 8x2048 prefill).
 Qwen3-30B-A3B attention shape (32 query heads, 4 KV heads, head_dim 128, pages of 16),
 bf16. For each case (``seqs`` fresh prompts of ``length``; the same with a cached prefix of
 ``prefix`` before ``length - prefix`` new tokens; one prompt of ``length``; single short
-prompts), every tile config with and without the contiguous new-token rows
+prompts), every tile config (with a prefix: its page ids inline and a tile ahead) with and
+without the contiguous new-token rows
 (``k_new``/``v_new``): the relative
 error against the float32 reference on fresh random inputs, then the time (CUDA events,
 median of 20 after 3 warm-ups) and TFLOP/s, beside torch SDPA over each sequence (its
@@ -72,8 +73,12 @@ def case_rows(name, seqs, length, prefix, rate, g):
     floor_us = flops / rate / 1e6
     ref = prefill_attention_ref(q, kc, vc, meta, scale).float()
     rows = []
-    for bm, bn, w, st in CONFIGS:
-        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, warps=w, stages=st)
+    # with a prefix, also its tiles' page ids a tile ahead (3 stages at least)
+    tiles = [dict(BLOCK_M=bm, BLOCK_N=bn, warps=w, stages=st, prefetch=False) for bm, bn, w, st in CONFIGS]
+    if prefix:
+        ahead = {tuple(dict(t, prefetch=True, stages=max(3, t["stages"])).items()) for t in tiles}
+        tiles += [dict(t) for t in sorted(ahead)]
+    for cfg in tiles:
         for rows_src in ("pages", "k_new"):
             extra = (k_new, v_new) if rows_src == "k_new" else (None, None)
             fn = lambda: prefill_attention_triton(q, kc, vc, meta, scale, *extra, config=cfg)  # noqa: E731
@@ -119,10 +124,11 @@ def main() -> None:
     with open(os.path.join(out, "prefill_attention_tiles.json"), "w") as f:
         json.dump(dict(matmul_tflops=rate, floors_us=floors, rows=rows), f, indent=1)
     print(f"bf16 matmul {rate:.0f} TFLOP/s")
-    print("| case | tiles (M, N, warps, stages) | KV rows | err | us | TFLOP/s | of floor |")
+    print("| case | tiles (M, N, warps, stages, prefix page ids) | KV rows | err | us | TFLOP/s | of floor |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        cfg = r["cfg"] if isinstance(r["cfg"], str) else "{BLOCK_M}, {BLOCK_N}, {warps}, {stages}".format(**r["cfg"])
+        cfg = r["cfg"] if isinstance(r["cfg"], str) else "{BLOCK_M}, {BLOCK_N}, {warps}, {stages}, {ids}".format(
+            ids="ahead" if r["cfg"]["prefetch"] else "inline", **r["cfg"])
         if "error" in r:
             print(f"| {r['case']} | {cfg} | {r['src']} | {r['error']} | | | |")
         else:

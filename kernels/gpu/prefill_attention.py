@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .attention import _LOG2E, dot_precision
 
-__all__ = ["prefill_attention_triton", "PREFILL_CONFIG", "PREFILL_KV_SMEM"]
+__all__ = ["prefill_attention_triton", "PREFILL_CONFIG", "PREFILL_KV_SMEM", "PREFIX_PREFETCH"]
 
 
 @triton.jit
@@ -86,11 +86,22 @@ def _mixed_tile(q, m_i, l_i, acc, kp, vp, lm_old, kn, vn, lm_new, valid, scale_l
 
 
 @triton.jit
+def _page_ids(bt_row, pos, pmask, PAGE):
+    """The pages of positions ``pos`` [BLOCK_N], int64 (masked lanes: page 0)."""
+    return tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _rows_at(base, page, pos, s_p, s_t, d, PAGE):
+    """Pointers [BLOCK_N, BLOCK_D] to the cache rows of positions ``pos`` on ``page``."""
+    return base + page[:, None] * s_p + (pos % PAGE).to(tl.int64)[:, None] * s_t + d[None, :]
+
+
+@triton.jit
 def _paged_rows(base, bt_row, pos, pmask, s_p, s_t, d, PAGE):
     """Pointers [BLOCK_N, BLOCK_D] to the cache rows of positions ``pos`` (masked lanes
     read page-table entry 0, never dereferenced with their mask)."""
-    page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
-    return base + page[:, None] * s_p + (pos % PAGE).to(tl.int64)[:, None] * s_t + d[None, :]
+    return _rows_at(base, _page_ids(bt_row, pos, pmask, PAGE), pos, s_p, s_t, d, PAGE)
 
 
 @triton.jit
@@ -154,8 +165,12 @@ def _prefill_kernel(
     sq_t, sq_h, s_kp, s_kh, s_kt, s_vp, s_vh, s_vt, s_knt, s_knh, s_vnt, s_vnh, s_bt, so_t, so_h,
     scale_log2, G, HD, PAGE,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
-    NEW_KV: tl.constexpr, EVEN_D: tl.constexpr,
+    NEW_KV: tl.constexpr, EVEN_D: tl.constexpr, PREFETCH: tl.constexpr,
 ):
+    # PREFETCH: the prefix tiles' page ids are loaded a tile ahead, so no K/V address of
+    # the prefix loop depends on a load of its own iteration and the pipeliner keeps the
+    # next tile's copies in flight while a tile computes (compiled for sm_90: with the
+    # lookup inline that loop waits for every copy it issued; bench/NOTES.md).
     # Query blocks run last-first: the causal diagonal makes late blocks the longest, and
     # starting them first leaves the short ones for the grid's tail.
     mb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -189,11 +204,18 @@ def _prefill_kernel(
     new_start = tl.cdiv(ctx, BLOCK_N) * BLOCK_N  # tiles from here: all this step's
     full_end = (ctx + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N  # below: seen by every row
     kv_end = tl.minimum(seq_len, ctx + (mb + 1) * BLOCK_M)  # the last row's position + 1
+    if PREFETCH:
+        page_next = _page_ids(bt_row, ar, ar < pre_end, PAGE)
     for n0 in range(0, pre_end, BLOCK_N):
         pos = n0 + ar
+        if PREFETCH:  # this tile's pages came with the last tile; fetch the next tile's
+            page = page_next
+            page_next = _page_ids(bt_row, pos + BLOCK_N, pos + BLOCK_N < pre_end, PAGE)
+        else:
+            page = _page_ids(bt_row, pos, pos < ctx, PAGE)
         m_i, l_i, acc = _online_tile(
-            q, m_i, l_i, acc, _paged_rows(kc_base, bt_row, pos, pos < ctx, s_kp, s_kt, d, PAGE),
-            _paged_rows(vc_base, bt_row, pos, pos < ctx, s_vp, s_vt, d, PAGE),
+            q, m_i, l_i, acc, _rows_at(kc_base, page, pos, s_kp, s_kt, d, PAGE),
+            _rows_at(vc_base, page, pos, s_vp, s_vt, d, PAGE),
             dm[None, :], dm[None, :], scale_log2, not EVEN_D, False, PREC)
     if pre_end < ctx:  # the tile holding the prefix's end and this step's first tokens
         m_i, l_i, acc = _straddling_tile(
@@ -218,6 +240,10 @@ def _prefill_kernel(
 # 947-1020 with (128, 128, 8, 2), 872-955 with (64, 64, 4, 3) (bench/NOTES.md).
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3)
 
+# The prefix loop's page ids a tile ahead (PREFETCH above). Off until a prefill with a cached
+# prefix on a GPU says it wins (bench/probes/prefill_attention_tiles.py sweeps both).
+PREFIX_PREFETCH = False
+
 # Shared memory the pipelined K and V tiles may take (stages x 2 x BLOCK_N x BLOCK_D x
 # element size): H100/H200 give a block 227 KiB; float32 tiles of 128 x 128 in 2 stages
 # asked for 256 KiB there and did not launch. Stages give way first (down to 2), so that
@@ -229,13 +255,17 @@ def _kv_tile(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def _prefill_config(max_query_len: int, head_dim: int, itemsize: int = 2) -> dict:
+def _prefill_config(max_query_len: int, head_dim: int, itemsize: int = 2,
+                    prefetch: bool | None = None) -> dict:
     if max_query_len <= 16:  # decode-like rows (mixed batches): small query tiles
         cfg = dict(BLOCK_M=16, warps=4, stages=2)
     elif max_query_len <= 64:
         cfg = dict(BLOCK_M=64, warps=4, stages=2)
     else:
         cfg = dict(PREFILL_CONFIG)
+    cfg["prefetch"] = PREFIX_PREFETCH if prefetch is None else prefetch
+    if cfg["prefetch"]:  # a copy in flight while a tile computes needs a third stage
+        cfg["stages"] = max(cfg["stages"], 3)
     cfg["BLOCK_N"] = _kv_tile(head_dim)
     tile = 2 * triton.next_power_of_2(head_dim) * itemsize * cfg["BLOCK_N"]  # K + V, one stage
     while cfg["stages"] > 2 and cfg["stages"] * tile > PREFILL_KV_SMEM:
@@ -253,7 +283,7 @@ def prefill_attention_triton(q, k_cache, v_cache, meta, scale: float, k_new=None
     ``k_new`` / ``v_new`` ([T, kv_heads, head_dim], optional, together): this step's K/V
     rows as written to the cache, read instead of the cache for positions past each
     sequence's prefix. ``config`` overrides the tile choice (BLOCK_M, BLOCK_N, warps,
-    stages). Uses ``meta.max_query_len`` (a host int) for the grid; rows of ``q`` owned by
+    stages, prefetch: the prefix tiles' page ids a tile ahead). Uses ``meta.max_query_len`` (a host int) for the grid; rows of ``q`` owned by
     no sequence come back 0.
     """
     T, H, D = q.shape
@@ -280,6 +310,7 @@ def prefill_attention_triton(q, k_cache, v_cache, meta, scale: float, k_new=None
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), meta.block_tables.stride(0),
         out.stride(0), out.stride(1), scale * _LOG2E, H // KVH, D, page,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d, PREC=dot_precision(q.dtype),
-        NEW_KV=new_kv, EVEN_D=block_d == D, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        NEW_KV=new_kv, EVEN_D=block_d == D, PREFETCH=cfg.get("prefetch", PREFIX_PREFETCH),
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return out
