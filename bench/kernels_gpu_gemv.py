@@ -24,6 +24,16 @@ CHAIN_SWEEP = {
     "qkv16w2 o8w2": {"qkv": dict(BLOCK_N=16, warps=2), "o": dict(BLOCK_N=8, warps=2)},
     "qkv8w2 o4w2": {"qkv": dict(BLOCK_N=8, warps=2), "o": dict(BLOCK_N=4, warps=2)},
 }
+# Tiles tried on the FP8 chain (defaults: qkv 16 rows, o 16: the 64 KiB tile holds twice
+# the rows of bf16, so o runs 128 programs of 4 warps, one a SM, each dequantizing 64 K
+# codes; compiled offline, o 16 rows take 255 registers, 8 rows 128, 4 rows 79).
+CHAIN_SWEEP_FP8 = {
+    "qkv16 o8": {"o": dict(BLOCK_N=8)},
+    "qkv8 o4": {"qkv": dict(BLOCK_N=8), "o": dict(BLOCK_N=4)},
+    "qkv8w8 o8w8": {"qkv": dict(BLOCK_N=8, warps=8), "o": dict(BLOCK_N=8, warps=8)},
+    "qkv16w8 o16w8": {"qkv": dict(BLOCK_N=16, warps=8), "o": dict(BLOCK_N=16, warps=8)},
+    "qkv4 o4": {"qkv": dict(BLOCK_N=4), "o": dict(BLOCK_N=4)},
+}
 
 
 def _shapes(c: Ctx) -> dict:
@@ -210,6 +220,9 @@ def time_gemv(c: Ctx, row):
             row("chain-fp8", f"M=1 form {form} / cuBLAS deq", fused8, unfused8, None, nbytes=nbytes8, bw=GEMV_BW)
     finally:
         gemv.FP8_FORM = before
+    for name, cfg in CHAIN_SWEEP_FP8.items():  # M = 1, PDL on, today's form
+        fused8, _, nbytes8 = _chain(c, 1, cfg, fp8=True)
+        row("chain-fp8", f"M=1 {name}", fused8, fused8, None, nbytes=nbytes8, bw=GEMV_BW)
     for name, cfg in CHAIN_SWEEP.items():  # M = 1, PDL on
         fused, _, nbytes = _chain(c, 1, cfg)
         row("chain-pdl", f"M=1 {name}", fused, fused, None, nbytes=nbytes, bw=GEMV_BW)
