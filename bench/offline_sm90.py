@@ -54,12 +54,12 @@ class Compiled:
 
     @property
     def blocks_per_sm(self) -> int:
-        """Resident blocks per SM allowed by registers, shared memory and threads."""
-        threads = self.warps * 32
-        regs = max(1, (self.regs * threads + 255) // 256 * 256)
-        by_regs = 65536 // regs
-        by_smem = _SM90_SHARED // max(1, self.shared + 1024) if self.shared else 32
-        return max(0, min(by_regs, by_smem, 2048 // threads, 32))
+        """Resident blocks per SM allowed by registers (allocated per warp in units of 256),
+        shared memory (1 KiB reserved per block) and threads."""
+        per_warp = -(-max(1, self.regs) * 32 // 256) * 256
+        by_regs = 65536 // (per_warp * self.warps)
+        by_smem = _SM90_SHARED // (self.shared + 1024) if self.shared else 32
+        return max(0, min(by_regs, by_smem, 2048 // (self.warps * 32), 32))
 
 
 def _resource_usage(cubin: bytes, tool: str) -> tuple[int, int]:
@@ -74,9 +74,6 @@ def _resource_usage(cubin: bytes, tool: str) -> tuple[int, int]:
 
 
 class _Utils:
-    def __init__(self, records: list[dict]):
-        self._records = records
-
     def get_device_properties(self, device):
         return {"max_shared_mem": _SM90_SHARED, "multiprocessor_count": 132, "sm_clock_rate": 1980000,
                 "mem_clock_rate": 2619000, "mem_bus_width": 5120, "max_num_regs": 65536,
@@ -92,7 +89,7 @@ class _Driver:
     def __init__(self, target: GPUTarget, records: list[Compiled]):
         self._target = target
         self._records = records
-        self.utils = _Utils(records)
+        self.utils = _Utils()
         tool_dir = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
         self._cuobjdump = os.path.join(tool_dir, "cuobjdump")
 
