@@ -121,6 +121,36 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_range(q, m_i, l_i, acc, kc_base, vc_base, bt_row, start, end, d, dm,
+                  s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, BLOCK_N: tl.constexpr,
+                  PREC: tl.constexpr, PREFETCH: tl.constexpr):
+    """Online softmax over KV positions [start, end) of one sequence (its block table row
+    ``bt_row``) in tiles of BLOCK_N; returns the updated (m_i, l_i, acc).
+
+    PREFETCH: each tile's page ids are loaded one iteration ahead, so no K/V address
+    depends on a load of its own iteration and the pipeliner can keep the next tile's K/V
+    copies in flight while this one computes (num_stages >= 3). With the lookup inline,
+    the loop waits for every copy it issued, at any num_stages (compiled for sm_90:
+    bench/probes/kernel_resources.py)."""
+    nn = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        page_next = tl.load(bt_row + (start + nn) // PAGE, mask=start + nn < end, other=0).to(tl.int64)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + nn
+        kv_mask = pos < end
+        if PREFETCH:  # this tile's pages came with the last tile; fetch the next tile's
+            page = page_next
+            page_next = tl.load(bt_row + (pos + BLOCK_N) // PAGE, mask=pos + BLOCK_N < end,
+                                other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + pos // PAGE, mask=kv_mask, other=0).to(tl.int64)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, page,
+                                     pos, kv_mask, kv_mask[None, :], d, dm,
+                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, seq_lens_ptr, bt_ptr, part_o_ptr, part_lse_ptr, out_ptr, arrived_ptr,
     sq_s, sq_h, s_kp, s_kh, s_kt, s_vp, s_vh, s_vt, s_bt,
@@ -139,11 +169,7 @@ def _decode_split_kernel(
     # (kernels/gpu/pdl.py): launched dependent, wait for the previous kernel first.
     # TRIGGER: let a PDL-launched next kernel (the o projection's GEMV) start its weight
     # reads now (it waits for this grid to finish before it reads the output).
-    # PREFETCH: a tile's page ids are loaded one iteration ahead, so no K/V address
-    # depends on a load of its own iteration and the pipeliner can keep the next tile's
-    # K/V copies in flight while this tile computes (num_stages >= 3; compiled for
-    # sm_90, bench/probes/kernel_resources.py: without it the loop waits for every copy
-    # it issued, at any num_stages).
+    # PREFETCH: see _attend_range.
     if PDL:
         gdc_wait()
     if PDL or TRIGGER:
@@ -166,24 +192,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    kc_base = kc_ptr + kvh * s_kh
-    vc_base = vc_ptr + kvh * s_vh
-    bt_row = bt_ptr + s * s_bt
-    nn = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        page_next = tl.load(bt_row + (start + nn) // PAGE, mask=start + nn < end, other=0).to(tl.int64)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + nn
-        kv_mask = pos < end
-        if PREFETCH:  # this tile's pages came with the last tile; fetch the next tile's
-            page = page_next
-            page_next = tl.load(bt_row + (pos + BLOCK_N) // PAGE, mask=pos + BLOCK_N < end,
-                                other=0).to(tl.int64)
-        else:
-            page = tl.load(bt_row + pos // PAGE, mask=kv_mask, other=0).to(tl.int64)
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, page,
-                                     pos, kv_mask, kv_mask[None, :], d, dm,
-                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True, PREC)
+    m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh,
+                                  bt_ptr + s * s_bt, start, end, d, dm, s_kp, s_kt, s_vp, s_vt,
+                                  PAGE, scale_log2, BLOCK_N, PREC, PREFETCH)
     o = acc / l_i[:, None]
     om = gm[:, None] & dm[None, :]
     if DIRECT:
