@@ -121,27 +121,33 @@ def _attend_tile(
 
 
 @triton.jit
-def _attend_range(q, m_i, l_i, acc, kc_base, vc_base, bt_row, start, end, d, dm,
+def _tile_pages(bt_row, n0, end, PAGE, BLOCK_N: tl.constexpr):
+    """The pages [BLOCK_N] (int64) of positions n0.. of a block table row; positions from
+    ``end`` on are masked (page 0, not read)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend_range(q, m_i, l_i, acc, kc_base, vc_base, bt_row, pages, start, end, d, dm,
                   s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, BLOCK_N: tl.constexpr,
                   PREC: tl.constexpr, PREFETCH: tl.constexpr):
     """Online softmax over KV positions [start, end) of one sequence (its block table row
     ``bt_row``) in tiles of BLOCK_N; returns the updated (m_i, l_i, acc).
 
-    PREFETCH: each tile's page ids are loaded one iteration ahead, so no K/V address
-    depends on a load of its own iteration and the pipeliner can keep the next tile's K/V
-    copies in flight while this one computes (num_stages >= 3). With the lookup inline,
-    the loop waits for every copy it issued, at any num_stages (compiled for sm_90:
-    bench/probes/kernel_resources.py)."""
+    PREFETCH: each tile's page ids are loaded one iteration ahead (``pages``: the first
+    tile's, `_tile_pages`), so no K/V address depends on a load of its own iteration and
+    the pipeliner can keep the next tile's K/V copies in flight while this one computes
+    (num_stages >= 3). With the lookup inline (``pages`` unused), the loop waits for every
+    copy it issued, at any num_stages (compiled for sm_90: bench/probes/kernel_resources.py)."""
     nn = tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        page_next = tl.load(bt_row + (start + nn) // PAGE, mask=start + nn < end, other=0).to(tl.int64)
+    page_next = pages
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + nn
         kv_mask = pos < end
         if PREFETCH:  # this tile's pages came with the last tile; fetch the next tile's
             page = page_next
-            page_next = tl.load(bt_row + (pos + BLOCK_N) // PAGE, mask=pos + BLOCK_N < end,
-                                other=0).to(tl.int64)
+            page_next = _tile_pages(bt_row, n0 + BLOCK_N, end, PAGE, BLOCK_N)
         else:
             page = tl.load(bt_row + pos // PAGE, mask=kv_mask, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, page,
@@ -169,19 +175,27 @@ def _decode_split_kernel(
     # (kernels/gpu/pdl.py): launched dependent, wait for the previous kernel first.
     # TRIGGER: let a PDL-launched next kernel (the o projection's GEMV) start its weight
     # reads now (it waits for this grid to finish before it reads the output).
-    # PREFETCH: see _attend_range.
+    # PREFETCH (_attend_range): the length and first page ids read before the PDL wait
+    # (host-copied before the step's first kernel, written by none: pdl.py's protocol).
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2).to(tl.int64)
+    start = split * PART
+    bt_row = bt_ptr + s * s_bt
+    if PREFETCH:
+        seq_len = tl.load(seq_lens_ptr + s)
+        end = tl.minimum(start + PART, seq_len)
+        pages = _tile_pages(bt_row, start, end, PAGE, BLOCK_N)
     if PDL:
         gdc_wait()
     if PDL or TRIGGER:
         gdc_launch_dependents()
-    split = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + s)
-    start = split * PART
+    if not PREFETCH:
+        seq_len = tl.load(seq_lens_ptr + s)
+        end = tl.minimum(start + PART, seq_len)
+        pages = start  # unused
     if start >= seq_len:
         return
-    end = tl.minimum(start + PART, seq_len)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gm = g < G
@@ -193,7 +207,7 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh,
-                                  bt_ptr + s * s_bt, start, end, d, dm, s_kp, s_kt, s_vp, s_vt,
+                                  bt_row, pages, start, end, d, dm, s_kp, s_kt, s_vp, s_vt,
                                   PAGE, scale_log2, BLOCK_N, PREC, PREFETCH)
     o = acc / l_i[:, None]
     om = gm[:, None] & dm[None, :]
@@ -205,12 +219,20 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + s * sl_s + heads * sl_h + split, m_i + tl.log2(l_i), mask=gm)
         if MERGE:
             tl.debug_barrier()
-            slot = arrived_ptr + s * tl.num_programs(1) + kvh
             n_splits = tl.cdiv(seq_len, PART)
-            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                tl.store(slot, 0)
+            if _last_to_arrive(arrived_ptr + s * tl.num_programs(1) + kvh, n_splits):
                 _merge_parts(part_o_ptr, part_lse_ptr, out_ptr, s, heads, gm, d, dm, n_splits,
                              sp_s, sp_h, sp_n, sl_s, sl_h, so_s, so_h, BLOCK_G, BLOCK_D)
+
+
+@triton.jit
+def _last_to_arrive(slot, n):
+    """Bump the counter at ``slot`` (acq_rel, GPU scope); True for the n-th arrival, which
+    stores it back to 0 (arrivals.py)."""
+    last = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == n - 1
+    if last:
+        tl.store(slot, 0)
+    return last
 
 
 @triton.jit

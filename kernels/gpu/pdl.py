@@ -15,7 +15,9 @@ The protocol every PDL-launched kernel here keeps:
   before it: so a dependent grid completes only after its predecessor has, and
   completion stays transitive along a chain (a kernel waiting on its predecessor has
   waited on all earlier ones);
-* before the wait it reads only tensors no kernel of the step writes (weights).
+* before the wait it reads only tensors no kernel of the step writes: weights, and the
+  step's inputs the host copies in before its first kernel (sequence lengths, block
+  tables; decode attention with its page ids ahead reads them there).
 
 A kernel that only *triggers* (``gdc_launch_dependents`` at its start) needs no launch
 attribute; the trigger is a no-op when the next launch is not dependent.
