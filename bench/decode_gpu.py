@@ -265,7 +265,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--baselines", default="",
                     help="comma list of bench/decode_baselines.py's rows (nopdl, cublas, routefold, "
                          "...; one part switched); fp8linear (with --quantization fp8): the FP8 "
-                         "rows again with the FP8 linear where the one-row GEMV takes FP8 codes")
+                         "rows again with the FP8 linear where the one-row GEMV takes FP8 codes; "
+                         "fp8gemv16: the FP8 rows up to batch 4 again with the FP8 GEMVs' "
+                         "64 KiB-tile rows (kernels/gpu/gemv.py FP8_HALF_ROWS off)")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "
                          "'decode-fp8' / 'prefill-fp8' the FP8 weights (bench/decode_fp8.py)")
@@ -384,10 +386,11 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     names = [n for n in args.baselines.split(",") if n]
-    fp8_linear = "fp8linear" in names
-    if fp8_linear and args.quantization != "fp8":
-        raise SystemExit("--baselines fp8linear needs --quantization fp8")
-    names = [n for n in names if n != "fp8linear"]
+    fp8_only = [n for n in names if n in ("fp8linear", "fp8gemv16")]
+    if fp8_only and args.quantization != "fp8":
+        raise SystemExit(f"--baselines {','.join(fp8_only)} needs --quantization fp8")
+    fp8_linear, fp8_gemv16 = "fp8linear" in fp8_only, "fp8gemv16" in fp8_only
+    names = [n for n in names if n not in fp8_only]
     if names:
         from decode_baselines import baseline_rows
         rows += baseline_rows(
@@ -406,6 +409,14 @@ def main() -> None:
                              rows, kind="decode-fp8linear")
         finally:
             linear.GEMV_FP8 = True
+    if fp8_gemv16:  # the FP8 rows again with the GEMVs' 64 KiB-tile rows (qkv 16, o 16)
+        from phalanx.kernels.gpu import gemv
+        gemv.FP8_HALF_ROWS = False
+        try:
+            rows += fp8_rows(hf, cfg, [b for b in batches if b <= 4], args, ceil, rows,
+                             kind="decode-fp8gemv16")
+        finally:
+            gemv.FP8_HALF_ROWS = True
     result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=num_pages,
                   quantization=args.quantization, rows=rows, device=torch.cuda.get_device_name())
     out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")

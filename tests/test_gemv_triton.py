@@ -293,6 +293,9 @@ def test_gemv_tiles():
     assert gemv_block_n(2048, 4096, 2) == 8  # o: 256 programs, 64 KiB tiles
     assert gemv_block_n(128, 2048, 2) == 1  # router: 128 programs
     assert gemv_block_n(5120, 2048, 4) == 8  # float32 halves the rows
+    assert gemv_block_n(5120, 2048, 1) == 8  # FP8 codes: half bf16's rows
+    assert gemv_block_n(2048, 4096, 1) == 4
+    assert gemv_block_n(10, 40000, 1) == 1  # one row of codes fits where bf16's does not
     assert gemv_block_n(100, 72, 4) == 1
     assert gemv_block_n(10, 40000, 2) == 0
     from phalanx.kernels.backend import force_triton

@@ -44,6 +44,11 @@ GEMV_TILE_BYTES = 64 << 10  # a program's weight tile (kernels/linear.py's GEMV_
 # bench/kernels_gpu.py --only gemv, chain-fp8; bench/NOTES.md).
 FP8_FORM = 2
 _PROGRAMS = 128  # aim: about one program per SM or more, for bytes in flight
+# FP8 weights take half bf16's rows per program, not the 64 KiB tile's twice as many:
+# dequantizing is ALU work, and the o projection's 16 rows of 4096 codes ran one 4-warp
+# program an SM at 255 registers. One H100, the 48-layer qkv/o/router chain at M = 1
+# (kernels_gpu --only gemv, bench/NOTES.md): qkv 16 / o 16 rows 794 us, qkv 8 / o 4 588.
+FP8_HALF_ROWS = True
 
 
 @triton.jit
@@ -130,7 +135,16 @@ def fp8_form(scales: torch.Tensor | None) -> int:
 def gemv_block_n(n: int, k: int, elem_bytes: int) -> int:
     """Weight rows per program: a power of two, the tile within ``GEMV_TILE_BYTES``, and
     about ``_PROGRAMS`` programs or more (qkv 16 -> 320 programs, o 8 -> 256, router 1 -> 128);
-    0 when a single row of K does not fit (the caller takes another path)."""
+    0 when a single row of K does not fit (the caller takes another path). FP8 codes
+    (``elem_bytes`` 1, ``FP8_HALF_ROWS``): half bf16's rows (qkv 8, o 4)."""
+    rows = _rows(n, k, elem_bytes)
+    if elem_bytes == 1 and rows and FP8_HALF_ROWS:
+        wide = _rows(n, k, 2)
+        rows = max(1, (min(rows, wide) if wide else rows) // 2)
+    return rows
+
+
+def _rows(n: int, k: int, elem_bytes: int) -> int:
     cap = GEMV_TILE_BYTES // (triton.next_power_of_2(k) * elem_bytes)
     if cap < 1:
         return 0

@@ -240,9 +240,10 @@ def _prefill_kernel(
 # 947-1020 with (128, 128, 8, 2), 872-955 with (64, 64, 4, 3) (bench/NOTES.md).
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3)
 
-# The prefix loop's page ids a tile ahead (PREFETCH above). Off until a prefill with a cached
-# prefix on a GPU says it wins (bench/probes/prefill_attention_tiles.py sweeps both).
-PREFIX_PREFETCH = False
+# The prefix loop's page ids a tile ahead (PREFETCH above). One H100, 8 prompts of 1024 new
+# tokens after a cached prefix of 1024, k_new rows (bench/probes/prefill_attention_tiles.py):
+# 776.0 -> 719.2 us with the default tiles, 834 -> 754 with 64-row, 2774 -> 2594 with 16-row.
+PREFIX_PREFETCH = True
 
 # Shared memory the pipelined K and V tiles may take (stages x 2 x BLOCK_N x BLOCK_D x
 # element size): H100/H200 give a block 227 KiB; float32 tiles of 128 x 128 in 2 stages
