@@ -205,6 +205,9 @@ def _gemv_fp8_errors(g: torch.Generator) -> float:
                 errs.append(rel_err(project(x, q, b, s), fp8_linear_ref(x, q, s, b)))
                 x3 = torch.randn(3, k, generator=g)
                 errs.append(rel_err(gemv_triton(x3, q, None, scales=s)[0], fp8_linear_ref(x3, q, s)))
+                for rows in (4, 8):  # the rows FP8 codes take per program at the model's shapes
+                    errs.append(rel_err(gemv_triton(x3, q, None, scales=s, cfg={"BLOCK_N": rows})[0],
+                                        fp8_linear_ref(x3, q, s)))
                 r, nw = torch.randn(1, k, generator=g), 1 + 0.1 * torch.randn(k, generator=g)
                 got = norm_linear(x, r, nw, 1e-6, q, b, s, want_normed=True)
                 ref = norm_linear_ref(x, r, nw, 1e-6, dequantize(q, s, x.dtype), b)
