@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import time
@@ -199,7 +200,13 @@ def phalanx_decode(engine: LLMEngine, batch: int, ctx: int, steps: int,
     rids = [f"d{batch}-{i}" for i in range(batch)]
     for rid in rids:
         engine.add_request(rid, torch.randint(0, 150000, (ctx,), generator=g).tolist(), params)
-    while any(not engine.sequences[r].output_token_ids for r in rids):
+    while True:
+        gone = [r for r in rids if r not in engine.sequences]
+        if gone:
+            raise RuntimeError(f"{len(gone)} of {batch} requests left an engine of "
+                               f"{engine.num_pages} KV pages before their first token")
+        if all(engine.sequences[r].output_token_ids for r in rids):
+            break
         engine.step()
     for _ in range(3):
         engine.step()
@@ -252,6 +259,27 @@ def phalanx_prefill(engine: LLMEngine, num_seqs: int, length: int, reps: int = 3
     return num_seqs * length / times[len(times) // 2]
 
 
+def _fp8_switch(module: str, name: str, off_value):
+    """A switch for `FP8_BASELINES`: on sets ``module.name`` to ``off_value`` (the part
+    turned off), off restores True/False (today's default, the opposite)."""
+    def switch(on: bool) -> None:
+        mod = importlib.import_module(f"phalanx.kernels{module}")
+        setattr(mod, name, off_value if on else (not off_value))
+    return switch
+
+
+# --baselines names for the FP8 rows only: (switch, the batches it changes).
+FP8_BASELINES = {
+    # the FP8 linear where the one-row GEMV takes FP8 codes
+    "fp8linear": (_fp8_switch(".linear", "GEMV_FP8", False),
+                  lambda b: b <= importlib.import_module("phalanx.kernels.linear").GEMV_MAX_M),
+    # the FP8 GEMVs' 64 KiB-tile rows (qkv 16, o 16) instead of half bf16's
+    "fp8gemv16": (_fp8_switch(".gpu.gemv", "FP8_HALF_ROWS", False), lambda b: b <= 4),
+    # the experts past the small path with their codes dotted in float16 (SCALE_AFTER)
+    "fp8f16": (_fp8_switch(".gpu.moe_fp8", "DECODE_F16", True), lambda b: b > 4),
+}
+
+
 def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=48)
@@ -264,10 +292,10 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--no-prefill", action="store_true", help="skip the 8x2048 prefill row")
     ap.add_argument("--baselines", default="",
                     help="comma list of bench/decode_baselines.py's rows (nopdl, cublas, routefold, "
-                         "...; one part switched); fp8linear (with --quantization fp8): the FP8 "
-                         "rows again with the FP8 linear where the one-row GEMV takes FP8 codes; "
-                         "fp8gemv16: the FP8 rows up to batch 4 again with the FP8 GEMVs' "
-                         "64 KiB-tile rows (kernels/gpu/gemv.py FP8_HALF_ROWS off)")
+                         "...; one part switched); with --quantization fp8 also the FP8 rows again "
+                         "with one FP8 part switched: fp8linear (the FP8 linear where the one-row "
+                         "GEMV takes FP8 codes), fp8gemv16 (batches <= 4: the FP8 GEMVs' 64 KiB-"
+                         "tile rows), fp8f16 (batches > 4: the experts' codes dotted in float16)")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "
                          "'decode-fp8' / 'prefill-fp8' the FP8 weights (bench/decode_fp8.py)")
@@ -284,6 +312,7 @@ def decode_rows(engine: LLMEngine, kind: str, batches: list[int], args, bytes_pe
         rows.append(dict(kind=kind, batch=b, tok_s=tok_s, floor_tok_s=b / floor_s,
                          frac=tok_s * floor_s / b, hf_tok_s=hf_rates.get(b),
                          vs_hf=tok_s / hf_rates[b] if b in hf_rates else None, **detail))
+        print(f"{kind} batch {b}: {tok_s:.0f} tok/s, {rows[-1]['frac']:.3f} of its floor", flush=True)
     return rows
 
 
@@ -326,6 +355,7 @@ def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: l
                          vs_bf16=pf / next(o["tok_s"] for o in bf16 if o["kind"] == "prefill")))
     del engine, model
     gc.collect()
+    torch.cuda.empty_cache()  # the next engine sizes its KV pool from the free memory
     return rows
 
 
@@ -386,10 +416,9 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     names = [n for n in args.baselines.split(",") if n]
-    fp8_only = [n for n in names if n in ("fp8linear", "fp8gemv16")]
+    fp8_only = [n for n in names if n in FP8_BASELINES]
     if fp8_only and args.quantization != "fp8":
         raise SystemExit(f"--baselines {','.join(fp8_only)} needs --quantization fp8")
-    fp8_linear, fp8_gemv16 = "fp8linear" in fp8_only, "fp8gemv16" in fp8_only
     names = [n for n in names if n not in fp8_only]
     if names:
         from decode_baselines import baseline_rows
@@ -401,22 +430,14 @@ def main() -> None:
             rows, batches)
     if args.quantization == "fp8":
         rows += fp8_rows(hf, cfg, batches, args, ceil, rows)
-    if fp8_linear:  # the FP8 rows again without the one-row GEMV taking the FP8 codes
-        from phalanx.kernels import linear
-        linear.GEMV_FP8 = False
+    for name in fp8_only:  # the FP8 rows again with one FP8 part switched
+        switch, takes = FP8_BASELINES[name]
+        switch(True)
         try:
-            rows += fp8_rows(hf, cfg, [b for b in batches if b <= linear.GEMV_MAX_M], args, ceil,
-                             rows, kind="decode-fp8linear")
+            rows += fp8_rows(hf, cfg, [b for b in batches if takes(b)], args, ceil, rows,
+                             kind=f"decode-{name}")
         finally:
-            linear.GEMV_FP8 = True
-    if fp8_gemv16:  # the FP8 rows again with the GEMVs' 64 KiB-tile rows (qkv 16, o 16)
-        from phalanx.kernels.gpu import gemv
-        gemv.FP8_HALF_ROWS = False
-        try:
-            rows += fp8_rows(hf, cfg, [b for b in batches if b <= 4], args, ceil, rows,
-                             kind="decode-fp8gemv16")
-        finally:
-            gemv.FP8_HALF_ROWS = True
+            switch(False)
     result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=num_pages,
                   quantization=args.quantization, rows=rows, device=torch.cuda.get_device_name())
     out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")

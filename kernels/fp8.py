@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .backend import use_triton
 
 __all__ = ["BLOCK", "FP8", "FP8_MAX", "check_k_cut", "dequantize", "expand_block_scales", "fp8_linear",
-           "fp8_linear_ref", "quantize_blocks", "quantize_groups", "slice_k_blocks"]
+           "fp8_linear_ref", "f16_grid", "quantize_blocks", "quantize_groups", "slice_k_blocks"]
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -108,3 +108,18 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, kb * BLOCK)[:, :k]
     return q.to(FP8).contiguous(), scale
+
+
+def f16_grid(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` as the FP8 kernels' ``SCALE_AFTER`` mode dots it (`gpu/fp8_quant.f16_rows`),
+    in float32: each row's 128-column groups scaled by the power of two that puts their
+    largest magnitude in ``[2^14, 2^15)``, rounded to float16, scaled back. Exact for
+    bf16 and fp16 values within 2^28 of their group's largest."""
+    m, k = x.shape
+    kb = _blocks(k)
+    padded = x.new_zeros((m, kb * BLOCK), dtype=torch.float32)
+    padded[:, :k] = x.float()
+    groups = padded.view(m, kb, BLOCK)
+    exp = torch.frexp(groups.abs().amax(dim=-1))[1] - 1  # amax = m * 2^exp, m in [1, 2)
+    p = torch.ldexp(torch.ones_like(groups[..., 0]), (exp - 14).clamp(min=-126))
+    return ((groups / p[..., None]).half().float() * p[..., None]).view(m, kb * BLOCK)[:, :k]

@@ -13,7 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from interpreter_checks import reference_test, rel_err, results_fixture, run_kernel_checks
+
+from phalanx.kernels.gpu.fp8_quant import f16_rows
 
 TOL = 1e-4
 
@@ -49,7 +53,7 @@ def check_quantize_groups_codes_equal(g: torch.Generator) -> float:
 
 
 def check_fp8_linear_decode(g: torch.Generator) -> float:
-    from phalanx.kernels.fp8 import fp8_linear, fp8_linear_ref
+    from phalanx.kernels.fp8 import dequantize, f16_grid, fp8_linear, fp8_linear_ref
     from phalanx.kernels.gpu.fp8_linear import fp8_linear_triton
 
     errs = []
@@ -59,7 +63,7 @@ def check_fp8_linear_decode(g: torch.Generator) -> float:
         errs.append(rel_err(fp8_linear(x, q, s, bias), fp8_linear_ref(x, q, s, bias)))
         errs.append(rel_err(fp8_linear(x, q, s), fp8_linear_ref(x, q, s)))
         scaled_after = fp8_linear_triton(x, q, s, bias, config=dict(SCALE_AFTER=True, BLOCK_N=16))
-        errs.append(rel_err(scaled_after, fp8_linear_ref(x, q, s, bias)))
+        errs.append(rel_err(scaled_after, F.linear(f16_grid(x), dequantize(q, s, torch.float32), bias)))
     return max(errs)
 
 
@@ -109,7 +113,7 @@ def _moe_case(g: torch.Generator, t: int, e_local: int = 6, e_global: int = 8, h
 
 
 def check_fused_experts_fp8_decode(g: torch.Generator) -> float:
-    from phalanx.kernels.fp8 import dequantize
+    from phalanx.kernels.fp8 import dequantize, f16_grid
     from phalanx.kernels.gpu.moe_fp8 import fused_experts_fp8_triton
     from phalanx.kernels.moe import fused_experts, fused_experts_ref
 
@@ -121,16 +125,48 @@ def check_fused_experts_fp8_decode(g: torch.Generator) -> float:
         errs.append(rel_err(out, ref))
         scaled_after = fused_experts_fp8_triton(x, w, ids, w13, s13, w2, s2, emap,
                                                 config=dict(SCALE_AFTER=True, N1=32, N2=128))
-        errs.append(rel_err(scaled_after, ref))
+        errs.append(rel_err(scaled_after, _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap,
+                                                                acts=f16_grid)))
     return max(errs)
 
 
-def _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap) -> torch.Tensor:
-    """The prefill mode's arithmetic: x and silu(g) * u quantized per 128 columns."""
+def check_f16_grid_exact_for_16_bit_values(g: torch.Generator) -> float:
+    """`f16_grid` (the SCALE_AFTER mode's activations) keeps bf16 and fp16 values as they
+    are, across 40 binades in a row; the Triton `f16_rows` gives the same float16 values."""
+    from phalanx.kernels.fp8 import f16_grid
+
+    sign = torch.randint(0, 2, (6, 256), generator=g) * 2.0 - 1.0
+    x = sign * torch.exp2(torch.rand(6, 256, generator=g) * 26 - 26)  # 26 binades in a row
+    x[1] *= 2.0 ** 100
+    x[2] *= 2.0 ** -100
+    x[3, :128] = 0.0
+    x[4:] *= 2.0 ** 6  # 2^-20 .. 2^6: fp16's range (rows 4-5 also run as fp16)
+    errs = []
+    for dtype in (torch.bfloat16, torch.float16):
+        v = x[4:] if dtype == torch.float16 else x
+        v = v.to(dtype).float()
+        errs.append(float((f16_grid(v) != v).sum()))
+        y = torch.empty_like(v[:, :128])
+        _f16_rows_kernel[(v.shape[0],)](v[:, :128].contiguous(), y, K=128)
+        errs.append(float((y != f16_grid(v)[:, :128]).sum()))
+    return max(errs)
+
+
+@triton.jit
+def _f16_rows_kernel(x_ptr, y_ptr, K: tl.constexpr):
+    r = tl.program_id(0)
+    a16, p = f16_rows(tl.load(x_ptr + r * K + tl.arange(0, K))[None, :])
+    tl.store(y_ptr + r * K + tl.arange(0, K)[None, :], a16.to(tl.float32) * p[:, None])
+
+
+def _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap, acts=None) -> torch.Tensor:
+    """The prefill mode's arithmetic: x and silu(g) * u quantized per 128 columns
+    (`acts`: another rounding of both, e.g. `f16_grid`)."""
     from phalanx.kernels.fp8 import dequantize
 
+    _deq = acts or _deq_acts
     w13d, w2d = dequantize(w13, s13, torch.float32), dequantize(w2, s2, torch.float32)
-    xq = _deq_acts(x)
+    xq = _deq(x)
     out = torch.zeros_like(x)
     local = emap[ids]
     for t in range(x.shape[0]):
@@ -140,7 +176,7 @@ def _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap) -> torch.Tensor:
                 continue
             gu = w13d[e] @ xq[t]
             gate, up = gu.chunk(2)
-            h = _deq_acts((F.silu(gate) * up)[None])[0]
+            h = _deq((F.silu(gate) * up)[None])[0]
             out[t] += (w2d[e] @ h) * w[t, slot]
     return out
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .arrivals import arrival_counts
 from .attention import dot_precision
-from .fp8_quant import GROUP, quantize_groups_triton
+from .fp8_quant import GROUP, f16_rows, quantize_groups_triton
 
 __all__ = ["fp8_linear_triton", "fp8_block_dot", "SKINNY_MAX_M"]
 
@@ -38,12 +38,16 @@ def fp8_block_dot(acc, a, a_s, w, w_s, A_FP8: tl.constexpr, SCALE_AFTER: tl.cons
     """One 128-wide K block: ``a [BM, BK]`` (fp8 codes with row scales ``a_s [BM]`` when
     A_FP8, else activations), ``w [BK, BN]`` fp8 codes with column scales ``w_s [BN]``.
     Without A_FP8 the weight is dequantized as the reference does (``q * s`` rounded to
-    a's dtype), or with SCALE_AFTER the codes (exact in a's dtype) are dotted and the
-    block's sum scaled: fewer conversions, one rounding less than the reference."""
+    a's dtype: per code a conversion to float32, a multiply and a rounding), or with
+    SCALE_AFTER the codes go to float16 (exact, one conversion per two codes) and are
+    dotted with ``a`` on the float16 grid (`f16_rows`: exact for bf16 / fp16 ``a``); the
+    block's sum is scaled by both powers: the reference's products without its rounding
+    of ``q * s``."""
     if A_FP8:
         return acc + tl.dot(a, w) * a_s[:, None] * w_s[None, :]
     if SCALE_AFTER:
-        return acc + tl.dot(a, w.to(a.dtype), input_precision=PREC) * w_s[None, :]
+        a16, a_p = f16_rows(a)
+        return acc + tl.dot(a16, w.to(tl.float16)) * (a_p[:, None] * w_s[None, :])
     wd = (w.to(tl.float32) * w_s[None, :]).to(a.dtype)
     return tl.dot(a, wd, acc=acc, input_precision=PREC)
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_groups_triton", "e4m3_round"]
+__all__ = ["quantize_groups_triton", "e4m3_round", "f16_rows"]
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -33,6 +33,18 @@ def e4m3_round(v):
     step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(exp-3), a power of two
     y = v / step  # exact: |y| < 16
     return ((y + _RNE) - _RNE) * step
+
+
+@triton.jit
+def f16_rows(a):
+    """``a [R, 128]`` -> (``a / p`` in float16, ``p [R]`` float32): per row the power of two
+    ``p`` that puts its largest magnitude in [2^14, 2^15) (`kernels/fp8.f16_grid`); bf16
+    and fp16 values within 2^28 of it convert exactly."""
+    amax = tl.max(tl.abs(a.to(tl.float32)), axis=1)
+    field = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15)  # biased exponent
+    p = ((field - 14) << 23).to(tl.float32, bitcast=True)
+    inv = ((268 - field) << 23).to(tl.float32, bitcast=True)  # 1 / p, exact
+    return (a.to(tl.float32) * inv[:, None]).to(tl.float16), p
 
 
 @triton.jit

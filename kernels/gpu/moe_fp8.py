@@ -14,6 +14,9 @@ over K blocks of 128. Two modes, chosen from the rows per expert:
 * decode (``BLOCK_M`` 16), and float32 compute: weights dequantized in registers exactly as the reference
   does, dotted with the activations as they are (bound by the weight stream, which FP8
   halves); every rounding as in the bf16 kernels;
+  or (``SCALE_AFTER``) the codes dotted in float16 with the activations on the float16
+  grid (exact for bf16) and each 128-column block's sum scaled: the reference's products
+  without its rounding of each weight to bf16;
 * prefill (more rows per expert, bf16/fp16): FP8 tensor-core dots. ``x`` is quantized per token
   and 128-column group once (`fp8_quant`); gate_up's epilogue quantizes ``silu(g) * u``
   per row and 128 columns (its N tile is one group), so down reads FP8 too.
@@ -127,12 +130,23 @@ def _fp8_down_kernel(
              mask=rm[:, None] & nm[None, :])
 
 
+# Decode batches past the small path (<= 16 rows an expert): the codes dotted in float16
+# and each block's sum scaled (`fp8_block_dot`'s SCALE_AFTER) instead of each code
+# dequantized as the reference does: per code half a conversion instead of 1.5 conversions
+# and a multiply (sm_90 SASS of gate_up: F2FP + HADD2 + FMUL 880 -> 296 a K block), the
+# conversions being what may bound the experts on an H200 (bench/NOTES.md). Off until a
+# decode row ranks it (`decode_gpu.py --quantization fp8 --baselines fp8f16`).
+DECODE_F16 = False
+
+
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
-    """Decode (few rows per expert) and float32 compute: dequantize-in-register tiles;
-    prefill: FP8 dots, gate_up's N tile one 128-column group (it quantizes its output per
-    group). Tiles: the fastest of bench/probes/fp8_tiles.py on one H200 (bench/NOTES.md)."""
+    """Decode (few rows per expert) and float32 compute: dequantize-in-register tiles
+    (the codes in float16 with `DECODE_F16`, not for float32); prefill: FP8 dots, gate_up's
+    N tile one 128-column group (it quantizes its output per group). Tiles: the fastest
+    of bench/probes/fp8_tiles.py on one H200 (bench/NOTES.md)."""
     if num_pairs / max(1, num_experts) <= 16 or dtype == torch.float32:
-        return dict(A_FP8=False, SCALE_AFTER=False, BLOCK_M=16, N1=128, N2=128, warps=4, stages=3)
+        f16 = DECODE_F16 and dtype != torch.float32
+        return dict(A_FP8=False, SCALE_AFTER=f16, BLOCK_M=16, N1=128, N2=128, warps=4, stages=3)
     return dict(A_FP8=True, SCALE_AFTER=False, BLOCK_M=64, N1=GROUP, N2=256, warps=8, stages=3)
 
 
