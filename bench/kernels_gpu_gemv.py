@@ -210,17 +210,9 @@ def time_gemv(c: Ctx, row):
         row("chain-cublas", f"48 layers M={M}", unfused, unfused, None, nbytes=nbytes, bw=GEMV_BW)
     kernel, fold = _chain(c, 1, route="kernel")[0], _chain(c, 1, route="fold")[0]
     row("chain-route", "M=1 route kernel / folded", fold, kernel, None, nbytes=nbytes, bw=GEMV_BW)
-    from phalanx.kernels.gpu import gemv
-
-    before = gemv.FP8_FORM
-    try:  # FP8 qkv and o: the codes reshaped to their scale blocks (1) or loaded 3-D (2)
-        fused8, unfused8, nbytes8 = _chain(c, 1, fp8=True)
-        for form in (1, 2):
-            gemv.FP8_FORM = form
-            row("chain-fp8", f"M=1 form {form} / cuBLAS deq", fused8, unfused8, None, nbytes=nbytes8, bw=GEMV_BW)
-    finally:
-        gemv.FP8_FORM = before
-    for name, cfg in CHAIN_SWEEP_FP8.items():  # M = 1, PDL on, today's form
+    fused8, unfused8, nbytes8 = _chain(c, 1, fp8=True)  # FP8 qkv and o
+    row("chain-fp8", "M=1 / cuBLAS deq", fused8, unfused8, None, nbytes=nbytes8, bw=GEMV_BW)
+    for name, cfg in CHAIN_SWEEP_FP8.items():  # M = 1, PDL on
         fused8, _, nbytes8 = _chain(c, 1, cfg, fp8=True)
         row("chain-fp8", f"M=1 {name}", fused8, fused8, None, nbytes=nbytes8, bw=GEMV_BW)
     for name, cfg in CHAIN_SWEEP.items():  # M = 1, PDL on

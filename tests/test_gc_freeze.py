@@ -13,7 +13,8 @@ def test_freeze_takes_the_live_objects_out_of_full_collections():
     keep = [{"n": i} for i in range(50_000)]  # live, tracked objects
     try:
         heap = freeze_start_up_heap()
-        assert heap.objects == gc.get_freeze_count() >= len(keep)
+        # a frozen object freed since (by another thread of this process) leaves the count
+        assert heap.objects >= gc.get_freeze_count() >= len(keep)
         assert heap.full_collection_ms > 0 and heap.after_ms >= 0
         # get_objects lists the collected generations only, not the permanent one
         assert id(keep[0]) not in {id(o) for o in gc.get_objects()}

@@ -22,15 +22,15 @@ def check_gemv(g: torch.Generator) -> float:
     from phalanx.kernels.linear import linear, use_gemv
 
     errs = []
-    for m in (1, 2, 3, 4):
-        for n in (1, 8, 100, 300):
-            for k in (16, 72, 200):
-                x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-                assert use_gemv(x, w) == (m == 1)
-                for bias in (None, b):
-                    errs.append(rel_err(gemv.gemv_triton(x, w, bias)[0], F.linear(x, w, bias)))
-                    if m == 1:
-                        errs.append(rel_err(linear(x, w, bias), F.linear(x, w, bias)))
+    for i, m in enumerate((1, 2, 3, 4)):  # every (M, N) pair, each K and bias with each M and N
+        for j, n in enumerate((1, 8, 100, 300)):
+            k = (16, 72, 200)[(i + j) % 3]
+            x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            assert use_gemv(x, w) == (m == 1)
+            bias = b if (i + j) % 2 else None
+            errs.append(rel_err(gemv.gemv_triton(x, w, bias)[0], F.linear(x, w, bias)))
+            if m == 1:
+                errs.append(rel_err(linear(x, w, bias), F.linear(x, w, bias)))
     x, w = torch.randn(3, 72, generator=g), torch.randn(100, 72, generator=g)
     view = torch.cat([x, x], 1)[:, 72:]
     errs.append(rel_err(gemv.gemv_triton(view, w)[0], F.linear(x, w)))
@@ -52,17 +52,17 @@ def check_norm_linear(g: torch.Generator) -> float:
         return gemv_triton(x, w, bias, norm=(residual, nw, eps), want_normed=want_normed)
 
     errs = []
-    for m, n, k in [(1, 100, 72), (4, 8, 200), (2, 300, 16), (1, 1, 40)]:
+    for i, (m, n, k) in enumerate([(1, 100, 72), (4, 8, 200), (2, 300, 16), (1, 1, 40)]):
         x, r = torch.randn(m, k, generator=g) * 2, torch.randn(m, k, generator=g)
         nw, w, b = 1 + 0.1 * torch.randn(k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         x0, r0 = x.clone(), r.clone()
-        for residual in (None, r):
-            for bias in (None, b):
-                y, normed, res = norm_linear(x, residual, nw, 1e-6, w, bias, want_normed=True)
-                ry, rnormed, rres = norm_linear_ref(x, residual, nw, 1e-6, w, bias)
-                errs += [rel_err(y, ry), rel_err(normed, rnormed), rel_err(res, rres)]
-                again = norm_linear(x, residual, nw, 1e-6, w, bias, want_normed=True)
-                assert all(torch.equal(a, c) for a, c in zip(again, (y, normed, res))), "not deterministic"
+        # residual and bias: each shape two of the four pairings, every pairing at 1 and >1 rows
+        for residual, bias in ((None, None), (r, b)) if i % 2 == 0 else ((None, b), (r, None)):
+            y, normed, res = norm_linear(x, residual, nw, 1e-6, w, bias, want_normed=True)
+            ry, rnormed, rres = norm_linear_ref(x, residual, nw, 1e-6, w, bias)
+            errs += [rel_err(y, ry), rel_err(normed, rnormed), rel_err(res, rres)]
+            again = norm_linear(x, residual, nw, 1e-6, w, bias, want_normed=True)
+            assert all(torch.equal(a, c) for a, c in zip(again, (y, normed, res))), "not deterministic"
             y2, none, _ = norm_linear(x, residual, nw, 1e-6, w)
             assert none is None and torch.equal(y2, norm_linear(x, residual, nw, 1e-6, w)[0])
         assert torch.equal(x, x0) and torch.equal(r, r0), "inputs modified"
@@ -160,22 +160,7 @@ def check_gemv_fp8(g: torch.Generator) -> float:
     """FP8 codes with per-row, 128-column-block scales, dequantized in registers: the
     projection (linear's dispatch at one row, the kernel at 3), the norm folded in, and
     qkv + rope folded, against the references over the dequantized weights; K 72 (one
-    partial block), 200 (a partial last block), 256; N 1/8/100; both forms of loading
-    the codes (`gemv.FP8_FORM`)."""
-    from phalanx.kernels.gpu import gemv
-
-    before = gemv.FP8_FORM
-    try:
-        errs = []
-        for form in (1, 2):
-            gemv.FP8_FORM = form
-            errs.append(_gemv_fp8_errors(g))
-    finally:
-        gemv.FP8_FORM = before
-    return max(errs)
-
-
-def _gemv_fp8_errors(g: torch.Generator) -> float:
+    partial block), 200 (a partial last block), 256; N 1/8/100."""
     from phalanx.kernels import linear
     from phalanx.kernels.backend import force_triton
     from phalanx.kernels.fp8 import dequantize, expand_block_scales, fp8_linear_ref, quantize_blocks

@@ -36,13 +36,9 @@ import triton.language as tl
 
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
-__all__ = ["gemv_triton", "gemv_block_n", "gemv_rows", "fp8_form", "GEMV_TILE_BYTES", "FP8_FORM"]
+__all__ = ["gemv_triton", "gemv_block_n", "gemv_rows", "fp8_form", "GEMV_TILE_BYTES"]
 
 GEMV_TILE_BYTES = 64 << 10  # a program's weight tile (kernels/linear.py's GEMV_ROW_BYTES equals it)
-# How FP8 codes reach their scale blocks (`gemv_rows`): 1 reshapes the 2-D tile, 2 loads
-# it 3-D. 2 is the faster: a 48-layer FP8 chain at M = 1 in 797 µs against 840 (one H100,
-# bench/kernels_gpu.py --only gemv, chain-fp8; bench/NOTES.md).
-FP8_FORM = 2
 _PROGRAMS = 128  # aim: about one program per SM or more, for bytes in flight
 # FP8 weights take half bf16's rows per program, not the 64 KiB tile's twice as many:
 # dequantizing is ALU work, and the o projection's 16 rows of 4096 codes ran one 4-warp
@@ -75,15 +71,16 @@ def gemv_rows(
     """Program ``pid``'s rows of y for all M rows of x (the module docstring's schedule).
     FP8 (0: off): w holds e4m3 codes, ``s_ptr`` their scales per row and 128-column block
     (GROUP = min(128, BLOCK_K) columns share a scale within the tile); the codes are loaded
-    as a [BLOCK_N, BLOCK_K] tile and reshaped to the scale blocks (1) or loaded as
-    [BLOCK_N, BLOCK_K / GROUP, GROUP] (2; `FP8_FORM`). Same products and sums either way."""
+    as [BLOCK_N, BLOCK_K / GROUP, GROUP], a scale block per middle index (a 2-D tile
+    reshaped to the blocks ran a 48-layer chain at M = 1 in 840 µs against 797 on one H100,
+    bench/NOTES.md)."""
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     nm = n < N
     km = k < K
     if PDL:
         gdc_launch_dependents()
-    if FP8 == 2:  # the codes as [BLOCK_N, K/GROUP, GROUP]: a scale block per middle index
+    if FP8:  # the codes as [BLOCK_N, K/GROUP, GROUP]: a scale block per middle index
         kb3 = tl.arange(0, BLOCK_K // GROUP)[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
         w = tl.load(w_ptr + n[:, None, None].to(tl.int64) * sw + kb3,
                     mask=nm[:, None, None] & (kb3 < K), other=0.0)
@@ -115,8 +112,7 @@ def gemv_rows(
             if WRITE_NORMED:
                 tl.store(xn_ptr + m * K + k, x, mask=first)
         if FP8:  # dequantized in registers as kernels/fp8.dequantize does, in x's dtype
-            w3 = w if FP8 == 2 else tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP])
-            wd = (w3.to(tl.float32) * s[:, :, None])
+            wd = (w.to(tl.float32) * s[:, :, None])
             wd = wd.to(x.dtype).to(tl.float32)
             xg = tl.reshape(x.to(tl.float32), [BLOCK_K // GROUP, GROUP])
             acc = tl.sum(tl.sum(wd * xg[None, :, :], axis=2), axis=1)
@@ -129,7 +125,7 @@ def gemv_rows(
 
 def fp8_form(scales: torch.Tensor | None) -> int:
     """The ``FP8`` constexpr of `gemv_rows` for a weight with these scales (None: bf16)."""
-    return 0 if scales is None else FP8_FORM
+    return 0 if scales is None else 1
 
 
 def gemv_block_n(n: int, k: int, elem_bytes: int) -> int:
