@@ -95,15 +95,21 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     return fp8_linear_ref(x, q, scales, bias)
 
 
+def _row_groups(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` in float32 as ``[M, ceil(K/128), 128]``, the last group zero-padded."""
+    m, k = x.shape
+    padded = x.new_zeros((m, _blocks(k) * BLOCK), dtype=torch.float32)
+    padded[:, :k] = x.float()
+    return padded.view(m, -1, BLOCK)
+
+
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations ``x [M, K]`` -> (fp8 ``[M, K]``, scales ``[M, ceil(K/128)]``): each row's
     128-column groups scaled so their largest magnitude maps to 448 (what the FP8 GEMMs
     do on the fly)."""
     m, k = x.shape
-    kb = _blocks(k)
-    padded = x.new_zeros((m, kb * BLOCK), dtype=torch.float32)
-    padded[:, :k] = x.float()
-    groups = padded.view(m, kb, BLOCK)
+    groups = _row_groups(x)
+    kb = groups.shape[1]
     amax = groups.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, kb * BLOCK)[:, :k]
@@ -116,10 +122,8 @@ def f16_grid(x: torch.Tensor) -> torch.Tensor:
     largest magnitude in ``[2^14, 2^15)``, rounded to float16, scaled back. Exact for
     bf16 and fp16 values within 2^28 of their group's largest."""
     m, k = x.shape
-    kb = _blocks(k)
-    padded = x.new_zeros((m, kb * BLOCK), dtype=torch.float32)
-    padded[:, :k] = x.float()
-    groups = padded.view(m, kb, BLOCK)
+    groups = _row_groups(x)
+    kb = groups.shape[1]
     exp = torch.frexp(groups.abs().amax(dim=-1))[1] - 1  # amax = m * 2^exp, m in [1, 2)
     p = torch.ldexp(torch.ones_like(groups[..., 0]), (exp - 14).clamp(min=-126))
     return ((groups / p[..., None]).half().float() * p[..., None]).view(m, kb * BLOCK)[:, :k]

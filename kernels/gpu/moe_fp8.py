@@ -133,10 +133,11 @@ def _fp8_down_kernel(
 # Decode batches past the small path (<= 16 rows an expert): the codes dotted in float16
 # and each block's sum scaled (`fp8_block_dot`'s SCALE_AFTER) instead of each code
 # dequantized as the reference does: per code half a conversion instead of 1.5 conversions
-# and a multiply (sm_90 SASS of gate_up: F2FP + HADD2 + FMUL 880 -> 296 a K block), the
-# conversions being what may bound the experts on an H200 (bench/NOTES.md). Off until a
-# decode row ranks it (`decode_gpu.py --quantization fp8 --baselines fp8f16`).
-DECODE_F16 = False
+# and a multiply (sm_90 SASS of gate_up: F2FP + HADD2 + FMUL 880 -> 296 a K block). On one
+# H100, 24 layers: 1.007-1.014x the dequantizing tile at batch 16-128, tokens agreeing with
+# the bf16 twin as often or more (bench/NOTES.md); `decode_gpu.py --quantization fp8
+# --baselines fp8dequant` runs the dequantizing tile beside it.
+DECODE_F16 = True
 
 
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
