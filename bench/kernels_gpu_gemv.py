@@ -24,12 +24,11 @@ CHAIN_SWEEP = {
     "qkv16w2 o8w2": {"qkv": dict(BLOCK_N=16, warps=2), "o": dict(BLOCK_N=8, warps=2)},
     "qkv8w2 o4w2": {"qkv": dict(BLOCK_N=8, warps=2), "o": dict(BLOCK_N=4, warps=2)},
 }
-# Tiles tried on the FP8 chain (defaults: qkv 16 rows, o 16: the 64 KiB tile holds twice
-# the rows of bf16, so o runs 128 programs of 4 warps, one a SM, each dequantizing 64 K
-# codes; compiled offline, o 16 rows take 255 registers, 8 rows 128, 4 rows 79).
+# Tiles tried on the FP8 chain (defaults, `FP8_HALF_ROWS`: qkv 8 rows, o 4; the 64 KiB
+# tile's rows, qkv 16 / o 16, ran one 4-warp program an SM at 255 registers).
 CHAIN_SWEEP_FP8 = {
-    "qkv16 o8": {"o": dict(BLOCK_N=8)},
-    "qkv8 o4": {"qkv": dict(BLOCK_N=8), "o": dict(BLOCK_N=4)},
+    "qkv16 o16": {"qkv": dict(BLOCK_N=16), "o": dict(BLOCK_N=16)},
+    "qkv16 o8": {"qkv": dict(BLOCK_N=16), "o": dict(BLOCK_N=8)},
     "qkv8w8 o8w8": {"qkv": dict(BLOCK_N=8, warps=8), "o": dict(BLOCK_N=8, warps=8)},
     "qkv16w8 o16w8": {"qkv": dict(BLOCK_N=16, warps=8), "o": dict(BLOCK_N=16, warps=8)},
     "qkv4 o4": {"qkv": dict(BLOCK_N=4), "o": dict(BLOCK_N=4)},
@@ -87,6 +86,43 @@ def check_gemv(c: Ctx, rec):
             finally:
                 set_pdl(old)
     _check_norm_route(c, rec)
+    _check_fp8_forms(c, rec)
+
+
+def _check_fp8_forms(c: Ctx, rec):
+    """FP8 codes (qkv and o, M = 1 and 4) in both forms of `gemv_rows`: dequantized in
+    registers (1) and block sums scaled once (2, `FP8_SUM_AFTER`), against float32 over
+    the exact products ``x * q * s``."""
+    from phalanx.kernels.fp8 import dequantize
+    from phalanx.kernels.gpu import gemv
+
+    for name in ("qkv", "o"):
+        N, K = _shapes(c)[name]
+        q, s = _fp8(c.randn(N, K, scale=K**-0.5))
+        wf = dequantize(q, s, c.torch.float32)
+        for M in (1, 4):
+            x = c.randn(M, K)
+            ref = x.float() @ wf.T
+            for form in (1, 2):
+                gemv.FP8_SUM_AFTER = form == 2
+                try:
+                    c.poison()
+                    rec("gemv", f"{name} fp8 form {form} M={M}", gemv.gemv_triton(x, q, scales=s)[0], ref)
+                finally:
+                    gemv.FP8_SUM_AFTER = False
+
+
+def _sum_after(fn):
+    """``fn`` with the FP8 GEMVs in form 2 (`FP8_SUM_AFTER`) while it runs (and is captured)."""
+    from phalanx.kernels.gpu import gemv
+
+    def run():
+        gemv.FP8_SUM_AFTER = True
+        try:
+            return fn()
+        finally:
+            gemv.FP8_SUM_AFTER = False
+    return run
 
 
 def _check_norm_route(c: Ctx, rec):
@@ -212,6 +248,8 @@ def time_gemv(c: Ctx, row):
     row("chain-route", "M=1 route kernel / folded", fold, kernel, None, nbytes=nbytes, bw=GEMV_BW)
     fused8, unfused8, nbytes8 = _chain(c, 1, fp8=True)  # FP8 qkv and o
     row("chain-fp8", "M=1 / cuBLAS deq", fused8, unfused8, None, nbytes=nbytes8, bw=GEMV_BW)
+    # form 2 (block sums scaled once) against today's form 1, the same weights and tiles
+    row("chain-fp8", "M=1 sum-after / form 1", _sum_after(fused8), fused8, None, nbytes=nbytes8, bw=GEMV_BW)
     for name, cfg in CHAIN_SWEEP_FP8.items():  # M = 1, PDL on
         fused8, _, nbytes8 = _chain(c, 1, cfg, fp8=True)
         row("chain-fp8", f"M=1 {name}", fused8, fused8, None, nbytes=nbytes8, bw=GEMV_BW)

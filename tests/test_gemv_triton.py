@@ -164,6 +164,7 @@ def check_gemv_fp8(g: torch.Generator) -> float:
     from phalanx.kernels import linear
     from phalanx.kernels.backend import force_triton
     from phalanx.kernels.fp8 import dequantize, expand_block_scales, fp8_linear_ref, quantize_blocks
+    from phalanx.kernels.gpu import gemv
     from phalanx.kernels.gpu.gemv import gemv_triton
     from phalanx.kernels.linear import project, use_gemv
     from phalanx.kernels.norm_linear import norm_linear, norm_linear_ref, norm_qkv_rope
@@ -193,6 +194,12 @@ def check_gemv_fp8(g: torch.Generator) -> float:
                 for rows in (4, 8):  # the rows FP8 codes take per program at the model's shapes
                     errs.append(rel_err(gemv_triton(x3, q, None, scales=s, cfg={"BLOCK_N": rows})[0],
                                         fp8_linear_ref(x3, q, s)))
+                gemv.FP8_SUM_AFTER = True  # form 2: block sums of code * x, scaled once
+                try:
+                    errs.append(rel_err(gemv_triton(x3, q, b, scales=s, cfg={"BLOCK_N": 4})[0],
+                                        fp8_linear_ref(x3, q, s, b)))
+                finally:
+                    gemv.FP8_SUM_AFTER = False
                 r, nw = torch.randn(1, k, generator=g), 1 + 0.1 * torch.randn(k, generator=g)
                 got = norm_linear(x, r, nw, 1e-6, q, b, s, want_normed=True)
                 ref = norm_linear_ref(x, r, nw, 1e-6, dequantize(q, s, x.dtype), b)

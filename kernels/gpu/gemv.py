@@ -45,6 +45,12 @@ _PROGRAMS = 128  # aim: about one program per SM or more, for bytes in flight
 # program an SM at 255 registers. One H100, the 48-layer qkv/o/router chain at M = 1
 # (kernels_gpu --only gemv, bench/NOTES.md): qkv 16 / o 16 rows 794 us, qkv 8 / o 4 588.
 FP8_HALF_ROWS = True
+# FP8 codes dotted with x in float32 a 128-column block at a time and each block's sum
+# scaled once (`gemv_rows`' FP8 form 2: exact products, no rounding of ``q * s`` to x's
+# dtype; per code a conversion and an FMA) instead of each code dequantized as the
+# reference does (form 1: a conversion, a multiply, two roundings and an FMA). Off until
+# the FP8 chain ranks it (`kernels_gpu.py --only gemv`, row "M=1 sum-after").
+FP8_SUM_AFTER = False
 
 
 @triton.jit
@@ -73,7 +79,8 @@ def gemv_rows(
     (GROUP = min(128, BLOCK_K) columns share a scale within the tile); the codes are loaded
     as [BLOCK_N, BLOCK_K / GROUP, GROUP], a scale block per middle index (a 2-D tile
     reshaped to the blocks ran a 48-layer chain at M = 1 in 840 µs against 797 on one H100,
-    bench/NOTES.md)."""
+    bench/NOTES.md). Form 1 dequantizes each code as kernels/fp8.dequantize does (in x's
+    dtype); form 2 (`FP8_SUM_AFTER`) sums each block's code * x in float32, then scales."""
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     nm = n < N
@@ -111,7 +118,10 @@ def gemv_rows(
             x = (nw * normed.to(tl.float32)).to(ty)
             if WRITE_NORMED:
                 tl.store(xn_ptr + m * K + k, x, mask=first)
-        if FP8:  # dequantized in registers as kernels/fp8.dequantize does, in x's dtype
+        if FP8 == 2:  # [BLOCK_N, blocks] sums of code * x, each scaled once
+            xg = tl.reshape(x.to(tl.float32), [BLOCK_K // GROUP, GROUP])
+            acc = tl.sum(tl.sum(w.to(tl.float32) * xg[None, :, :], axis=2) * s, axis=1)
+        elif FP8:  # dequantized in registers as kernels/fp8.dequantize does, in x's dtype
             wd = (w.to(tl.float32) * s[:, :, None])
             wd = wd.to(x.dtype).to(tl.float32)
             xg = tl.reshape(x.to(tl.float32), [BLOCK_K // GROUP, GROUP])
@@ -125,7 +135,9 @@ def gemv_rows(
 
 def fp8_form(scales: torch.Tensor | None) -> int:
     """The ``FP8`` constexpr of `gemv_rows` for a weight with these scales (None: bf16)."""
-    return 0 if scales is None else 1
+    if scales is None:
+        return 0
+    return 2 if FP8_SUM_AFTER else 1
 
 
 def gemv_block_n(n: int, k: int, elem_bytes: int) -> int:
