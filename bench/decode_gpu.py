@@ -277,9 +277,9 @@ FP8_BASELINES = {
     "fp8gemv16": (_fp8_switch(".gpu.gemv", "FP8_HALF_ROWS", False), lambda b: b <= 4),
     # the FP8 GEMVs summing each block's code * x, scaled once (form 2), not dequantizing
     "fp8gemvsum": (_fp8_switch(".gpu.gemv", "FP8_SUM_AFTER", True), lambda b: b <= 4),
-    # the experts past the small path dequantizing each code as the reference does
+    # the experts (both paths) dequantizing each code as the reference does
     # instead of dotting the codes in float16 (SCALE_AFTER)
-    "fp8dequant": (_fp8_switch(".gpu.moe_fp8", "DECODE_F16", False), lambda b: b > 4),
+    "fp8dequant": (_fp8_switch(".gpu.moe_fp8", "DECODE_F16", False), lambda b: True),
 }
 
 
@@ -299,7 +299,7 @@ def _parse_args() -> argparse.Namespace:
                          "with one FP8 part switched: fp8linear (the FP8 linear where the one-row "
                          "GEMV takes FP8 codes), fp8gemv16 (batches <= 4: the FP8 GEMVs' 64 KiB-"
                          "tile rows), fp8gemvsum (batches <= 4: the FP8 GEMVs' block sums scaled "
-                         "once), fp8dequant (batches > 4: the experts dequantizing each code "
+                         "once), fp8dequant (the experts dequantizing each code "
                          "instead of dotting the codes in float16)")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "

@@ -143,6 +143,7 @@ def check_moe(c: Ctx, rec):
             case = f"T={T} map={emap is not None}"
             rec("moe", case, out.shape == ref.shape) if T == 0 else rec("moe", case, out, ref)
     check_moe_paths(c, rec)
+    check_moe_fp8_paths(c, rec)
 
 
 def check_moe_paths(c: Ctx, rec):
@@ -175,3 +176,28 @@ def check_moe_paths(c: Ctx, rec):
                     cfg={**(same_tiles or {}), "split": split, "merge": merge})
                 rec("moe", case + f" small-dot split={split} merge={merge} bits == general",
                     c.torch.equal(out, gen))
+
+
+def check_moe_fp8_paths(c: Ctx, rec):
+    """FP8 stacks (128x128 block scales) at decode sizes: the small path and the general
+    path's decode tile against the reference over the dequantized stacks, and the small
+    path's bits equal to the general path's (each side of the dispatch threshold in the
+    same mode, `moe_fp8.DECODE_F16`). Under the interpreter with the general tiles."""
+    from phalanx.kernels.fp8 import dequantize, expand_block_scales, quantize_blocks
+    from phalanx.kernels.gpu.moe_fp8 import fused_experts_fp8_triton
+    from phalanx.kernels.moe import fused_experts_ref
+
+    def fp8(w):
+        q, blocks = quantize_blocks(w.float())
+        return q, expand_block_scales(blocks, w.shape[-2])
+
+    tiles = dict(N1=64, N2=64) if c.small else {}  # {} forces the general path, its own tiles
+    for T in [1, 3] if c.small else [1, 2, 4]:
+        x, w, ids, w13, w2 = moe_inputs(c, T, **(dict(ne=8, hid=256, inter=128, topk=4) if c.small else {}))
+        (q13, s13), (q2, s2) = fp8(w13), fp8(w2)
+        ref = fused_experts_ref(x, w, ids, dequantize(q13, s13, c.dtype), dequantize(q2, s2, c.dtype))
+        c.poison(); small = fused_experts_fp8_triton(x, w, ids, q13, s13, q2, s2)
+        c.poison(); general = fused_experts_fp8_triton(x, w, ids, q13, s13, q2, s2, config=tiles)
+        rec("moe-fp8", f"T={T} small", small, ref)
+        rec("moe-fp8", f"T={T} general", general, ref)
+        rec("moe-fp8", f"T={T} small bits == general", c.torch.equal(small, general))

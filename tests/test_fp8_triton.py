@@ -130,6 +130,29 @@ def check_fused_experts_fp8_decode(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_fused_experts_fp8_small_f16(g: torch.Generator) -> float:
+    """The small path (<= SMALL_MAX_PAIRS pairs) with its codes dotted in float16 against
+    the float32 reference over `f16_grid` activations, and bit-equal to the general path
+    in the same mode with the same tiles (batch invariance across the threshold; under
+    the interpreter only with equal tiles, as for bf16 stacks)."""
+    from phalanx.kernels.fp8 import f16_grid
+    from phalanx.kernels.gpu.moe_decode import fused_experts_small_triton
+    from phalanx.kernels.gpu.moe_fp8 import fused_experts_fp8_triton
+
+    errs = []
+    for t in (1, 3):
+        x, w, ids, w13, s13, w2, s2, emap = _moe_case(g, t, hid=256, inter=128)
+        for split in (True, False):
+            small = fused_experts_small_triton(x, w, ids, w13, w2, emap, scales=(s13, s2), fp8_f16=True,
+                                               cfg=dict(N1=64, N2=64, split=split))
+            errs.append(rel_err(small, _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap,
+                                                             acts=f16_grid)))
+            general = fused_experts_fp8_triton(x, w, ids, w13, s13, w2, s2, emap,
+                                               config=dict(SCALE_AFTER=True, N1=64, N2=64))
+            errs.append(0.0 if torch.equal(small, general) else 1.0)
+    return max(errs)
+
+
 def check_f16_grid_exact_for_16_bit_values(g: torch.Generator) -> float:
     """`f16_grid` (the SCALE_AFTER mode's activations) keeps bf16 and fp16 values as they
     are, across 40 binades in a row; the Triton `f16_rows` gives the same float16 values."""

@@ -27,9 +27,19 @@ from .arrivals import arrival_counts
 from .attention import dot_precision
 from .fp8_quant import GROUP, f16_rows, quantize_groups_triton
 
-__all__ = ["fp8_linear_triton", "fp8_block_dot", "SKINNY_MAX_M"]
+__all__ = ["fp8_linear_triton", "fp8_block_dot", "scales_ahead", "SKINNY_MAX_M"]
 
 SKINNY_MAX_M = 16
+
+
+@triton.jit
+def scales_ahead(s_ptrs, kb, mask, ON: tl.constexpr):
+    """The weight scales of K block ``kb`` (``s_ptrs [BN]``: the tile's rows at block 0),
+    zeros when not ON. SCALE_AFTER loops load a block's scales one block ahead: Triton
+    pipelines only loads that feed a dot, and these meet the dot's sum after it."""
+    if ON:
+        return tl.load(s_ptrs + kb, mask=mask, other=0.0)
+    return tl.zeros(s_ptrs.shape, tl.float32)
 
 
 @triton.jit

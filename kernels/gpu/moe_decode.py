@@ -44,6 +44,7 @@ import triton.language as tl
 
 from .arrivals import arrival_counts
 from .attention import dot_precision
+from .fp8_linear import fp8_block_dot, scales_ahead
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
 __all__ = ["fused_experts_small_triton", "small_config"]
@@ -88,6 +89,10 @@ def _small_gate_up_kernel(
     r0 = (r == 0)[:, None]
     acc_g = tl.zeros([ROWS, BLOCK_N], tl.float32)
     acc_u = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n  # FP8: the tile rows' scales per K block
+    s_up = s_gate + I * sws_n
+    sg = scales_ahead(s_gate, 0, nm, FP8 == 2)
+    su = scales_ahead(s_up, 0, nm, FP8 == 2)
     for k0 in range(0, HID, BLOCK_K):
         k = k0 + kk
         km = k < HID
@@ -95,12 +100,19 @@ def _small_gate_up_kernel(
         wm = km[:, None] & nm[None, :]
         wg = tl.load(w_gate[None, :] + k[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
         wu = tl.load(w_up[None, :] + k[:, None], mask=wm, other=0.0)
-        if FP8:  # codes -> x's dtype as the reference dequantizes (BLOCK_K = one scale block)
-            s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n + k0 // BLOCK_K
-            wg = _dequant(wg, s_gate, nm, a.dtype)
-            wu = _dequant(wu, s_gate + I * sws_n, nm, a.dtype)
-        acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PREC)
+        if FP8 == 2:  # the codes dotted in float16, each block's sum scaled (`fp8_block_dot`)
+            ahead = nm & (n * 0 + k0 + BLOCK_K < HID)  # a tensor mask (the interpreter's rule)
+            sg_next = scales_ahead(s_gate, k0 // BLOCK_K + 1, ahead, True)
+            su_next = scales_ahead(s_up, k0 // BLOCK_K + 1, ahead, True)
+            acc_g = fp8_block_dot(acc_g, a, sg, wg, sg, False, True, PREC)
+            acc_u = fp8_block_dot(acc_u, a, su, wu, su, False, True, PREC)
+            sg, su = sg_next, su_next
+        else:
+            if FP8:  # codes -> x's dtype as the reference dequantizes (BLOCK_K = one scale block)
+                wg = _dequant(wg, s_gate + k0 // BLOCK_K, nm, a.dtype)
+                wu = _dequant(wu, s_up + k0 // BLOCK_K, nm, a.dtype)
+            acc_g = tl.dot(a, wg, acc=acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, wu, acc=acc_u, input_precision=PREC)
     g = acc_g.to(ty).to(tl.float32)
     u = acc_u.to(ty).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
@@ -122,14 +134,20 @@ def _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_
     is inter[p] @ w2[e][tile rows].T over I in BLOCK_K steps (rows 1.. are zeros). FP8:
     w2 holds codes, ``s_rows`` the tile rows' scales."""
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    w_s = scales_ahead(s_rows, 0, nm, FP8 == 2)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + kk
         km = k < I
         a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
         w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
-        if FP8:
-            w = _dequant(w, s_rows + k0 // BLOCK_K, nm, a.dtype)
-        acc = tl.dot(a, w, acc=acc, input_precision=PREC)
+        if FP8 == 2:
+            w_s_next = scales_ahead(s_rows, k0 // BLOCK_K + 1, nm & (nm.to(tl.int32) * 0 + k0 + BLOCK_K < I), True)
+            acc = fp8_block_dot(acc, a, w_s, w, w_s, False, True, PREC)
+            w_s = w_s_next
+        else:
+            if FP8:
+                w = _dequant(w, s_rows + k0 // BLOCK_K, nm, a.dtype)
+            acc = tl.dot(a, w, acc=acc, input_precision=PREC)
     return acc
 
 
@@ -254,7 +272,8 @@ def small_config() -> dict:
 
 def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
                                cfg: dict | None = None,
-                               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                               scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               fp8_f16: bool = False) -> torch.Tensor:
     """Small-batch SwiGLU experts with weighted top-k combine; see ``fused_experts_ref``.
 
     Same arguments as ``fused_experts_triton``; ``cfg`` overrides :func:`small_config`
@@ -263,8 +282,10 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     ``SMALL_MAX_PAIRS``). Local expert ids outside ``[0, E)`` count as not held. Two
     kernel launches (three with ``split`` and ``merge=False``), no host sync. ``scales``: (w13_scale, w2_scale)
     when the stacks are FP8 codes (`moe_fp8`; K tiles of one 128-column block):
-    each weight tile is dequantized in registers as the reference does.
-    """
+    each weight tile is dequantized in registers as the reference does, or with
+    ``fp8_f16`` its codes are dotted in float16 (`fp8_block_dot`'s SCALE_AFTER), as
+    the general path's decode tile does with `moe_fp8.DECODE_F16` (the same bits on
+    either side of the dispatch threshold when both agree)."""
     if scales is not None and any((cfg or {}).get(k, 128) != 128 for k in ("K1", "K2")):
         raise ValueError("FP8 stacks take K tiles of 128")
     T, hid = x.shape
@@ -285,7 +306,7 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     emap = ids if expert_map is None else expert_map  # dummy pointer without a map
     s13, s2 = scales if scales is not None else (w13, w2)  # dummy pointers without FP8
     stages = c.get("stages1", c["stages"]) if T == 1 else c["stages"]
-    meta = dict(HAS_MAP=expert_map is not None, ROWS=_ROWS, FP8=scales is not None,
+    meta = dict(HAS_MAP=expert_map is not None, ROWS=_ROWS, FP8=0 if scales is None else 2 if fp8_f16 else 1,
                 PREC=dot_precision(x.dtype), num_warps=c["warps"], num_stages=stages)
     inter = x.new_empty((P, inter_dim))
     _small_gate_up_kernel[(P, triton.cdiv(inter_dim, c["N1"]))](

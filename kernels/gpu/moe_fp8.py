@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention import dot_precision
-from .fp8_linear import fp8_block_dot
+from .fp8_linear import fp8_block_dot, scales_ahead
 from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
 from . import moe_decode
 from .moe import SMALL_MAX_PAIRS, _align, _combine_kernel
@@ -66,6 +66,8 @@ def _fp8_gate_up_kernel(
     s_up = s_gate + I * sws_n
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    sg_ahead = scales_ahead(s_gate, 0, nm, SCALE_AFTER)
+    su_ahead = scales_ahead(s_up, 0, nm, SCALE_AFTER)
     for kb in range(0, tl.cdiv(HID, BLOCK_K)):
         k = kb * BLOCK_K + kk
         km = k < HID
@@ -74,8 +76,14 @@ def _fp8_gate_up_kernel(
         wm = km[:, None] & nm[None, :]
         wg = tl.load(w_gate + k[:, None], mask=wm, other=0.0)
         wu = tl.load(w_up + k[:, None], mask=wm, other=0.0)
-        sg = tl.load(s_gate + kb, mask=nm, other=0.0)
-        su = tl.load(s_up + kb, mask=nm, other=0.0)
+        if SCALE_AFTER:  # this block's scales came a block ahead; load the next block's
+            sg, su = sg_ahead, su_ahead
+            ahead = nm & ((kb + 1) * BLOCK_K + n * 0 < HID)
+            sg_ahead = scales_ahead(s_gate, kb + 1, ahead, True)
+            su_ahead = scales_ahead(s_up, kb + 1, ahead, True)
+        else:
+            sg = tl.load(s_gate + kb, mask=nm, other=0.0)
+            su = tl.load(s_up + kb, mask=nm, other=0.0)
         acc_g = fp8_block_dot(acc_g, a, a_s, wg, sg, A_FP8, SCALE_AFTER, PREC)
         acc_u = fp8_block_dot(acc_u, a, a_s, wu, su, A_FP8, SCALE_AFTER, PREC)
     out_rows = inter_ptr + rows[:, None].to(tl.int64) * si_r + n[None, :]
@@ -115,13 +123,18 @@ def _fp8_down_kernel(
     w_rows = w_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
     s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    s_ahead = scales_ahead(s_rows, 0, nm, SCALE_AFTER)
     for kb in range(0, tl.cdiv(I, BLOCK_K)):
         k = kb * BLOCK_K + kk
         km = k < I
         a = tl.load(a_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
         a_s = tl.load(is_ptr + rows.to(tl.int64) * sis_r + kb, mask=rm, other=0.0) if A_FP8 else rm
         w = tl.load(w_rows + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
-        w_s = tl.load(s_rows + kb, mask=nm, other=0.0)
+        if SCALE_AFTER:  # as in gate_up: the scales a block ahead
+            w_s = s_ahead
+            s_ahead = scales_ahead(s_rows, kb + 1, nm & ((kb + 1) * BLOCK_K + n * 0 < I), True)
+        else:
+            w_s = tl.load(s_rows + kb, mask=nm, other=0.0)
         acc = fp8_block_dot(acc, a, a_s, w, w_s, A_FP8, SCALE_AFTER, PREC)
     ty = pair_out_ptr.dtype.element_ty
     wt = tl.load(tw_ptr + pair, mask=rm, other=0.0).to(ty).to(tl.float32)
@@ -130,7 +143,8 @@ def _fp8_down_kernel(
              mask=rm[:, None] & nm[None, :])
 
 
-# Decode batches past the small path (<= 16 rows an expert): the codes dotted in float16
+# Decode (<= 16 rows an expert; the small path too, so a token's bits do not depend on
+# which side of its threshold the batch falls): the codes dotted in float16
 # and each block's sum scaled (`fp8_block_dot`'s SCALE_AFTER) instead of each code
 # dequantized as the reference does: per code half a conversion instead of 1.5 conversions
 # and a multiply (sm_90 SASS of gate_up: F2FP + HADD2 + FMUL 880 -> 296 a K block). On one
@@ -165,7 +179,8 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
     P = T * k_top
     if P <= SMALL_MAX_PAIRS and not a_fp8 and config is None:
         return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map,
-                                                     scales=(w13_scale, w2_scale))
+                                                     scales=(w13_scale, w2_scale),
+                                                     fp8_f16=DECODE_F16 and x.dtype != torch.float32)
     ids = topk_ids.reshape(-1)
     ids = (expert_map[ids] if expert_map is not None else ids).to(torch.int32)
     cfg = _config(P, E, x.dtype)
