@@ -275,8 +275,9 @@ FP8_BASELINES = {
                   lambda b: b <= importlib.import_module("phalanx.kernels.linear").GEMV_MAX_M),
     # the FP8 GEMVs' 64 KiB-tile rows (qkv 16, o 16) instead of half bf16's
     "fp8gemv16": (_fp8_switch(".gpu.gemv", "FP8_HALF_ROWS", False), lambda b: b <= 4),
-    # the FP8 GEMVs summing each block's code * x, scaled once (form 2), not dequantizing
-    "fp8gemvsum": (_fp8_switch(".gpu.gemv", "FP8_SUM_AFTER", True), lambda b: b <= 4),
+    # the FP8 GEMVs dequantizing each code (form 1), not summing each block's code * x
+    # and scaling the sum once
+    "fp8gemvdeq": (_fp8_switch(".gpu.gemv", "FP8_SUM_AFTER", False), lambda b: b <= 4),
     # the experts (both paths) dequantizing each code as the reference does
     # instead of dotting the codes in float16 (SCALE_AFTER)
     "fp8dequant": (_fp8_switch(".gpu.moe_fp8", "DECODE_F16", False), lambda b: True),
@@ -298,8 +299,8 @@ def _parse_args() -> argparse.Namespace:
                          "...; one part switched); with --quantization fp8 also the FP8 rows again "
                          "with one FP8 part switched: fp8linear (the FP8 linear where the one-row "
                          "GEMV takes FP8 codes), fp8gemv16 (batches <= 4: the FP8 GEMVs' 64 KiB-"
-                         "tile rows), fp8gemvsum (batches <= 4: the FP8 GEMVs' block sums scaled "
-                         "once), fp8dequant (the experts dequantizing each code "
+                         "tile rows), fp8gemvdeq (batches <= 4: the FP8 GEMVs dequantizing "
+                         "each code), fp8dequant (the experts dequantizing each code "
                          "instead of dotting the codes in float16)")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "

@@ -175,6 +175,7 @@ def check_gemv_fp8(g: torch.Generator) -> float:
         return q, expand_block_scales(blocks, n)
 
     q, s = weight(8, 64)
+    default_form = gemv.FP8_SUM_AFTER
     before = linear.GEMV_FP8
     linear.GEMV_FP8 = False
     try:
@@ -194,12 +195,13 @@ def check_gemv_fp8(g: torch.Generator) -> float:
                 for rows in (4, 8):  # the rows FP8 codes take per program at the model's shapes
                     errs.append(rel_err(gemv_triton(x3, q, None, scales=s, cfg={"BLOCK_N": rows})[0],
                                         fp8_linear_ref(x3, q, s)))
-                gemv.FP8_SUM_AFTER = True  # form 2: block sums of code * x, scaled once
-                try:
-                    errs.append(rel_err(gemv_triton(x3, q, b, scales=s, cfg={"BLOCK_N": 4})[0],
-                                        fp8_linear_ref(x3, q, s, b)))
-                finally:
-                    gemv.FP8_SUM_AFTER = False
+                for sum_after in (False, True):  # form 1 dequantizes; 2: block sums scaled once
+                    gemv.FP8_SUM_AFTER = sum_after
+                    try:
+                        errs.append(rel_err(gemv_triton(x3, q, b, scales=s, cfg={"BLOCK_N": 4})[0],
+                                            fp8_linear_ref(x3, q, s, b)))
+                    finally:
+                        gemv.FP8_SUM_AFTER = default_form
                 r, nw = torch.randn(1, k, generator=g), 1 + 0.1 * torch.randn(k, generator=g)
                 got = norm_linear(x, r, nw, 1e-6, q, b, s, want_normed=True)
                 ref = norm_linear_ref(x, r, nw, 1e-6, dequantize(q, s, x.dtype), b)

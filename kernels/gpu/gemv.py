@@ -47,10 +47,11 @@ _PROGRAMS = 128  # aim: about one program per SM or more, for bytes in flight
 FP8_HALF_ROWS = True
 # FP8 codes dotted with x in float32 a 128-column block at a time and each block's sum
 # scaled once (`gemv_rows`' FP8 form 2: exact products, no rounding of ``q * s`` to x's
-# dtype; per code a conversion and an FMA) instead of each code dequantized as the
-# reference does (form 1: a conversion, a multiply, two roundings and an FMA). Off until
-# the FP8 chain ranks it (`kernels_gpu.py --only gemv`, row "M=1 sum-after").
-FP8_SUM_AFTER = False
+# dtype; per code a conversion and an FMA; sm_90 SASS of the qkv tile 1,152 -> 752
+# instructions) instead of each code dequantized as the reference does (form 1). One
+# H100, 24 layers, FP8 decode at batch 1: 623 against 607 tok/s (bench/NOTES.md;
+# `decode_gpu.py --quantization fp8 --baselines fp8gemvdeq` runs form 1 beside it).
+FP8_SUM_AFTER = True
 
 
 @triton.jit
