@@ -141,7 +141,8 @@ def _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_
         a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
         w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
         if FP8 == 2:
-            w_s_next = scales_ahead(s_rows, k0 // BLOCK_K + 1, nm & (nm.to(tl.int32) * 0 + k0 + BLOCK_K < I), True)
+            ahead = nm & (nm.to(tl.int32) * 0 + k0 + BLOCK_K < I)  # a tensor mask
+            w_s_next = scales_ahead(s_rows, k0 // BLOCK_K + 1, ahead, True)
             acc = fp8_block_dot(acc, a, w_s, w, w_s, False, True, PREC)
             w_s = w_s_next
         else:
@@ -306,7 +307,8 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
     emap = ids if expert_map is None else expert_map  # dummy pointer without a map
     s13, s2 = scales if scales is not None else (w13, w2)  # dummy pointers without FP8
     stages = c.get("stages1", c["stages"]) if T == 1 else c["stages"]
-    meta = dict(HAS_MAP=expert_map is not None, ROWS=_ROWS, FP8=0 if scales is None else 2 if fp8_f16 else 1,
+    fp8 = 0 if scales is None else 2 if fp8_f16 else 1  # the kernels' FP8 form
+    meta = dict(HAS_MAP=expert_map is not None, ROWS=_ROWS, FP8=fp8,
                 PREC=dot_precision(x.dtype), num_warps=c["warps"], num_stages=stages)
     inter = x.new_empty((P, inter_dim))
     _small_gate_up_kernel[(P, triton.cdiv(inter_dim, c["N1"]))](

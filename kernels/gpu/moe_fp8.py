@@ -147,10 +147,11 @@ def _fp8_down_kernel(
 # which side of its threshold the batch falls): the codes dotted in float16
 # and each block's sum scaled (`fp8_block_dot`'s SCALE_AFTER) instead of each code
 # dequantized as the reference does: per code half a conversion instead of 1.5 conversions
-# and a multiply (sm_90 SASS of gate_up: F2FP + HADD2 + FMUL 880 -> 296 a K block). On one
-# H100, 24 layers: 1.007-1.014x the dequantizing tile at batch 16-128, tokens agreeing with
-# the bf16 twin as often or more (bench/NOTES.md); `decode_gpu.py --quantization fp8
-# --baselines fp8dequant` runs the dequantizing tile beside it.
+# and a multiply (sm_90 SASS of gate_up: F2FP + HADD2 + FMUL 880 -> 296 a K block). One
+# H100, 24 layers, with the scales a block ahead: 1.017x the dequantizing tiles at batch
+# 64, 0.99x at batch 1 (the small path), tokens agreeing with the bf16 twin as often or
+# more (bench/NOTES.md); `decode_gpu.py --quantization fp8 --baselines fp8dequant` runs
+# the dequantizing tiles beside it.
 DECODE_F16 = True
 
 
