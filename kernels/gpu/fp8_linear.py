@@ -33,12 +33,14 @@ SKINNY_MAX_M = 16
 
 
 @triton.jit
-def scales_ahead(s_ptrs, kb, mask, ON: tl.constexpr):
-    """The weight scales of K block ``kb`` (``s_ptrs [BN]``: the tile's rows at block 0),
-    zeros when not ON. SCALE_AFTER loops load a block's scales one block ahead: Triton
-    pipelines only loads that feed a dot, and these meet the dot's sum after it."""
+def scales_ahead(s_ptrs, kb, nm, K, BLOCK_K: tl.constexpr, ON: tl.constexpr):
+    """The weight scales of K block ``kb`` (``s_ptrs [BN]``: the tile's rows at block 0,
+    ``nm`` the rows that exist; zeros past ``K``), zeros when not ON. SCALE_AFTER loops
+    load a block's scales one block ahead: Triton pipelines only loads that feed a dot,
+    and these meet the dot's sum after it."""
     if ON:
-        return tl.load(s_ptrs + kb, mask=mask, other=0.0)
+        inside = nm & (nm.to(tl.int32) * 0 + kb * BLOCK_K < K)  # a tensor mask, as the interpreter wants
+        return tl.load(s_ptrs + kb, mask=inside, other=0.0)
     return tl.zeros(s_ptrs.shape, tl.float32)
 
 

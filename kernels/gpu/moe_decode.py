@@ -91,8 +91,8 @@ def _small_gate_up_kernel(
     acc_u = tl.zeros([ROWS, BLOCK_N], tl.float32)
     s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n  # FP8: the tile rows' scales per K block
     s_up = s_gate + I * sws_n
-    sg = scales_ahead(s_gate, 0, nm, FP8 == 2)
-    su = scales_ahead(s_up, 0, nm, FP8 == 2)
+    sg = scales_ahead(s_gate, 0, nm, HID, BLOCK_K, FP8 == 2)
+    su = scales_ahead(s_up, 0, nm, HID, BLOCK_K, FP8 == 2)
     for k0 in range(0, HID, BLOCK_K):
         k = k0 + kk
         km = k < HID
@@ -101,9 +101,8 @@ def _small_gate_up_kernel(
         wg = tl.load(w_gate[None, :] + k[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
         wu = tl.load(w_up[None, :] + k[:, None], mask=wm, other=0.0)
         if FP8 == 2:  # the codes dotted in float16, each block's sum scaled (`fp8_block_dot`)
-            ahead = nm & (n * 0 + k0 + BLOCK_K < HID)  # a tensor mask (the interpreter's rule)
-            sg_next = scales_ahead(s_gate, k0 // BLOCK_K + 1, ahead, True)
-            su_next = scales_ahead(s_up, k0 // BLOCK_K + 1, ahead, True)
+            sg_next = scales_ahead(s_gate, k0 // BLOCK_K + 1, nm, HID, BLOCK_K, True)
+            su_next = scales_ahead(s_up, k0 // BLOCK_K + 1, nm, HID, BLOCK_K, True)
             acc_g = fp8_block_dot(acc_g, a, sg, wg, sg, False, True, PREC)
             acc_u = fp8_block_dot(acc_u, a, su, wu, su, False, True, PREC)
             sg, su = sg_next, su_next
@@ -134,15 +133,14 @@ def _row_dot(a_row, w_rows, s_rows, r, r0, kk, nm, I, ROWS: tl.constexpr, BLOCK_
     is inter[p] @ w2[e][tile rows].T over I in BLOCK_K steps (rows 1.. are zeros). FP8:
     w2 holds codes, ``s_rows`` the tile rows' scales."""
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    w_s = scales_ahead(s_rows, 0, nm, FP8 == 2)
+    w_s = scales_ahead(s_rows, 0, nm, I, BLOCK_K, FP8 == 2)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + kk
         km = k < I
         a = tl.load(a_row + r[:, None] * 0 + k[None, :], mask=r0 & km[None, :], other=0.0)
         w = tl.load(w_rows[None, :] + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
         if FP8 == 2:
-            ahead = nm & (nm.to(tl.int32) * 0 + k0 + BLOCK_K < I)  # a tensor mask
-            w_s_next = scales_ahead(s_rows, k0 // BLOCK_K + 1, ahead, True)
+            w_s_next = scales_ahead(s_rows, k0 // BLOCK_K + 1, nm, I, BLOCK_K, True)
             acc = fp8_block_dot(acc, a, w_s, w, w_s, False, True, PREC)
             w_s = w_s_next
         else:

@@ -66,8 +66,8 @@ def _fp8_gate_up_kernel(
     s_up = s_gate + I * sws_n
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sg_ahead = scales_ahead(s_gate, 0, nm, SCALE_AFTER)
-    su_ahead = scales_ahead(s_up, 0, nm, SCALE_AFTER)
+    sg_ahead = scales_ahead(s_gate, 0, nm, HID, BLOCK_K, SCALE_AFTER)
+    su_ahead = scales_ahead(s_up, 0, nm, HID, BLOCK_K, SCALE_AFTER)
     for kb in range(0, tl.cdiv(HID, BLOCK_K)):
         k = kb * BLOCK_K + kk
         km = k < HID
@@ -78,9 +78,8 @@ def _fp8_gate_up_kernel(
         wu = tl.load(w_up + k[:, None], mask=wm, other=0.0)
         if SCALE_AFTER:  # this block's scales came a block ahead; load the next block's
             sg, su = sg_ahead, su_ahead
-            ahead = nm & ((kb + 1) * BLOCK_K + n * 0 < HID)
-            sg_ahead = scales_ahead(s_gate, kb + 1, ahead, True)
-            su_ahead = scales_ahead(s_up, kb + 1, ahead, True)
+            sg_ahead = scales_ahead(s_gate, kb + 1, nm, HID, BLOCK_K, True)
+            su_ahead = scales_ahead(s_up, kb + 1, nm, HID, BLOCK_K, True)
         else:
             sg = tl.load(s_gate + kb, mask=nm, other=0.0)
             su = tl.load(s_up + kb, mask=nm, other=0.0)
@@ -123,7 +122,7 @@ def _fp8_down_kernel(
     w_rows = w_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
     s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    s_ahead = scales_ahead(s_rows, 0, nm, SCALE_AFTER)
+    s_ahead = scales_ahead(s_rows, 0, nm, I, BLOCK_K, SCALE_AFTER)
     for kb in range(0, tl.cdiv(I, BLOCK_K)):
         k = kb * BLOCK_K + kk
         km = k < I
@@ -132,7 +131,7 @@ def _fp8_down_kernel(
         w = tl.load(w_rows + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
         if SCALE_AFTER:  # as in gate_up: the scales a block ahead
             w_s = s_ahead
-            s_ahead = scales_ahead(s_rows, kb + 1, nm & ((kb + 1) * BLOCK_K + n * 0 < I), True)
+            s_ahead = scales_ahead(s_rows, kb + 1, nm, I, BLOCK_K, True)
         else:
             w_s = tl.load(s_rows + kb, mask=nm, other=0.0)
         acc = fp8_block_dot(acc, a, a_s, w, w_s, A_FP8, SCALE_AFTER, PREC)
