@@ -10,6 +10,8 @@ per-row scales (4 bytes per 128 columns), bf16 for the router, LM head and KV ca
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from phalanx.config import ModelConfig
@@ -93,3 +95,29 @@ def token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     return dict(first_equal=sum(a[:1] == b[:1] for a, b in pairs) / len(pairs),
                 mean_equal_prefix=sum(prefix) / len(pairs),
                 streams_equal=sum(a == b for a, b in pairs) / len(pairs))
+
+
+def _fp8_switch(module: str, name: str, off_value):
+    """A switch for `FP8_BASELINES` (`decode_gpu.py --baselines`): on sets ``module.name``
+    to ``off_value`` (the part turned off), off restores True/False (today's default, the
+    opposite)."""
+    def switch(on: bool) -> None:
+        mod = importlib.import_module(f"phalanx.kernels{module}")
+        setattr(mod, name, off_value if on else (not off_value))
+    return switch
+
+
+# --baselines names for the FP8 rows only: (switch, the batches it changes).
+FP8_BASELINES = {
+    # the FP8 linear where the one-row GEMV takes FP8 codes
+    "fp8linear": (_fp8_switch(".linear", "GEMV_FP8", False),
+                  lambda b: b <= importlib.import_module("phalanx.kernels.linear").GEMV_MAX_M),
+    # the FP8 GEMVs' 64 KiB-tile rows (qkv 16, o 16) instead of half bf16's
+    "fp8gemv16": (_fp8_switch(".gpu.gemv", "FP8_HALF_ROWS", False), lambda b: b <= 4),
+    # the FP8 GEMVs dequantizing each code (form 1), not summing each block's code * x
+    # and scaling the sum once
+    "fp8gemvdeq": (_fp8_switch(".gpu.gemv", "FP8_SUM_AFTER", False), lambda b: b <= 4),
+    # the experts (both paths) dequantizing each code as the reference does
+    # instead of dotting the codes in float16 (SCALE_AFTER)
+    "fp8dequant": (_fp8_switch(".gpu.moe_fp8", "DECODE_F16", False), lambda b: True),
+}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
 import os
 import time
@@ -259,31 +258,6 @@ def phalanx_prefill(engine: LLMEngine, num_seqs: int, length: int, reps: int = 3
     return num_seqs * length / times[len(times) // 2]
 
 
-def _fp8_switch(module: str, name: str, off_value):
-    """A switch for `FP8_BASELINES`: on sets ``module.name`` to ``off_value`` (the part
-    turned off), off restores True/False (today's default, the opposite)."""
-    def switch(on: bool) -> None:
-        mod = importlib.import_module(f"phalanx.kernels{module}")
-        setattr(mod, name, off_value if on else (not off_value))
-    return switch
-
-
-# --baselines names for the FP8 rows only: (switch, the batches it changes).
-FP8_BASELINES = {
-    # the FP8 linear where the one-row GEMV takes FP8 codes
-    "fp8linear": (_fp8_switch(".linear", "GEMV_FP8", False),
-                  lambda b: b <= importlib.import_module("phalanx.kernels.linear").GEMV_MAX_M),
-    # the FP8 GEMVs' 64 KiB-tile rows (qkv 16, o 16) instead of half bf16's
-    "fp8gemv16": (_fp8_switch(".gpu.gemv", "FP8_HALF_ROWS", False), lambda b: b <= 4),
-    # the FP8 GEMVs dequantizing each code (form 1), not summing each block's code * x
-    # and scaling the sum once
-    "fp8gemvdeq": (_fp8_switch(".gpu.gemv", "FP8_SUM_AFTER", False), lambda b: b <= 4),
-    # the experts (both paths) dequantizing each code as the reference does
-    # instead of dotting the codes in float16 (SCALE_AFTER)
-    "fp8dequant": (_fp8_switch(".gpu.moe_fp8", "DECODE_F16", False), lambda b: True),
-}
-
-
 def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=48)
@@ -421,6 +395,8 @@ def main() -> None:
     del engine  # the runs below build engines of their own
     gc.collect()
     torch.cuda.empty_cache()
+    from decode_fp8 import FP8_BASELINES
+
     names = [n for n in args.baselines.split(",") if n]
     fp8_only = [n for n in names if n in FP8_BASELINES]
     if fp8_only and args.quantization != "fp8":
