@@ -40,7 +40,7 @@ def make_twin_in_place(hf) -> None:
 
 @torch.no_grad()
 def quantize_in_place(model) -> None:
-    """phalanx's model (bf16, `decode_gpu.phalanx_model_from_hf`) to FP8 projections, the
+    """phalanx's model (bf16, `decode_hf.phalanx_model_from_hf`) to FP8 projections, the
     format `--quantization fp8` loads (exact on the twin: its values are on the grid)."""
     for layer in model.layers:
         for module, name in ((layer.attn, "qkv_proj"), (layer.attn, "o_proj"),

@@ -5,8 +5,7 @@ and Hugging Face transformers in the same run.
                                [--quantization fp8] [--baselines nopdl,cublas]
 
 Random bf16 weights (no download). The transformers model is built first; phalanx's
-model shares its weight tensors (the expert layout [E, 2I, H] / [E, H, I] is the same),
-so both fit on one H200. Floors: decode bytes (weights touched + KV read) over the
+model shares its weight tensors (bench/decode_hf.py), so both fit on one H200. Floors: decode bytes (weights touched + KV read) over the
 measured copy bandwidth; prefill FLOPs over the measured bf16 matmul rate. Prints a
 table last and writes JSON to $OUT/decode_gpu.json (or ./decode_gpu.json).
 """
@@ -25,12 +24,8 @@ from phalanx.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from phalanx.engine.llm_engine import LLMEngine
 from phalanx.engine.sampling_params import SamplingParams
 
-QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
-    num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-    max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, dtype="bfloat16")
+from decode_hf import build_hf, hf_decode_tok_s, phalanx_model_from_hf  # bench/
+from multi_gpu_model import QWEN3_30B_A3B
 
 
 def measure_ceilings() -> dict[str, float]:
@@ -45,55 +40,6 @@ def measure_ceilings() -> dict[str, float]:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
     return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * 8192 ** 3 / (ms * 1e-3)}
-
-
-def build_hf(hf_cfg: dict):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    cfg = Qwen3MoeConfig(**{k: v for k, v in hf_cfg.items() if k != "model_type"})
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = Qwen3MoeForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    with torch.no_grad():
-        g = torch.Generator(device="cuda").manual_seed(0)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    return model.eval()
-
-
-def phalanx_model_from_hf(hf, cfg: ModelConfig):
-    """A phalanx `CausalLM` whose weights are views of the transformers model's."""
-    from torch import nn
-    from phalanx.kernels.rope import RotaryEmbedding
-    from phalanx.models.qwen3_moe import CausalLM
-
-    def param(t: torch.Tensor) -> nn.Parameter:
-        return nn.Parameter(t, requires_grad=False)
-
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    model.embed_tokens = param(hf.model.embed_tokens.weight)
-    model.lm_head = param(hf.lm_head.weight)
-    model.norm = param(hf.model.norm.weight)
-    for ours, theirs in zip(model.layers, hf.model.layers):
-        a, sa = ours.attn, theirs.self_attn
-        a.qkv_proj = param(torch.cat([sa.q_proj.weight, sa.k_proj.weight, sa.v_proj.weight]))
-        a.o_proj = param(sa.o_proj.weight)
-        a.q_norm, a.k_norm = param(sa.q_norm.weight), param(sa.k_norm.weight)
-        ours.input_norm = param(theirs.input_layernorm.weight)
-        ours.post_attention_norm = param(theirs.post_attention_layernorm.weight)
-        ours.mlp.gate = param(theirs.mlp.gate.weight)
-        ours.mlp.w13 = param(theirs.mlp.experts.gate_up_proj)
-        ours.mlp.w2 = param(theirs.mlp.experts.down_proj)
-    model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 device="cuda")
-    return model.eval()
 
 
 def decode_bytes(cfg: ModelConfig, batch: int, ctx: int) -> float:
@@ -118,24 +64,6 @@ def prefill_flops(cfg: ModelConfig, num_seqs: int, length: int) -> float:
     # causal attention: QK^T and PV over on average length/2 keys
     attn = num_seqs * cfg.num_hidden_layers * 2 * 2 * cfg.num_attention_heads * hd * length * length / 2
     return 2.0 * active * tokens + attn + 2.0 * num_seqs * cfg.vocab_size * h
-
-
-def hf_decode_tok_s(hf, batch: int, ctx: int, steps: int) -> float:
-    """Per-step decode time of `generate`, from two runs that differ only in new tokens."""
-    ids = torch.randint(0, 150000, (batch, ctx), device="cuda")
-    mask = torch.ones_like(ids)
-
-    def run(new: int) -> float:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                    min_new_tokens=new, pad_token_id=0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    run(2)
-    dt = (run(steps + 1) - run(1)) / steps
-    return batch / dt
 
 
 def make_engine(cfg: ModelConfig, model, max_batch: int) -> LLMEngine:

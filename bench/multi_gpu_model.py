@@ -28,7 +28,7 @@ from phalanx.engine.sampling_params import SamplingParams
 from phalanx.models.qwen3_moe import CausalLM, DenseMLP, SparseMoE
 from phalanx.models.shard import ModelShard
 
-# Same dict as bench/decode_gpu.py's QWEN3_30B_A3B (kept here so this file stands alone).
+# The Qwen3-30B-A3B shape (bench/decode_gpu.py and the probes take it from here).
 QWEN3_30B_A3B = dict(
     model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
     num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
