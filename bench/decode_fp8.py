@@ -107,17 +107,21 @@ def _fp8_switch(module: str, name: str, off_value):
     return switch
 
 
-# --baselines names for the FP8 rows only: (switch, the batches it changes).
+# --baselines names for the FP8 rows only: (switch, the batches it changes, whether it
+# changes prefill too: then the prefill row runs again beside the decode rows).
 FP8_BASELINES = {
     # the FP8 linear where the one-row GEMV takes FP8 codes
     "fp8linear": (_fp8_switch(".linear", "GEMV_FP8", False),
-                  lambda b: b <= importlib.import_module("phalanx.kernels.linear").GEMV_MAX_M),
+                  lambda b: b <= importlib.import_module("phalanx.kernels.linear").GEMV_MAX_M, False),
     # the FP8 GEMVs' 64 KiB-tile rows (qkv 16, o 16) instead of half bf16's
-    "fp8gemv16": (_fp8_switch(".gpu.gemv", "FP8_HALF_ROWS", False), lambda b: b <= 4),
+    "fp8gemv16": (_fp8_switch(".gpu.gemv", "FP8_HALF_ROWS", False), lambda b: b <= 4, False),
     # the FP8 GEMVs dequantizing each code (form 1), not summing each block's code * x
     # and scaling the sum once
-    "fp8gemvdeq": (_fp8_switch(".gpu.gemv", "FP8_SUM_AFTER", False), lambda b: b <= 4),
+    "fp8gemvdeq": (_fp8_switch(".gpu.gemv", "FP8_SUM_AFTER", False), lambda b: b <= 4, False),
     # the experts (both paths) dequantizing each code as the reference does
     # instead of dotting the codes in float16 (SCALE_AFTER)
-    "fp8dequant": (_fp8_switch(".gpu.moe_fp8", "DECODE_F16", False), lambda b: True),
+    "fp8dequant": (_fp8_switch(".gpu.moe_fp8", "DECODE_F16", False), lambda b: True, False),
+    # the FP8-activation linears (batches past 16, prefill) by the Triton kernel instead of
+    # cuBLAS's block-scaled GEMM
+    "fp8tritonlin": (_fp8_switch(".gpu.fp8_linear", "CUBLAS_BLOCKWISE", False), lambda b: b > 16, True),
 }

@@ -203,7 +203,8 @@ def _parse_args() -> argparse.Namespace:
                          "GEMV takes FP8 codes), fp8gemv16 (batches <= 4: the FP8 GEMVs' 64 KiB-"
                          "tile rows), fp8gemvdeq (batches <= 4: the FP8 GEMVs dequantizing "
                          "each code), fp8dequant (the experts dequantizing each code "
-                         "instead of dotting the codes in float16)")
+                         "instead of dotting the codes in float16), fp8tritonlin (the linears "
+                         "past 16 rows by the Triton kernel, not cuBLAS; the prefill row too)")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the bf16 rows run the FP8 weights' dequantized twin, then rows "
                          "'decode-fp8' / 'prefill-fp8' the FP8 weights (bench/decode_fp8.py)")
@@ -243,22 +244,25 @@ def compare_overlap(engine: LLMEngine, batches: list[int], args, ceil: dict, cfg
 
 
 def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: list[dict],
-             kind: str = "decode-fp8") -> list[dict]:
-    """The same batches and prefill over the FP8 weights; tokens against the bf16 twin's."""
+             name: str = "fp8", prefill: bool = True) -> list[dict]:
+    """The same batches and (with `prefill`) prefill over the FP8 weights, rows 'decode-<name>'
+    and 'prefill-<name>'; tokens against the bf16 twin's."""
     from decode_fp8 import decode_bytes_fp8, prefill_seconds_fp8, quantize_in_place, token_agreement
     model = phalanx_model_from_hf(hf, cfg)
     quantize_in_place(model)
-    engine = make_engine(cfg, model, engine_seqs(batches, not args.no_prefill and kind == "decode-fp8"))
+    prefill = prefill and not args.no_prefill
+    kind = f"decode-{name}"
+    engine = make_engine(cfg, model, engine_seqs(batches, prefill))
     rows = decode_rows(engine, kind, batches, args, ceil["copy_bytes_per_s"],
                        lambda b, c: decode_bytes_fp8(cfg, b, c), {})
     for r in rows:
         twin = next(o for o in bf16 if o["kind"] == "decode" and o["batch"] == r["batch"])
         r["vs_bf16"] = r["tok_s"] / twin["tok_s"]
         r["agreement"] = token_agreement(r["tokens"], twin["tokens"])
-    if not args.no_prefill and kind == "decode-fp8":
+    if prefill:
         pf = phalanx_prefill(engine, PREFILL_SEQS, PREFILL_LEN)
         floor = PREFILL_SEQS * PREFILL_LEN / prefill_seconds_fp8(cfg, PREFILL_SEQS, PREFILL_LEN, ceil)
-        rows.append(dict(kind="prefill-fp8", batch=8, tok_s=pf, floor_tok_s=floor, frac=pf / floor,
+        rows.append(dict(kind=f"prefill-{name}", batch=8, tok_s=pf, floor_tok_s=floor, frac=pf / floor,
                          hf_tok_s=None, vs_hf=None,
                          vs_bf16=pf / next(o["tok_s"] for o in bf16 if o["kind"] == "prefill")))
     del engine, model
@@ -341,11 +345,11 @@ def main() -> None:
     if args.quantization == "fp8":
         rows += fp8_rows(hf, cfg, batches, args, ceil, rows)
     for name in fp8_only:  # the FP8 rows again with one FP8 part switched
-        switch, takes = FP8_BASELINES[name]
+        switch, takes, prefill = FP8_BASELINES[name]
         switch(True)
         try:
             rows += fp8_rows(hf, cfg, [b for b in batches if takes(b)], args, ceil, rows,
-                             kind=f"decode-{name}")
+                             name=name, prefill=prefill)
         finally:
             switch(False)
     result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=num_pages,

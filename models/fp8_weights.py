@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from ..kernels.fp8 import (BLOCK, FP8, check_k_cut, expand_block_scales, quantize_blocks,
-                           slice_k_blocks)
+from ..kernels.fp8 import (BLOCK, FP8, check_k_cut, expand_block_scales, keep_n_major,
+                           quantize_blocks, slice_k_blocks)
 from .checkpoint import Checkpoint
 
 __all__ = ["Fp8Weight", "check_fp8_tp", "is_fp8_checkpoint", "read_fp8", "read_fp8_experts",
@@ -106,10 +106,11 @@ def read_fp8_experts(ckpt: Checkpoint, layer: int, expert_ids: list[int]
 
 def use_fp8(module: torch.nn.Module, name: str, weight: Fp8Weight) -> None:
     """Put FP8 `weight` into `module.<name>` (the parameter's data, shape checked) and
-    its scales into `module.<name>_scale`."""
+    its scales into `module.<name>_scale` (a 2-D weight's on a GPU also N-major,
+    `keep_n_major`)."""
     param = getattr(module, name)
     q, scales = weight
     if tuple(param.shape) != tuple(q.shape):
         raise ValueError(f"{name}: FP8 weight {tuple(q.shape)} != expected {tuple(param.shape)}")
     param.data = q
-    setattr(module, f"{name}_scale", scales.to(torch.float32))
+    setattr(module, f"{name}_scale", keep_n_major(scales.to(torch.float32)))

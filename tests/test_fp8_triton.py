@@ -49,6 +49,12 @@ def check_quantize_groups_codes_equal(g: torch.Generator) -> float:
     q, s = quantize_groups_triton(x)
     rq, rs = quantize_groups(x)
     bad = (q.view(torch.uint8) != rq.view(torch.uint8)).sum() + (s != rs).sum()
+    # the layout cuBLAS's block-scaled GEMM takes: the same values, rows padded to a
+    # multiple of 4 with zero rows (codes 0, scale 1), the scales with stride (1, 12)
+    qm, sm = quantize_groups_triton(x, m_major=True)
+    bad += (qm[:9].view(torch.uint8) != rq.view(torch.uint8)).sum() + (sm[:9] != rs).sum()
+    bad += (qm[9:].view(torch.uint8) != 0).sum() + (sm[9:] != 1).sum()
+    bad += 0 if sm.shape == (12, rs.shape[1]) and sm.stride() == (1, 12) else 1
     return float(bad)
 
 

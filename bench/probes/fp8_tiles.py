@@ -1,6 +1,7 @@
 """Tile sweep of the FP8 kernels (issue 33) at the Qwen3-30B-A3B shapes, one H200.
 
     python bench/probes/fp8_tiles.py [--only linear-decode,linear-mid,linear-prefill,experts-decode,experts-mid,experts-prefill]
+                                     [--variants "[dict(EVEN=True), dict(EVEN=True, stages=4)]"]
 
 (``-prefill16``: the prefill shapes with bf16 activations, weights dequantized in registers.)
 
@@ -53,6 +54,9 @@ EXP_PREFILL = [dict(BLOCK_M=bm, N2=n2, warps=w, stages=st)
                                      (64, 256, 8, 3), (128, 256, 8, 3)]]
 
 
+VARIANTS: list[dict] = []  # --variants: these configs instead of each case's list
+
+
 def _measure(case: str, variant: dict, fn, ref, bf16_us: float) -> list[dict]:
     """One variant's row; none when it does not compile or launch (e.g. shared memory)."""
     try:
@@ -80,6 +84,7 @@ def linear_cases(kind: str, g) -> list[dict]:
     rows = []
     ms, variants, a_fp8 = {"decode": ((1, 16, 64, 128), LIN_DECODE, False), "prefill": ((16384,), LIN_PREFILL, True),
                            "prefill16": ((16384,), LIN_PREFILL16, False), "mid": ((64, 128), LIN_MID, None)}[kind]
+    variants = VARIANTS or variants
     for name, (n, k) in LINEARS.items():
         q, s = _weight((n, k), g)
         wd = dequantize(q, s, torch.bfloat16)
@@ -109,6 +114,7 @@ def experts_cases(kind: str, g) -> list[dict]:
     rows = []
     ms, variants = {"decode": ((16, 64, 128), EXP_DECODE), "prefill": ((16384,), EXP_PREFILL),
                     "prefill16": ((16384,), EXP_PREFILL16), "mid": ((16, 64, 128), EXP_MID)}[kind]
+    variants = VARIANTS or variants
     for m in ms:
         x = torch.randn(m, HID, device="cuda", generator=g).to(torch.bfloat16)
         w, ids = route(torch.randn(m, NE, device="cuda", generator=g), TOPK, True, torch.bfloat16)
@@ -126,7 +132,12 @@ def experts_cases(kind: str, g) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="linear-decode,linear-prefill,experts-decode,experts-prefill")
+    ap.add_argument("--variants", default="",
+                    help="a Python list of config dicts (keys of the kernels' `config`) timed instead of "
+                         "each case's built-in list, e.g. \"[{}, dict(stages=4)]\"")
     args = ap.parse_args()
+    if args.variants:  # a list of literals and dict(...) calls only
+        VARIANTS.extend(eval(args.variants, {"__builtins__": {}, "dict": dict}))
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for what in args.only.split(","):

@@ -2,6 +2,7 @@
 floor; measured 0.52-0.54), on one GPU, Qwen3-30B-A3B shape, random bf16 weights.
 
     python bench/probes/prefill_profile.py [--layers 8] [--seqs 8] [--length 2048] [--reps 3]
+                                           [--quantization fp8]
     python bench/probes/prefill_profile.py --dry-run     # CPU, tiny dims: checks the code
 
 Engine as bench/decode_gpu.py builds it (`make_engine`; random weights from
@@ -36,8 +37,10 @@ from phalanx.models.shard import ModelShard  # noqa: E402
 
 MM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 NAME_GROUPS = [  # (group, exact names of the Triton kernels in it)
-    ("moe gate_up", ("_gate_up_kernel",)), ("moe down", ("_down_kernel",)),
+    ("moe gate_up", ("_gate_up_kernel", "_fp8_gate_up_kernel")),
+    ("moe down", ("_down_kernel", "_fp8_down_kernel")),
     ("moe other", ("_count_kernel", "_place_kernel", "_combine_kernel", "_route_kernel")),
+    ("gemm fp8", ("_fp8_linear_kernel",)), ("fp8 quant", ("_quant_kernel",)),
     ("attention prefill", ("_prefill_kernel",)), ("gemm skinny", ("_skinny_kernel", "_splitk_reduce_kernel")),
     ("norm/rope/act/kv", ("_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel", "_write_kv_kernel"))]
 GEMM_HINTS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm")
@@ -77,6 +80,9 @@ def build(args):
     cfg = ModelConfig.from_hf(dict(mgm.TINY if args.dry_run else decode_gpu.QWEN3_30B_A3B,
                                    num_hidden_layers=args.layers, dtype=str(dtype).split(".")[1]))
     model = mgm.build_model(cfg, ModelShard(), torch.device(dev), dtype, 0)
+    if args.quantization == "fp8":
+        from decode_fp8 import quantize_in_place
+        quantize_in_place(model)
     if not args.dry_run:
         return cfg, decode_gpu.make_engine(cfg, model, args.seqs)
     conf = mgm.engine_config(cfg, "cpu", "float32", args.seqs, mgm.pages_for(args.seqs, args.length), True)
@@ -107,6 +113,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=3, help="timed prefills after the warm one")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny dims (2 layers unless --layers)")
+    ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                    help="fp8: the projections and experts as block-scaled FP8 (bench/decode_fp8.py); "
+                         "groups' floors stay at the bf16 matmul rate")
     args = ap.parse_args()
     if args.dry_run:  # tiny defaults: 2 layers, 2x64
         args.layers, args.seqs, args.length = [int(getattr(args, a)) if f"--{a}" in sys.argv else d
@@ -211,6 +220,7 @@ def main() -> None:
     top = [dict(name=n, calls=c, ms=us / 1e3, share=us / kernel_us, group=group_of(n))
            for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]]
     result = dict(device=torch.cuda.get_device_name() if cuda else "cpu (dry run)", layers=args.layers,
+                  quantization=args.quantization,
                   seqs=args.seqs, length=args.length, matmul_flops_per_s=rate, prefill_flops=flops,
                   floor_ms=floor_s * 1e3, walls_ms=[w * 1e3 for w in walls], wall_ms=wall * 1e3,
                   tok_s=args.seqs * args.length / wall, frac=floor_s / wall, target_ms_at_060=target_ms,

@@ -14,10 +14,17 @@ in ``x.dtype``). Two modes of one kernel, chosen from M and x's dtype:
   activations as they are: decode is bound by the weight stream, which this halves
   against bf16; quantizing activations would add a launch and error and save nothing.
 
+On sm_90 with bf16 activations in the first mode, weights loaded with their N-major
+scales (`kernels/fp8.keep_n_major`) and no bias, the GEMM is cuBLAS's block-scaled FP8
+(``torch._scaled_mm``, activation scales per 128 columns, weight scales per row and 128
+columns: the same products) after the same quantization (`CUBLAS_BLOCKWISE`).
+
 No host sync: CUDA-graph capturable. K blocks of 128 match the scales' blocks.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -27,9 +34,16 @@ from .arrivals import arrival_counts
 from .attention import dot_precision
 from .fp8_quant import GROUP, f16_rows, quantize_groups_triton
 
-__all__ = ["fp8_linear_triton", "fp8_block_dot", "scales_ahead", "SKINNY_MAX_M"]
+__all__ = ["fp8_linear_triton", "fp8_block_dot", "scales_ahead", "CUBLAS_BLOCKWISE", "SKINNY_MAX_M"]
 
 SKINNY_MAX_M = 16
+
+# The FP8-activation mode's GEMM by cuBLAS where it can (module docstring). One H100, the
+# Qwen3-30B-A3B shapes, quantization included (bench/probes/scaled_mm_blockwise.py): qkv at
+# M = 16384 468 us against the Triton kernel's 659 (cuBLAS bf16 515), o 431 against 656
+# (392); M = 128: qkv 11.8 against 14.4, o 10.6 against 14.0; M = 64 equal or better.
+# `decode_gpu.py --quantization fp8 --baselines fp8tritonlin` runs the Triton kernel.
+CUBLAS_BLOCKWISE = True
 
 
 @triton.jit
@@ -144,21 +158,40 @@ def _tiles(m: int, n: int, k: int, a_fp8: bool) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3, SCALE_AFTER=False)
 
 
+def _cublas_takes(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether cuBLAS's block-scaled GEMM runs this FP8-activation product (module
+    docstring): sm_90, bf16 ``x``, N-major scales kept, K in whole 128-column blocks, N a
+    multiple of 16 (cuBLAS's FP8 alignment)."""
+    n, k = q.shape
+    return (CUBLAS_BLOCKWISE and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(scales, "n_major")
+            and k % GROUP == 0 and n % 16 == 0 and q.is_contiguous() and x.is_contiguous()
+            and _major(x.device.index) == 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _major(device_index: int | None) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                       bias: torch.Tensor | None = None, *, a_fp8: bool | None = None,
                       config: dict | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize(q, scales), bias)``; see the module docstring. ``a_fp8``
     forces the mode (None: FP8 activations iff M > SKINNY_MAX_M and x is not float32);
     ``config`` overrides tile keys (BLOCK_M, BLOCK_N, warps, stages, SCALE_AFTER, SPLIT_K:
-    K shared by that many programs a tile, the last merging)."""
+    K shared by that many programs a tile, the last merging); any ``config``, even empty,
+    runs the Triton kernel (not cuBLAS)."""
     m, k = x.shape
     n = q.shape[0]
-    out = x.new_empty((m, n))
     if m == 0:
-        return out
+        return x.new_empty((m, n))
     if a_fp8 is None:
         a_fp8 = m > SKINNY_MAX_M and x.dtype != torch.float32
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if a_fp8 and config is None and bias is None and _cublas_takes(x, q, scales):
+        a, a_s = quantize_groups_triton(x, m_major=True)  # rows padded to a multiple of 4
+        return torch._scaled_mm(a, q.t(), scale_a=a_s, scale_b=scales.n_major, out_dtype=x.dtype)[:m]
+    out = x.new_empty((m, n))
     a, a_s = quantize_groups_triton(x) if a_fp8 else (x, scales)
     cfg = dict(_tiles(m, n, k, a_fp8), **(config or {}))
     split = cfg.get("SPLIT_K", 1)

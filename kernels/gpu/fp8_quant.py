@@ -57,32 +57,40 @@ def quantize_group_tile(x, FP8_MAX_C: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sq_m, ss_m,
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, sx_m, sq_m, ss_m, ss_g,
                   ROWS: tl.constexpr, GROUP_C: tl.constexpr, FP8_MAX_C: tl.constexpr):
-    # Program (rb, g): rows rb*ROWS.., columns of group g.
+    # Program (rb, g): rows rb*ROWS.., columns of group g; rows M..M_OUT-1 (padding) get
+    # what a row of zeros quantizes to (codes 0, scale 1).
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP_C + tl.arange(0, GROUP_C)
-    rm = rows < M
-    m = rm[:, None] & (cols[None, :] < K)
+    cm = cols[None, :] < K
     r64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + r64[:, None] * sx_m + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r64[:, None] * sx_m + cols[None, :], mask=(rows < M)[:, None] & cm,
+                other=0.0).to(tl.float32)
     q, scale = quantize_group_tile(x, FP8_MAX_C)
-    tl.store(q_ptr + r64[:, None] * sq_m + cols[None, :], q, mask=m)
-    tl.store(s_ptr + r64 * ss_m + g, scale, mask=rm)
+    ro = rows < M_OUT
+    tl.store(q_ptr + r64[:, None] * sq_m + cols[None, :], q, mask=ro[:, None] & cm)
+    tl.store(s_ptr + r64 * ss_m + g * ss_g, scale, mask=ro)
 
 
-def quantize_groups_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups_triton(x: torch.Tensor, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> (fp8 ``[M, K]``, float32 scales ``[M, ceil(K/128)]``); one launch,
-    no host sync."""
+    no host sync. ``m_major``: the layout cuBLAS's block-scaled GEMM takes
+    (`fp8_linear.CUBLAS_BLOCKWISE`): rows padded to a multiple of 4 (``M4``; a padding row
+    is a row of zeros: codes 0, scale 1) and the scales ``[M4, KB]`` with stride ``(1, M4)``."""
     m, k = x.shape
     kb = triton.cdiv(k, GROUP)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, kb), dtype=torch.float32, device=x.device)
+    m_out = -(-m // 4) * 4 if m_major else m
+    q = torch.empty((m_out, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if m_major:
+        s = torch.empty((kb, m_out), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((m, kb), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, s
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows = 4
-    _quant_kernel[(triton.cdiv(m, rows), kb)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+    _quant_kernel[(triton.cdiv(m_out, rows), kb)](x, q, s, m, m_out, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                               ROWS=rows, GROUP_C=GROUP, FP8_MAX_C=FP8_MAX, num_warps=4)
     return q, s
