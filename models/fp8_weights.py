@@ -19,8 +19,8 @@ from ..kernels.fp8 import (BLOCK, FP8, check_k_cut, expand_block_scales, keep_n_
                            quantize_blocks, slice_k_blocks)
 from .checkpoint import Checkpoint
 
-__all__ = ["Fp8Weight", "check_fp8_tp", "is_fp8_checkpoint", "read_fp8", "read_fp8_experts",
-           "use_fp8"]
+__all__ = ["Fp8Weight", "check_fp8_tp", "fp8_scales", "is_fp8_checkpoint", "keep_fp8_layouts",
+           "read_fp8", "read_fp8_experts", "use_fp8"]
 
 Fp8Weight = tuple[torch.Tensor, torch.Tensor]  # (codes [.., N, K] fp8, scales [.., N, KB])
 
@@ -114,3 +114,16 @@ def use_fp8(module: torch.nn.Module, name: str, weight: Fp8Weight) -> None:
         raise ValueError(f"{name}: FP8 weight {tuple(q.shape)} != expected {tuple(param.shape)}")
     param.data = q
     setattr(module, f"{name}_scale", keep_n_major(scales.to(torch.float32)))
+
+
+def fp8_scales(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The scales of every FP8 weight in `model` (the `<name>_scale` buffers that are set)."""
+    return [buf for module in model.modules() for name, buf in module.named_buffers(recurse=False)
+            if name.endswith("_scale") and buf is not None]
+
+
+def keep_fp8_layouts(model: torch.nn.Module) -> None:
+    """Once `model` is on its device (moving it copies its buffers, and a copy does not
+    carry `keep_n_major`'s layout): every 2-D FP8 weight's scales get their N-major copy."""
+    for scales in fp8_scales(model):
+        keep_n_major(scales)

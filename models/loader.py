@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from .checkpoint import Checkpoint, read_hf_config
+from .fp8_weights import keep_fp8_layouts
 from .parallel import ExpertParallel, ModelComm
 from .qwen3_moe import CausalLM
 from .random_weights import RandomWeights
@@ -52,4 +53,6 @@ def load_model(path: str | os.PathLike, cfg: ModelConfig, shard: ModelShard,
     finally:
         torch.set_default_dtype(prev)
     load_weights(model, ckpt, quantize)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    keep_fp8_layouts(model)
+    return model

@@ -123,3 +123,22 @@ def test_a_tp_size_that_cuts_blocks_is_refused_before_any_rank_starts(fp8_dirs, 
             LLM(model, tp=2, **kw)
         with pytest.raises(ValueError, match="prefill_tp: prefill_tp=2"):
             LLM(model, prefill_tp=2, decode_dp=1, **kw)
+
+
+
+def test_fp8_scales_lists_every_fp8_weight_of_a_loaded_model(tiny_model, tmp_path):
+    """`fp8_scales` (which `keep_fp8_layouts` walks after the model moves to its device)
+    finds each FP8 projection's scales: qkv, o and the expert stacks of every layer."""
+    from phalanx.models.fp8_weights import fp8_scales
+
+    fp8 = write_fp8_checkpoint(tiny_model, tmp_path / "fp8")
+    model = LLM(fp8, device="cpu", num_pages=64).engine.model
+    want = []
+    for layer in model.layers:
+        want += [layer.attn.qkv_proj_scale, layer.attn.o_proj_scale]
+        mlp = layer.mlp
+        want += [mlp.w13_scale, mlp.w2_scale] if hasattr(mlp, "w13_scale") else \
+            [mlp.gate_up_proj_scale, mlp.down_proj_scale]
+    got = fp8_scales(model)
+    assert all(w is not None for w in want)
+    assert len(got) == len(want) and all(any(g is w for g in got) for w in want)

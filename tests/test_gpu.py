@@ -262,6 +262,9 @@ def test_fp8_checkpoint_agrees_with_its_bf16_twin(tiny_model, tmp_path, capsys):
         streams[name] = [list(o.outputs[0].token_ids) for o in outs]
         if name == "fp8":
             assert llm.engine.model.layers[1].mlp.w13.dtype == torch.float8_e4m3fn
+            # loaded on the CPU, moved: the dense scales carry cuBLAS's N-major copy again
+            scales = llm.engine.model.layers[0].attn.qkv_proj_scale
+            assert torch.equal(scales.n_major, scales.t()), "keep_fp8_layouts"
         llm.close()
         del llm
         gc.collect()
