@@ -221,6 +221,21 @@ def check_fused_experts_fp8_prefill(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_fused_experts_fp8_even_equal(g: torch.Generator) -> float:
+    """The experts' EVEN tiles (no masks, the row strides as constants; a config key for
+    the GPU to rank) give the default tiles' bits, prefill (FP8 dots) and decode (codes
+    dotted in float16) modes, at shapes that divide the tiles; 1.0 if any differs."""
+    from phalanx.kernels.gpu.moe_fp8 import fused_experts_fp8_triton
+
+    bad = 0
+    for t, a_fp8, mode in ((40, True, {}), (5, False, dict(SCALE_AFTER=True)), (5, False, {})):
+        x, w, ids, w13, s13, w2, s2, emap = _moe_case(g, t, hid=256, inter=128)
+        run = [fused_experts_fp8_triton(x, w, ids, w13, s13, w2, s2, emap, a_fp8=a_fp8,
+                                        config=dict(mode, **even)) for even in ({}, dict(EVEN=True))]
+        bad += 0 if torch.equal(*run) else 1
+    return float(bad)
+
+
 if __name__ == "__main__":
     run_kernel_checks(globals())
 

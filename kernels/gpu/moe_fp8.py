@@ -39,12 +39,21 @@ from .moe import SMALL_MAX_PAIRS, _align, _combine_kernel
 __all__ = ["fused_experts_fp8_triton"]
 
 
+@triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    """The values at ``ptrs``, 0 where ``mask`` is false; with EVEN (the shapes divide the
+    tiles and every row pointer is in bounds) unmasked."""
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["P"])
 def _fp8_gate_up_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, inter_ptr, is_ptr, sorted_ptr, bexp_ptr,
     P, K_TOP, HID, I, E, sx_t, sxs_t, sw_e, sw_n, sws_e, sws_n, si_r, sis_r,
     A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREC: tl.constexpr, FP8_MAX_C: tl.constexpr,
+    PREC: tl.constexpr, FP8_MAX_C: tl.constexpr, EVEN: tl.constexpr, SW_N: tl.constexpr, SWS_N: tl.constexpr,
 ):
     # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1); scales [2I, HID/128].
     b = tl.program_id(0)
@@ -55,15 +64,20 @@ def _fp8_gate_up_kernel(
     rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     rm = pair < P
-    tok = (pair // K_TOP).to(tl.int64)
+    if EVEN:  # `_load`: a padding row reads token 0 (never stored); strides as constants
+        tok = tl.where(rm, pair // K_TOP, 0).to(tl.int64)
+        w_n, s_n = SW_N, SWS_N
+    else:
+        tok = (pair // K_TOP).to(tl.int64)
+        w_n, s_n = sw_n, sws_n
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
     kk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tok[:, None] * sx_t
-    w_gate = w_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
-    w_up = w_gate + I * sw_n
-    s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
-    s_up = s_gate + I * sws_n
+    w_gate = w_ptr + e * sw_e + n[None, :].to(tl.int64) * w_n
+    w_up = w_gate + I * w_n
+    s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * s_n
+    s_up = s_gate + I * s_n
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     sg_ahead = scales_ahead(s_gate, 0, nm, HID, BLOCK_K, SCALE_AFTER)
@@ -71,18 +85,18 @@ def _fp8_gate_up_kernel(
     for kb in range(0, tl.cdiv(HID, BLOCK_K)):
         k = kb * BLOCK_K + kk
         km = k < HID
-        a = tl.load(x_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        a_s = tl.load(xs_ptr + tok * sxs_t + kb, mask=rm, other=0.0) if A_FP8 else rm
+        a = _load(x_rows + k[None, :], rm[:, None] & km[None, :], EVEN)
+        a_s = _load(xs_ptr + tok * sxs_t + kb, rm, EVEN) if A_FP8 else rm
         wm = km[:, None] & nm[None, :]
-        wg = tl.load(w_gate + k[:, None], mask=wm, other=0.0)
-        wu = tl.load(w_up + k[:, None], mask=wm, other=0.0)
+        wg = _load(w_gate + k[:, None], wm, EVEN)
+        wu = _load(w_up + k[:, None], wm, EVEN)
         if SCALE_AFTER:  # this block's scales came a block ahead; load the next block's
             sg, su = sg_ahead, su_ahead
             sg_ahead = scales_ahead(s_gate, kb + 1, nm, HID, BLOCK_K, True)
             su_ahead = scales_ahead(s_up, kb + 1, nm, HID, BLOCK_K, True)
         else:
-            sg = tl.load(s_gate + kb, mask=nm, other=0.0)
-            su = tl.load(s_up + kb, mask=nm, other=0.0)
+            sg = _load(s_gate + kb, nm, EVEN)
+            su = _load(s_up + kb, nm, EVEN)
         acc_g = fp8_block_dot(acc_g, a, a_s, wg, sg, A_FP8, SCALE_AFTER, PREC)
         acc_u = fp8_block_dot(acc_u, a, a_s, wu, su, A_FP8, SCALE_AFTER, PREC)
     out_rows = inter_ptr + rows[:, None].to(tl.int64) * si_r + n[None, :]
@@ -104,7 +118,7 @@ def _fp8_down_kernel(
     inter_ptr, is_ptr, w_ptr, ws_ptr, pair_out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
     P, HID, I, E, si_r, sis_r, sw_e, sw_n, sws_e, sws_n, so_r,
     A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, EVEN: tl.constexpr, SW_N: tl.constexpr, SWS_N: tl.constexpr,
 ):
     # w2[e] is [HID, I]; scales [HID, I/128]. Output row = pair id, scaled by its weight.
     b = tl.program_id(0)
@@ -119,21 +133,25 @@ def _fp8_down_kernel(
     nm = n < HID
     kk = tl.arange(0, BLOCK_K)
     a_rows = inter_ptr + rows[:, None].to(tl.int64) * si_r
-    w_rows = w_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
-    s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
+    if EVEN:  # `_load`; a padding row of `inter` (unwritten) stays in its own row, never stored
+        w_rows = w_ptr + e * sw_e + n[None, :].to(tl.int64) * SW_N
+        s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * SWS_N
+    else:
+        w_rows = w_ptr + e * sw_e + n[None, :].to(tl.int64) * sw_n
+        s_rows = ws_ptr + e * sws_e + n.to(tl.int64) * sws_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     s_ahead = scales_ahead(s_rows, 0, nm, I, BLOCK_K, SCALE_AFTER)
     for kb in range(0, tl.cdiv(I, BLOCK_K)):
         k = kb * BLOCK_K + kk
         km = k < I
-        a = tl.load(a_rows + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        a_s = tl.load(is_ptr + rows.to(tl.int64) * sis_r + kb, mask=rm, other=0.0) if A_FP8 else rm
-        w = tl.load(w_rows + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+        a = _load(a_rows + k[None, :], rm[:, None] & km[None, :], EVEN)
+        a_s = _load(is_ptr + rows.to(tl.int64) * sis_r + kb, rm, EVEN) if A_FP8 else rm
+        w = _load(w_rows + k[:, None], km[:, None] & nm[None, :], EVEN)
         if SCALE_AFTER:  # as in gate_up: the scales a block ahead
             w_s = s_ahead
             s_ahead = scales_ahead(s_rows, kb + 1, nm, I, BLOCK_K, True)
         else:
-            w_s = tl.load(s_rows + kb, mask=nm, other=0.0)
+            w_s = _load(s_rows + kb, nm, EVEN)
         acc = fp8_block_dot(acc, a, a_s, w, w_s, A_FP8, SCALE_AFTER, PREC)
     ty = pair_out_ptr.dtype.element_ty
     wt = tl.load(tw_ptr + pair, mask=rm, other=0.0).to(ty).to(tl.float32)
@@ -163,6 +181,16 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
         f16 = DECODE_F16 and dtype != torch.float32
         return dict(A_FP8=False, SCALE_AFTER=f16, BLOCK_M=16, N1=128, N2=128, warps=4, stages=3)
     return dict(A_FP8=True, SCALE_AFTER=False, BLOCK_M=64, N1=GROUP, N2=256, warps=8, stages=3)
+
+
+def _even(cfg: dict, k: int, rows: int, n_tile: int, w: torch.Tensor, ws: torch.Tensor) -> dict:
+    """The launch keys of config keys ``EVEN`` (loads without masks and the weight's row
+    strides as constants, where K is whole 128-column blocks and an expert's `rows` (per
+    gate / up / down) whole N tiles) and ``maxnreg`` (a register cap per thread). Both off
+    by default: candidates for the prefill tiles, for a GPU to rank (bench/NOTES.md)."""
+    on = bool(cfg.get("EVEN", False)) and k % GROUP == 0 and rows % n_tile == 0
+    keys = dict(EVEN=on, SW_N=w.stride(1) if on else 0, SWS_N=ws.stride(1) if on else 0)
+    return dict(keys, maxnreg=cfg["maxnreg"]) if "maxnreg" in cfg else keys
 
 
 def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale,
@@ -205,7 +233,7 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
         P, k_top, hid, inter_dim, E, a.stride(0), a_s.stride(0), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), inter_s.stride(0),
         A_FP8=cfg["A_FP8"], SCALE_AFTER=cfg["SCALE_AFTER"], BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=GROUP, PREC=prec, FP8_MAX_C=FP8_MAX,
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_even(cfg, hid, inter_dim, cfg["N1"], w13, w13_scale),
     )
     pair_out = x.new_empty((P, hid))
     weights = topk_weights.reshape(-1).contiguous()
@@ -214,7 +242,7 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
         P, hid, inter_dim, E, inter.stride(0), inter_s.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), pair_out.stride(0),
         A_FP8=cfg["A_FP8"], SCALE_AFTER=cfg["SCALE_AFTER"], BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=GROUP, PREC=prec,
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_even(cfg, inter_dim, hid, cfg["N2"], w2, w2_scale),
     )
     out = x.new_empty((T, hid))
     block = min(1024, triton.next_power_of_2(hid))
