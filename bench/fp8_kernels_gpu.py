@@ -57,7 +57,8 @@ def _time_us(fn) -> float:
 def _weight(shape, g):
     """FP8 codes and per-row scales as the engine loads them (`use_fp8`: 2-D scales also
     N-major, so the linears past 16 rows take cuBLAS's block-scaled GEMM)."""
-    from phalanx.kernels.fp8 import expand_block_scales, keep_n_major, quantize_blocks
+    from phalanx.kernels.fp8 import expand_block_scales, quantize_blocks
+    from phalanx.kernels.fp8_cublas import keep_n_major
     q, blocks = quantize_blocks(torch.randn(*shape, device="cuda", generator=g) * 0.02)
     return q, keep_n_major(expand_block_scales(blocks, shape[-2]))
 

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from .backend import use_triton
 
 __all__ = ["BLOCK", "FP8", "FP8_MAX", "check_k_cut", "dequantize", "expand_block_scales", "fp8_linear",
-           "keep_n_major",
            "fp8_linear_ref", "f16_grid", "quantize_blocks", "quantize_groups", "slice_k_blocks"]
 
 BLOCK = 128
@@ -56,17 +55,6 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def expand_block_scales(block_scales: torch.Tensor, n: int) -> torch.Tensor:
     """Block scales ``[..., ceil(N/128), KB]`` -> per-row scales ``[..., N, KB]``."""
     return block_scales.float().repeat_interleave(BLOCK, dim=-2)[..., :n, :].contiguous()
-
-
-def keep_n_major(scales: torch.Tensor) -> torch.Tensor:
-    """``scales`` (a 2-D weight's ``[N, KB]``, on a GPU) with its values also laid out
-    N-major, ``[KB, N]`` contiguous, as ``scales.n_major``: the weight operand's layout of
-    cuBLAS's block-scaled FP8 GEMM (`gpu/fp8_linear.CUBLAS_BLOCKWISE`), made once at load
-    so no step copies it. Returns ``scales``; a copy of ``scales`` does not carry it (the
-    Triton kernels take it then)."""
-    if scales.dim() == 2 and scales.is_cuda:
-        scales.n_major = scales.t().contiguous()
-    return scales
 
 
 def check_k_cut(k: int, start: int, stop: int) -> None:

@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 
-from ..kernels.fp8 import (BLOCK, FP8, check_k_cut, expand_block_scales, keep_n_major,
-                           quantize_blocks, slice_k_blocks)
+from ..kernels.fp8 import (BLOCK, FP8, check_k_cut, expand_block_scales, quantize_blocks,
+                           slice_k_blocks)
+from ..kernels.fp8_cublas import keep_n_major
 from .checkpoint import Checkpoint
 
 __all__ = ["Fp8Weight", "check_fp8_tp", "fp8_scales", "is_fp8_checkpoint", "keep_fp8_layouts",

@@ -15,16 +15,15 @@ in ``x.dtype``). Two modes of one kernel, chosen from M and x's dtype:
   against bf16; quantizing activations would add a launch and error and save nothing.
 
 On sm_90 with bf16 activations in the first mode, weights loaded with their N-major
-scales (`kernels/fp8.keep_n_major`) and no bias, the GEMM is cuBLAS's block-scaled FP8
-(``torch._scaled_mm``, activation scales per 128 columns, weight scales per row and 128
-columns: the same products) after the same quantization (`CUBLAS_BLOCKWISE`).
+scales (`kernels/fp8_cublas.keep_n_major`: only where this GPU runs it) and no bias, the
+GEMM is cuBLAS's block-scaled FP8 (``torch._scaled_mm``, activation scales per 128
+columns, weight scales per row and 128 columns: the same products) after the same
+quantization (`CUBLAS_BLOCKWISE`).
 
 No host sync: CUDA-graph capturable. K blocks of 128 match the scales' blocks.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -160,17 +159,11 @@ def _tiles(m: int, n: int, k: int, a_fp8: bool) -> dict:
 
 def _cublas_takes(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether cuBLAS's block-scaled GEMM runs this FP8-activation product (module
-    docstring): sm_90, bf16 ``x``, N-major scales kept, K in whole 128-column blocks, N a
-    multiple of 16 (cuBLAS's FP8 alignment)."""
+    docstring): bf16 ``x``, the weight's N-major scales kept (so this GPU runs it), K in
+    whole 128-column blocks, N a multiple of 16 (cuBLAS's FP8 alignment)."""
     n, k = q.shape
     return (CUBLAS_BLOCKWISE and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(scales, "n_major")
-            and k % GROUP == 0 and n % 16 == 0 and q.is_contiguous() and x.is_contiguous()
-            and _major(x.device.index) == 9)
-
-
-@functools.lru_cache(maxsize=None)
-def _major(device_index: int | None) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
+            and k % GROUP == 0 and n % 16 == 0 and q.is_contiguous() and x.is_contiguous())
 
 
 def fp8_linear_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
