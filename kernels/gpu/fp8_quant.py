@@ -91,6 +91,7 @@ def quantize_groups_triton(x: torch.Tensor, m_major: bool = False) -> tuple[torc
         return q, s
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows = 4
-    _quant_kernel[(triton.cdiv(m_out, rows), kb)](x, q, s, m, m_out, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                              ROWS=rows, GROUP_C=GROUP, FP8_MAX_C=FP8_MAX, num_warps=4)
+    _quant_kernel[(triton.cdiv(m_out, rows), kb)](
+        x, q, s, m, m_out, k, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        ROWS=rows, GROUP_C=GROUP, FP8_MAX_C=FP8_MAX, num_warps=4)
     return q, s
