@@ -7,7 +7,7 @@ terms, activation scales per 1x128 and weight scales per row and 128 columns (1x
 same products as the Triton kernel's. torch checks the scales' layouts: ``a_s`` M-major
 (stride ``(1, M)``), the weight's ``[K/128, N]`` contiguous (its transpose N-major), M a
 multiple of 4. The weight's layout is made once at load (`keep_n_major`), and only where
-a trial product ran on that GPU (`block_scaled_gemm_runs`): a build without it (CUDA
+a trial product ran on that GPU (`block_scaled_gemm_error`): a build without it (CUDA
 before 12.9, another architecture) keeps the Triton kernels.
 """
 
@@ -17,11 +17,7 @@ import functools
 
 import torch
 
-from ..log import get_logger
-
-__all__ = ["block_scaled_gemm_runs", "keep_n_major"]
-
-log = get_logger(__name__)
+__all__ = ["block_scaled_gemm_error", "keep_n_major"]
 
 
 def keep_n_major(scales: torch.Tensor) -> torch.Tensor:
@@ -29,18 +25,21 @@ def keep_n_major(scales: torch.Tensor) -> torch.Tensor:
     with its values also laid out N-major, ``[KB, N]`` contiguous, as ``scales.n_major``:
     made once at load so no step copies it. Returns ``scales``; a copy of ``scales`` does
     not carry it (the Triton kernels take the weight then)."""
-    if scales.dim() == 2 and scales.is_cuda and block_scaled_gemm_runs(scales.device.index, *scales.shape):
+    if scales.dim() == 2 and scales.is_cuda and block_scaled_gemm_error(scales.device.index, *scales.shape) is None:
         scales.n_major = scales.t().contiguous()
     return scales
 
 
 @functools.lru_cache(maxsize=None)
-def block_scaled_gemm_runs(device_index: int | None, n: int, kb: int) -> bool:
-    """Whether a 32-row product with a weight of ``n`` rows and ``kb`` 128-column blocks
-    runs on this sm_90 GPU. Called at load, never under a graph capture; a refusal is
-    logged once per shape."""
-    if n % 16 or torch.cuda.get_device_capability(device_index)[0] != 9:
-        return False
+def block_scaled_gemm_error(device_index: int | None, n: int, kb: int) -> str | None:
+    """None if a 32-row product with a weight of ``n`` rows and ``kb`` 128-column blocks
+    runs on this GPU, else why not (the caller logs it). Called at load, never under a
+    graph capture."""
+    if n % 16:
+        return f"{n} weight rows: cuBLAS's FP8 GEMM wants a multiple of 16"
+    major = torch.cuda.get_device_capability(device_index)[0]
+    if major != 9:
+        return f"compute capability {major}.x: measured on sm_90 only"
     dev = torch.device("cuda", device_index)
     a = torch.zeros(32, kb * 128, device=dev).to(torch.float8_e4m3fn)
     w = torch.zeros(n, kb * 128, device=dev).to(torch.float8_e4m3fn)
@@ -49,7 +48,5 @@ def block_scaled_gemm_runs(device_index: int | None, n: int, kb: int) -> bool:
     try:
         torch._scaled_mm(a, w.t(), scale_a=a_s, scale_b=w_s, out_dtype=torch.bfloat16)
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
-        log.warning("fp8.cublas_block_scaled_unavailable", device=str(dev), n=n, kb=kb,
-                    error=str(e).splitlines()[0][:200])
-        return False
-    return True
+        return str(e).splitlines()[0][:200]
+    return None

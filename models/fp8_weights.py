@@ -17,11 +17,14 @@ import torch
 
 from ..kernels.fp8 import (BLOCK, FP8, check_k_cut, expand_block_scales, quantize_blocks,
                            slice_k_blocks)
-from ..kernels.fp8_cublas import keep_n_major
+from ..kernels.fp8_cublas import block_scaled_gemm_error, keep_n_major
+from ..log import get_logger
 from .checkpoint import Checkpoint
 
 __all__ = ["Fp8Weight", "check_fp8_tp", "fp8_scales", "is_fp8_checkpoint", "keep_fp8_layouts",
            "read_fp8", "read_fp8_experts", "use_fp8"]
+
+log = get_logger(__name__)
 
 Fp8Weight = tuple[torch.Tensor, torch.Tensor]  # (codes [.., N, K] fp8, scales [.., N, KB])
 
@@ -125,6 +128,13 @@ def fp8_scales(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def keep_fp8_layouts(model: torch.nn.Module) -> None:
     """Once `model` is on its device (moving it copies its buffers, and a copy does not
-    carry `keep_n_major`'s layout): every 2-D FP8 weight's scales get their N-major copy."""
+    carry `keep_n_major`'s layout): every 2-D FP8 weight's scales get their N-major copy,
+    where that GPU runs cuBLAS's block-scaled GEMM at its shape; a shape it refuses is
+    logged once (those weights keep the Triton FP8 linears)."""
+    refused = set()
     for scales in fp8_scales(model):
-        keep_n_major(scales)
+        if keep_n_major(scales).is_cuda and scales.dim() == 2 and not hasattr(scales, "n_major"):
+            refused.add((scales.device.index, *scales.shape))
+    for index, n, kb in sorted(refused):  # these keep the Triton FP8 linears
+        log.warning("fp8.cublas_block_scaled_unavailable", device=index, rows=n, k_blocks=kb,
+                    error=block_scaled_gemm_error(index, n, kb))
