@@ -25,6 +25,8 @@ def keep_n_major(scales: torch.Tensor) -> torch.Tensor:
     with its values also laid out N-major, ``[KB, N]`` contiguous, as ``scales.n_major``:
     made once at load so no step copies it. Returns ``scales``; a copy of ``scales`` does
     not carry it (the Triton kernels take the weight then)."""
+    if hasattr(scales, "n_major"):  # kept already (use_fp8 on the device, then the load's pass)
+        return scales
     if scales.dim() == 2 and scales.is_cuda and block_scaled_gemm_error(scales.device.index, *scales.shape) is None:
         scales.n_major = scales.t().contiguous()
     return scales
