@@ -97,13 +97,13 @@ def token_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
                 streams_equal=sum(a == b for a, b in pairs) / len(pairs))
 
 
-def _fp8_switch(module: str, name: str, off_value):
+def _fp8_switch(module: str, name: str, off_value, default=None):
     """A switch for `FP8_BASELINES` (`decode_gpu.py --baselines`): on sets ``module.name``
-    to ``off_value`` (the part turned off), off restores True/False (today's default, the
-    opposite)."""
+    to ``off_value`` (the part turned off, or a candidate turned on), off restores
+    ``default`` (None: True/False, the opposite of ``off_value``)."""
     def switch(on: bool) -> None:
         mod = importlib.import_module(f"phalanx.kernels{module}")
-        setattr(mod, name, off_value if on else (not off_value))
+        setattr(mod, name, off_value if on else (not off_value) if default is None else default)
     return switch
 
 
@@ -124,4 +124,7 @@ FP8_BASELINES = {
     # the FP8-activation linears (batches past 16, prefill) by the Triton kernel instead of
     # cuBLAS's block-scaled GEMM
     "fp8tritonlin": (_fp8_switch(".gpu.fp8_linear", "CUBLAS_BLOCKWISE", False), lambda b: b > 16, True),
+    # a candidate, off by default: the experts' decode tiles past the small path with the
+    # weight rows as the MMA's M and FP8 activations (`moe_fp8_decode`)
+    "fp8wrows": (_fp8_switch(".gpu.moe_fp8", "DECODE_WEIGHT_ROWS", {}, False), lambda b: b > 4, False),
 }

@@ -221,6 +221,29 @@ def check_fused_experts_fp8_prefill(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_fused_experts_fp8_weight_rows(g: torch.Generator) -> float:
+    """`moe_fp8_decode` (the weight rows as the MMA's M, FP8 activations) against the
+    prefill mode's arithmetic, several tiles and token counts that leave padding rows;
+    through `moe_fp8`'s switch too."""
+    from phalanx.kernels.gpu import moe_fp8
+    from phalanx.kernels.gpu.moe_fp8_decode import fused_experts_fp8_decode_triton
+
+    errs = []
+    for t, cfg in ((1, {}), (7, dict(N2=64)), (24, dict(BLOCK_T=32, stages=2))):
+        x, w, ids, w13, s13, w2, s2, emap = _moe_case(g, t, hid=256, inter=256)
+        ref = _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap)
+        errs.append(rel_err(fused_experts_fp8_decode_triton(x, w, ids, w13, s13, w2, s2, emap, config=cfg), ref))
+    xb = x.to(torch.bfloat16)  # the switch takes 16-bit activations past the small path
+    moe_fp8.DECODE_WEIGHT_ROWS = {}
+    try:
+        switched = moe_fp8.fused_experts_fp8_triton(xb, w, ids, w13, s13, w2, s2, emap)
+    finally:
+        moe_fp8.DECODE_WEIGHT_ROWS = False
+    errs.append(0.0 if torch.equal(switched, fused_experts_fp8_decode_triton(xb, w, ids, w13, s13, w2, s2, emap))
+                else 1.0)
+    return max(errs)
+
+
 def check_fused_experts_fp8_even_equal(g: torch.Generator) -> float:
     """The experts' EVEN tiles (no masks, the row strides as constants; a config key for
     the GPU to rank) give the default tiles' bits, prefill (FP8 dots) and decode (codes

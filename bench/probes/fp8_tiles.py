@@ -3,6 +3,8 @@
     python bench/probes/fp8_tiles.py [--only linear-decode,linear-mid,linear-prefill,experts-decode,experts-mid,experts-prefill]
                                      [--variants "[dict(EVEN=True), dict(EVEN=True, stages=4)]"]
 
+(An experts variant with ``WROWS=True`` runs `moe_fp8_decode`'s kernels with its other keys.)
+
 (``-prefill16``: the prefill shapes with bf16 activations, weights dequantized in registers.)
 
 Every variant's output is checked against the reference of its mode (relative error, a
@@ -106,6 +108,7 @@ def experts_cases(kind: str, g) -> list[dict]:
     from phalanx.kernels.fp8 import dequantize
     from phalanx.kernels.gpu.moe import fused_experts_triton
     from phalanx.kernels.gpu.moe_fp8 import fused_experts_fp8_triton
+    from phalanx.kernels.gpu.moe_fp8_decode import fused_experts_fp8_decode_triton
     from phalanx.kernels.moe import fused_experts_ref, route
 
     w13, s13 = _weight((NE, 2 * INTER, HID), g)
@@ -121,6 +124,12 @@ def experts_cases(kind: str, g) -> list[dict]:
         refs = {True: _experts_acts_ref(x, w, ids, w13d, w2d), False: fused_experts_ref(x, w, ids, w13d, w2d)}
         bf16 = _time_us(lambda: fused_experts_triton(x, w, ids, w13d, w2d))
         for v in variants:
+            if v.get("WROWS"):  # the weight rows as the MMA's M (`moe_fp8_decode`), FP8 activations
+                cfg = {key: val for key, val in v.items() if key != "WROWS"}
+                fn = lambda cfg=cfg: fused_experts_fp8_decode_triton(x, w, ids, w13, s13, w2, s2,  # noqa: E731
+                                                                     config=cfg)
+                rows += _measure(f"experts T={m}", v, fn, refs[True], bf16)
+                continue
             af = v.get("A_FP8", kind == "prefill")
             fn = lambda v=v, af=af: fused_experts_fp8_triton(x, w, ids, w13, s13, w2, s2,  # noqa: E731
                                                              a_fp8=af, config=v)

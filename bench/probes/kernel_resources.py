@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offline_sm90 import offline_target  # noqa: E402  (bench/)
 
 from phalanx.kernels.attention import AttentionMetadata  # noqa: E402
-from phalanx.kernels.gpu import attention, gemv, moe, moe_fp8, prefill_attention  # noqa: E402
+from phalanx.kernels.gpu import attention, gemv, moe, moe_fp8, moe_fp8_decode, prefill_attention  # noqa: E402
 from phalanx.kernels.gpu.fp8_linear import fp8_linear_triton  # noqa: E402
 
 HID, NQ, NKV, HD, E, INTER, TOPK, PAGE, CTX = 2048, 32, 4, 128, 128, 768, 8, 16, 1024
@@ -74,6 +74,9 @@ def launch_cases(batch: int) -> list[tuple[str, object]]:
              ("attention ahead", attend(prefetch=True)),
              ("experts bf16", lambda: moe.fused_experts_triton(x, weights, ids, w13, w2)),
              ("experts fp8", lambda: moe_fp8.fused_experts_fp8_triton(x, weights, ids, q13, s13, q2, s2))]
+    if batch > 4:  # past the small path: the weight-rows candidate (`moe_fp8.DECODE_WEIGHT_ROWS`)
+        cases.append(("experts fp8 weight rows",
+                      lambda: moe_fp8_decode.fused_experts_fp8_decode_triton(x, weights, ids, q13, s13, q2, s2)))
     for name, (n, k) in (("qkv", (NQ * HD + 2 * NKV * HD, HID)), ("o", (HID, NQ * HD))):
         qw, sw = torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, k // 128)
         a = torch.empty(batch, k, dtype=BF16)

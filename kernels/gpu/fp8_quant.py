@@ -48,11 +48,13 @@ def f16_rows(a):
 
 
 @triton.jit
-def quantize_group_tile(x, FP8_MAX_C: tl.constexpr):
-    """``x`` [R, 128] float32 -> (codes [R, 128] fp8, scales [R] float32)."""
-    amax = tl.max(tl.abs(x), axis=1)
+def quantize_group_tile(x, FP8_MAX_C: tl.constexpr, AXIS: tl.constexpr = 1):
+    """``x`` [R, 128] float32 -> (codes [R, 128] fp8, scales [R] float32); with AXIS 0
+    ``x`` is [128, R], one group a column (the transposed tile)."""
+    amax = tl.max(tl.abs(x), axis=AXIS)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX_C), 1.0)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX_C, FP8_MAX_C)  # IEEE division, as torch
+    s = scale[:, None] if AXIS == 1 else scale[None, :]
+    q = tl.clamp(tl.math.div_rn(x, s), -FP8_MAX_C, FP8_MAX_C)  # IEEE division, as torch
     return e4m3_round(q).to(tl.float8e4nv), scale
 
 

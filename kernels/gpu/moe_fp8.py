@@ -33,7 +33,7 @@ import triton.language as tl
 from .attention import dot_precision
 from .fp8_linear import fp8_block_dot, scales_ahead
 from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
-from . import moe_decode
+from . import moe_decode, moe_fp8_decode
 from .moe import SMALL_MAX_PAIRS, _align, _combine_kernel
 
 __all__ = ["fused_experts_fp8_triton"]
@@ -171,6 +171,13 @@ def _fp8_down_kernel(
 # the dequantizing tiles beside it.
 DECODE_F16 = True
 
+# Decode tiles past the small path with the weight rows as the MMA's M and FP8 activations
+# (`moe_fp8_decode`, wgmma on the codes): False, True (its defaults) or its config keys.
+# Off: 1.008-1.014x on one H100 at 2.5x the error; for an H200 to rank (`decode_gpu.py
+# --quantization fp8 --baselines fp8wrows`). On, the small path would have to follow
+# for a token's bits not to depend on its batch (see DECODE_F16).
+DECODE_WEIGHT_ROWS: dict | bool = False
+
 
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     """Decode (few rows per expert) and float32 compute: dequantize-in-register tiles
@@ -209,9 +216,14 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
         return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map,
                                                      scales=(w13_scale, w2_scale),
                                                      fp8_f16=DECODE_F16 and x.dtype != torch.float32)
+    cfg = _config(P, E, x.dtype)
+    rows_cfg = DECODE_WEIGHT_ROWS
+    if rows_cfg is not False and not cfg["A_FP8"] and x.dtype != torch.float32 and a_fp8 is None and config is None:
+        return moe_fp8_decode.fused_experts_fp8_decode_triton(x, topk_weights, topk_ids, w13, w13_scale,
+                                                              w2, w2_scale, expert_map,
+                                                              config=rows_cfg if isinstance(rows_cfg, dict) else None)
     ids = topk_ids.reshape(-1)
     ids = (expert_map[ids] if expert_map is not None else ids).to(torch.int32)
-    cfg = _config(P, E, x.dtype)
     if a_fp8 is not None:
         cfg = dict(cfg, A_FP8=a_fp8, **(dict(N1=GROUP) if a_fp8 else {}))
     cfg.update(config or {})
