@@ -331,6 +331,28 @@ def check_fused_experts(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_align_sorts_pairs_by_expert(g: torch.Generator) -> float:
+    """`moe._align` against a stable sort in Python: each expert's pairs in pair order,
+    its run padded with P to a multiple of block_m, its blocks marked with it, unused
+    blocks with E; ids outside [0, E) (not held here) left out. 1.0 if anything differs."""
+    from phalanx.kernels.gpu.moe import _align
+
+    bad = 0
+    for P, E, block_m in ((1, 4, 16), (37, 8, 16), (1500, 12, 64), (2100, 16, 16)):
+        ids = torch.randint(-1, E + 2, (P,), generator=g, dtype=torch.int32)  # -1, E, E+1: not local
+        sorted_ids, block_expert, max_blocks = _align(ids, E, block_m)
+        want_rows, want_blocks = [], []
+        for e in range(E):
+            run = [p for p in range(P) if ids[p] == e]
+            run += [P] * (-len(run) % block_m)
+            want_rows += run
+            want_blocks += [e] * (len(run) // block_m)
+        want_blocks += [E] * (max_blocks - len(want_blocks))
+        bad += sorted_ids[:len(want_rows)].tolist() != want_rows
+        bad += block_expert.tolist() != want_blocks
+    return float(bad)
+
+
 def check_fused_experts_batch_invariant(g: torch.Generator) -> float:
     """A token's output is the same bits whether it runs alone or in a batch.
 

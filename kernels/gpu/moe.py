@@ -3,7 +3,7 @@
 Contract: :func:`phalanx.kernels.moe.fused_experts_ref`. Steps, no host sync (so the
 whole call can be captured in a CUDA graph):
 
-1. align (``_count_kernel``, ``_place_kernel``): the T*k (token, slot) pairs,
+1. align (``_align_kernel``, one launch): the T*k (token, slot) pairs,
    ``pair = t * k + slot``, are sorted by local expert (stable, no atomics); each
    expert's run is padded to a multiple of BLOCK_M,
    giving ``sorted_ids`` [max_blocks * BLOCK_M] (pair id, or ``P`` = padding) and
@@ -20,7 +20,7 @@ whole call can be captured in a CUDA graph):
 
 Small batches (``P = T * k <= SMALL_MAX_PAIRS``) skip all of this: see
 :mod:`phalanx.kernels.gpu.moe_decode` (one GEMV program per pair and I-tile, then one per
-token and H-tile that sums the token's slots: 2 launches instead of 5, no sort). Its
+token and H-tile that sums the token's slots: 2 launches instead of 4, no sort). Its
 default mode computes each element with the same ``tl.dot`` K-order and roundings as
 steps 2-4 at BLOCK_M=16, meant to give a token the same bits on either side of the
 threshold (checked bit-for-bit by ``bench/kernels_gpu.py`` on the GPU; under the
@@ -50,7 +50,7 @@ __all__ = ["fused_experts_triton", "SMALL_MAX_PAIRS"]
 
 # Pairs (T * top_k) up to which fused_experts_triton takes the small-batch path
 # (moe_decode: 2 launches, no align/combine). 32 = T <= 4 at top-8. Why: the general
-# path's fixed cost is 5 dependent launches (align is serial: count, then place) on top
+# path's fixed cost is 4 dependent launches (align, gate_up, down, combine) on top
 # of the weight reads, which dominates at T=1 (33.6 us vs an 18 us floor on an H200).
 # The small path instead reads an expert's weights once per *pair*, not once per expert:
 # at 128 experts top-8, T=4 has ~29 distinct experts for 32 pairs (~10% re-reads, which
@@ -151,27 +151,21 @@ def _combine_kernel(pair_out_ptr, ids_ptr, out_ptr, HID, K_TOP, E, BLOCK: tl.con
     tl.store(out_ptr + t * HID + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HID)
 
 
-@triton.jit(do_not_specialize=["P"])
-def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
-    # Program e: counts[e] = number of pairs whose local expert is e.
+@triton.jit(do_not_specialize=["P", "max_blocks"])
+def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, max_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
+    # Every program first counts the pairs of every local expert (a histogram of the ids
+    # in [0, E)), so no launch before it has to. Program e < E: expert e's run starts at
+    # pad_start[e] = sum of the padded counts of experts < e; its pairs go there in pair
+    # order (a stable sort), the run's padding rows get P, its blocks get block_expert =
+    # e. Program E marks the unused blocks.
     e = tl.program_id(0)
-    acc = tl.zeros([BLOCK], tl.int32)
+    counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, P, BLOCK):
         offs = p0 + tl.arange(0, BLOCK)
         ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-        acc += (ids == e).to(tl.int32)
-    tl.store(counts_ptr + e, tl.sum(acc, axis=0))
-
-
-@triton.jit(do_not_specialize=["P", "max_blocks"])
-def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, bexp_ptr, P, E, max_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
-    # Program e < E: expert e's run starts at pad_start[e] = sum of the padded counts of
-    # experts < e; its pairs go there in pair order (a stable sort), the run's padding
-    # rows get P, its blocks get block_expert = e. Program E marks the unused blocks.
-    e = tl.program_id(0)
+        counts += tl.histogram(ids, BLOCK_E, mask=(ids >= 0) & (ids < E))
     ev = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + ev, mask=ev < E, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     if e == E:
         first = tl.sum(padded, axis=0) // BLOCK_M
@@ -206,12 +200,10 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int):
     """
     P, E = ids.shape[0], num_experts
     max_blocks = triton.cdiv(P, block_m) + min(E, P)
-    counts = torch.empty(E, dtype=torch.int32, device=ids.device)
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     block = 1024 if P > 256 else 256
-    _count_kernel[(E,)](ids, counts, P, BLOCK=block, num_warps=4)
-    _place_kernel[(E + 1,)](ids, counts, sorted_ids, block_expert, P, E, max_blocks,
+    _align_kernel[(E + 1,)](ids, sorted_ids, block_expert, P, E, max_blocks,
                             BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(E), BLOCK=block, num_warps=4)
     return sorted_ids, block_expert, max_blocks
 
