@@ -39,7 +39,7 @@ MM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 NAME_GROUPS = [  # (group, exact names of the Triton kernels in it)
     ("moe gate_up", ("_gate_up_kernel", "_fp8_gate_up_kernel")),
     ("moe down", ("_down_kernel", "_fp8_down_kernel")),
-    ("moe other", ("_align_kernel", "_combine_kernel", "_route_kernel")),
+    ("moe other", ("_count_kernel", "_align_kernel", "_combine_kernel", "_route_kernel")),
     ("gemm fp8", ("_fp8_linear_kernel",)), ("fp8 quant", ("_quant_kernel",)),
     ("attention prefill", ("_prefill_kernel",)), ("gemm skinny", ("_skinny_kernel", "_splitk_reduce_kernel")),
     ("norm/rope/act/kv", ("_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel", "_write_kv_kernel"))]

@@ -3,7 +3,8 @@
 Contract: :func:`phalanx.kernels.moe.fused_experts_ref`. Steps, no host sync (so the
 whole call can be captured in a CUDA graph):
 
-1. align (``_align_kernel``, one launch): the T*k (token, slot) pairs,
+1. align (``_align_kernel``, after ``_count_kernel`` past ``ALIGN_ONE_LAUNCH_MAX_PAIRS``
+   pairs): the T*k (token, slot) pairs,
    ``pair = t * k + slot``, are sorted by local expert (stable, no atomics); each
    expert's run is padded to a multiple of BLOCK_M,
    giving ``sorted_ids`` [max_blocks * BLOCK_M] (pair id, or ``P`` = padding) and
@@ -151,21 +152,37 @@ def _combine_kernel(pair_out_ptr, ids_ptr, out_ptr, HID, K_TOP, E, BLOCK: tl.con
     tl.store(out_ptr + t * HID + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < HID)
 
 
-@triton.jit(do_not_specialize=["P", "max_blocks"])
-def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, max_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr):
-    # Every program first counts the pairs of every local expert (a histogram of the ids
-    # in [0, E)), so no launch before it has to. Program e < E: expert e's run starts at
-    # pad_start[e] = sum of the padded counts of experts < e; its pairs go there in pair
-    # order (a stable sort), the run's padding rows get P, its blocks get block_expert =
-    # e. Program E marks the unused blocks.
+@triton.jit(do_not_specialize=["P"])
+def _count_kernel(ids_ptr, counts_ptr, P, BLOCK: tl.constexpr):
+    # Program e: counts[e] = number of pairs whose local expert is e.
     e = tl.program_id(0)
-    counts = tl.zeros([BLOCK_E], tl.int32)
+    acc = tl.zeros([BLOCK], tl.int32)
     for p0 in range(0, P, BLOCK):
         offs = p0 + tl.arange(0, BLOCK)
         ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-        counts += tl.histogram(ids, BLOCK_E, mask=(ids >= 0) & (ids < E))
+        acc += (ids == e).to(tl.int32)
+    tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+
+
+@triton.jit(do_not_specialize=["P", "max_blocks"])
+def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, bexp_ptr, P, E, max_blocks,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
+                  COUNTED: tl.constexpr):
+    # The pairs of each local expert: COUNTED, from _count_kernel's launch before; else
+    # every program counts them all (a histogram of the ids in [0, E)). Program e < E:
+    # expert e's run starts at pad_start[e] = sum of the padded counts of experts < e;
+    # its pairs go there in pair order (a stable sort), the run's padding rows get P, its
+    # blocks get block_expert = e. Program E marks the unused blocks.
+    e = tl.program_id(0)
     ev = tl.arange(0, BLOCK_E)
+    if COUNTED:
+        counts = tl.load(counts_ptr + ev, mask=ev < E, other=0)
+    else:
+        counts = tl.zeros([BLOCK_E], tl.int32)
+        for p0 in range(0, P, BLOCK):
+            offs = p0 + tl.arange(0, BLOCK)
+            ids = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+            counts += tl.histogram(ids, BLOCK_E, mask=(ids >= 0) & (ids < E))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     if e == E:
         first = tl.sum(padded, axis=0) // BLOCK_M
@@ -191,6 +208,15 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, max_blocks,
                      mask=bb < pad // BLOCK_M)
 
 
+# Pairs up to which the align step is one launch (each program counting every expert
+# itself) instead of a count launch first. One H100 (bench/NOTES.md): at decode batches
+# 16-128 (128-1024 pairs) one launch is 73-77 µs a 24-layer step against 96-99 for two,
+# steps 0.3-0.8% faster; at an 8x2048 prefill (131072 pairs) it takes 243 µs a layer
+# against 178 (each program's histogram of every pair costs more than a count of one
+# expert's).
+ALIGN_ONE_LAUNCH_MAX_PAIRS = 2048
+
+
 def _align(ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort pairs by expert, pad each expert's run to block_m; see the module docstring.
 
@@ -203,8 +229,13 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     block = 1024 if P > 256 else 256
-    _align_kernel[(E + 1,)](ids, sorted_ids, block_expert, P, E, max_blocks,
-                            BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(E), BLOCK=block, num_warps=4)
+    counted = P > ALIGN_ONE_LAUNCH_MAX_PAIRS
+    counts = torch.empty(E, dtype=torch.int32, device=ids.device) if counted else ids  # dummy pointer
+    if counted:
+        _count_kernel[(E,)](ids, counts, P, BLOCK=block, num_warps=4)
+    _align_kernel[(E + 1,)](ids, counts, sorted_ids, block_expert, P, E, max_blocks,
+                            BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(E), BLOCK=block,
+                            COUNTED=counted, num_warps=4)
     return sorted_ids, block_expert, max_blocks
 
 
