@@ -335,12 +335,12 @@ def check_align_sorts_pairs_by_expert(g: torch.Generator) -> float:
     """`moe._align` against a stable sort in Python: each expert's pairs in pair order,
     its run padded with P to a multiple of block_m, its blocks marked with it, unused
     blocks with E; ids outside [0, E) (not held here) left out; in one launch and, past
-    ALIGN_ONE_LAUNCH_MAX_PAIRS, after a count launch. 1.0 if anything differs."""
-    from phalanx.kernels.gpu.moe import ALIGN_ONE_LAUNCH_MAX_PAIRS, _align
+    ALIGN_ONE_LAUNCH_ROWS pairs an expert, after a count launch. 1.0 if anything differs."""
+    from phalanx.kernels.gpu.moe import ALIGN_ONE_LAUNCH_ROWS, _align
 
-    bad = 0
-    big = ALIGN_ONE_LAUNCH_MAX_PAIRS + 52
-    for P, E, block_m in ((1, 4, 16), (37, 8, 16), (1500, 12, 64), (big, 16, 16)):
+    cases = ((1, 4, 16), (37, 8, 16), (1500, 128, 16), (2100, 16, 16), (2100, 120, 64))
+    bad = {P > ALIGN_ONE_LAUNCH_ROWS * E for P, E, _ in cases} != {True, False}  # both modes
+    for P, E, block_m in cases:
         ids = torch.randint(-1, E + 2, (P,), generator=g, dtype=torch.int32)  # -1, E, E+1: not local
         sorted_ids, block_expert, max_blocks = _align(ids, E, block_m)
         want_rows, want_blocks = [], []

@@ -3,8 +3,8 @@
 Contract: :func:`phalanx.kernels.moe.fused_experts_ref`. Steps, no host sync (so the
 whole call can be captured in a CUDA graph):
 
-1. align (``_align_kernel``, after ``_count_kernel`` past ``ALIGN_ONE_LAUNCH_MAX_PAIRS``
-   pairs): the T*k (token, slot) pairs,
+1. align (``_align_kernel``, after ``_count_kernel`` past ``ALIGN_ONE_LAUNCH_ROWS``
+   pairs an expert): the T*k (token, slot) pairs,
    ``pair = t * k + slot``, are sorted by local expert (stable, no atomics); each
    expert's run is padded to a multiple of BLOCK_M,
    giving ``sorted_ids`` [max_blocks * BLOCK_M] (pair id, or ``P`` = padding) and
@@ -208,13 +208,14 @@ def _align_kernel(ids_ptr, counts_ptr, sorted_ptr, bexp_ptr, P, E, max_blocks,
                      mask=bb < pad // BLOCK_M)
 
 
-# Pairs up to which the align step is one launch (each program counting every expert
-# itself) instead of a count launch first. One H100 (bench/NOTES.md): at decode batches
-# 16-128 (128-1024 pairs) one launch is 73-77 µs a 24-layer step against 96-99 for two,
-# steps 0.3-0.8% faster; at an 8x2048 prefill (131072 pairs) it takes 243 µs a layer
-# against 178 (each program's histogram of every pair costs more than a count of one
-# expert's).
-ALIGN_ONE_LAUNCH_MAX_PAIRS = 2048
+# Pairs an expert (on average) up to which the align step is one launch (each program
+# counting every expert itself) instead of a count launch first: the decode tiles'
+# bound (`_config`, `moe_fp8._config`), so the choice adds no compiled variant beyond the
+# tiles'. One H100, 128 experts (bench/NOTES.md): at decode batches 16-128 (128-1024
+# pairs) one launch is 73-77 µs a 24-layer step against 96-99 for two, steps 0.3-0.8%
+# faster; at an 8x2048 prefill (131072 pairs) it took 243 µs a layer against 178 (each
+# program's histogram of every pair costs more than a count of one expert's).
+ALIGN_ONE_LAUNCH_ROWS = 16
 
 
 def _align(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -229,7 +230,7 @@ def _align(ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     block = 1024 if P > 256 else 256
-    counted = P > ALIGN_ONE_LAUNCH_MAX_PAIRS
+    counted = P > ALIGN_ONE_LAUNCH_ROWS * E
     counts = torch.empty(E, dtype=torch.int32, device=ids.device) if counted else ids  # dummy pointer
     if counted:
         _count_kernel[(E,)](ids, counts, P, BLOCK=block, num_warps=4)
