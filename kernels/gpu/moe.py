@@ -63,6 +63,15 @@ __all__ = ["fused_experts_triton", "SMALL_MAX_PAIRS"]
 SMALL_MAX_PAIRS = 32
 
 
+@triton.jit
+def block_pairs(sorted_ptr, b, P, BLOCK_M: tl.constexpr):
+    """Row block ``b`` of the sorted pairs: its rows, their pair ids (``P`` = padding) and
+    which are real."""
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    return rows, pair, pair < P
+
+
 @triton.jit(do_not_specialize=["P"])
 def _gate_up_kernel(
     x_ptr, w_ptr, inter_ptr, sorted_ptr, bexp_ptr,
@@ -75,9 +84,7 @@ def _gate_up_kernel(
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= E:
         return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    rm = pair < P
+    rows, pair, rm = block_pairs(sorted_ptr, b, P, BLOCK_M)
     tok = (pair // K_TOP).to(tl.int64)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -116,9 +123,7 @@ def _down_kernel(
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= E:
         return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    rm = pair < P
+    rows, pair, rm = block_pairs(sorted_ptr, b, P, BLOCK_M)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < HID
     kk = tl.arange(0, BLOCK_K)

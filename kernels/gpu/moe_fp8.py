@@ -34,7 +34,7 @@ from .attention import dot_precision
 from .fp8_linear import fp8_block_dot, scales_ahead
 from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
 from . import moe_decode, moe_fp8_decode
-from .moe import SMALL_MAX_PAIRS, _align, _combine_kernel
+from .moe import SMALL_MAX_PAIRS, _align, _combine_kernel, block_pairs
 
 __all__ = ["fused_experts_fp8_triton"]
 
@@ -61,9 +61,7 @@ def _fp8_gate_up_kernel(
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= E:
         return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    rm = pair < P
+    rows, pair, rm = block_pairs(sorted_ptr, b, P, BLOCK_M)
     if EVEN:  # `_load`: a padding row reads token 0 (never stored); strides as constants
         tok = tl.where(rm, pair // K_TOP, 0).to(tl.int64)
         w_n, s_n = SW_N, SWS_N
@@ -126,9 +124,7 @@ def _fp8_down_kernel(
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= E:
         return
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    rm = pair < P
+    rows, pair, rm = block_pairs(sorted_ptr, b, P, BLOCK_M)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < HID
     kk = tl.arange(0, BLOCK_K)

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .fp8_linear import scales_ahead
 from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
-from .moe import _align, _combine_kernel
+from .moe import _align, _combine_kernel, block_pairs
 
 __all__ = ["fused_experts_fp8_decode_triton", "decode_config"]
 
@@ -53,9 +53,7 @@ def _gate_up_kernel(
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= E:
         return
-    rows = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    pair = tl.load(sorted_ptr + rows)
-    rm = pair < P
+    rows, pair, rm = block_pairs(sorted_ptr, b, P, BLOCK_T)
     tok = tl.where(rm, pair // K_TOP, 0).to(tl.int64)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < I
@@ -103,9 +101,7 @@ def _down_kernel(
     e = tl.load(bexp_ptr + b).to(tl.int64)
     if e >= E:
         return
-    rows = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    pair = tl.load(sorted_ptr + rows)
-    rm = pair < P
+    rows, pair, rm = block_pairs(sorted_ptr, b, P, BLOCK_T)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < HID
     kk = tl.arange(0, BLOCK_K)
