@@ -66,13 +66,16 @@ def prefill_flops(cfg: ModelConfig, num_seqs: int, length: int) -> float:
     return 2.0 * active * tokens + attn + 2.0 * num_seqs * cfg.vocab_size * h
 
 
+MAX_MODEL_LEN = 4096  # --max-model-len: the decode graphs' block tables are this wide
+
+
 def make_engine(cfg: ModelConfig, model, max_batch: int) -> LLMEngine:
     config = EngineConfig(
         model_path="<in-memory>", model=cfg, device="cuda",
         cache=CacheConfig(page_size=16, num_pages=0, gpu_memory_utilization=0.92,
                           enable_prefix_caching=False),  # repeated prompts recompute: same tokens
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=16384,
-                                  max_model_len=4096),
+                                  max_model_len=MAX_MODEL_LEN),
         cuda_graph_max_batch=max_batch)
     return LLMEngine(config, model=model)
 
@@ -191,6 +194,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--batches", default="1,16,64,128")
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                    help="the engine's (the block tables' width in the decode graphs); the "
+                         "model's own, 40960 for Qwen3-30B-A3B, is what `phalanx serve` takes unset")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--compare-overlap", action="store_true",
@@ -285,7 +291,8 @@ def print_table(rows: list[dict], ceil: dict, args, num_pages: int) -> None:
             print(f"{r['kind']} batch {r['batch']}: tokens vs the bf16 twin {r['agreement']}")
     fp8 = f", FP8 matmul {ceil['fp8_matmul_flops_per_s'] / 1e12:.0f}" if "fp8_matmul_flops_per_s" in ceil else ""
     print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} "
-          f"TFLOP/s{fp8}, {args.layers} layers, ctx {args.ctx}, {num_pages} KV pages (bf16 engine)")
+          f"TFLOP/s{fp8}, {args.layers} layers, ctx {args.ctx}, max_model_len {MAX_MODEL_LEN}, "
+          f"{num_pages} KV pages (bf16 engine)")
     print(f"{'what':13} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} "
           f"{'x HF':>6} {'x bf16':>6} {'step ms':>8} {'GPU ms':>7}")
     for r in rows:
@@ -298,7 +305,9 @@ def print_table(rows: list[dict], ceil: dict, args, num_pages: int) -> None:
 
 
 def main() -> None:
+    global MAX_MODEL_LEN
     args = _parse_args()
+    MAX_MODEL_LEN = args.max_model_len
     batches = [int(b) for b in args.batches.split(",")]
     hf_cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     cfg = ModelConfig.from_hf(hf_cfg)
@@ -352,7 +361,7 @@ def main() -> None:
                              name=name, prefill=prefill)
         finally:
             switch(False)
-    result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, num_pages=num_pages,
+    result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, max_model_len=MAX_MODEL_LEN, num_pages=num_pages,
                   quantization=args.quantization, rows=rows, device=torch.cuda.get_device_name())
     out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")
     with open(out, "w") as f:
