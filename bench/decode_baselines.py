@@ -24,9 +24,6 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (`kernels.gpu.attention.PAGE_PREFETCH` on; off by default until measured), so the next
   tile's K/V copies stay in flight while a tile computes; the same tiles in the same
   order, so tokens equal.
-* ``attnbal``: decode attention over equal shares of the batch's KV tiles at every batch
-  (`kernels.gpu.attention.BALANCED_MIN_SEQS = 1`; off by default until measured); other
-  splits, so tokens agree within rounding.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -43,7 +40,7 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnbal")
+             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead")
 _SAVED: dict = {}
 
 
@@ -85,9 +82,6 @@ def _switch(name: str, on: bool) -> None:
     elif name == "attnahead":
         from phalanx.kernels.gpu import attention
         attention.PAGE_PREFETCH = on
-    elif name == "attnbal":
-        from phalanx.kernels.gpu import attention
-        attention.BALANCED_MIN_SEQS = 1 if on else None
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on

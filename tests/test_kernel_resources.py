@@ -36,7 +36,7 @@ def rows(tmp_path_factory) -> list[dict]:
 
 def test_every_decode_kernel_compiles_for_sm90_without_spills(rows):
     cases = {r["case"] for r in rows}
-    assert {"attention", "attention ahead", "attention balanced", "experts bf16", "experts fp8", "qkv fp8", "o fp8"} <= cases
+    assert {"attention", "attention ahead", "experts bf16", "experts fp8", "qkv fp8", "o fp8"} <= cases
     for r in rows:
         assert r["regs"] > 0, r
         assert r["stack"] == 0, f"{r['case']}: {r['name']} spills ({r['stack']} bytes a thread)"
@@ -53,7 +53,7 @@ def test_pipelined_loops_keep_copies_in_flight(rows):
     assert {r["name"] for r in staged} >= {"_decode_split_kernel", "_fp8_gate_up_kernel", "_gate_up_kernel",
                                            "_small_gate_up_kernel", "_prefill_kernel"}
     for r in staged:
-        if (r["case"] == "attention" and not PAGE_PREFETCH) or r["case"] == "attention balanced":
+        if r["case"] == "attention" and not PAGE_PREFETCH:
             assert max(r["waits"]) == 0, r  # the inline lookup: nothing in flight while it computes
         elif r["case"] == "prefill prefix":  # inline by construction (the probe's case)
             assert r["waits"][0] == 0 and max(r["waits"]) > 0, r  # the prefix loop waits; the others not
@@ -63,15 +63,3 @@ def test_pipelined_loops_keep_copies_in_flight(rows):
     assert {r["batch"] for r in ahead} == {1, 64} and all(r["stages"] == 3 for r in ahead)
     prefix_ahead = [r for r in staged if r["case"] == "prefill ahead"]
     assert len(prefix_ahead) == 1 and prefix_ahead[0]["waits"][0] > 0, prefix_ahead
-
-
-def test_balanced_attention_grid_fits_one_wave(rows):
-    """The balanced decode attention launches `per_sm` programs on each SM: at its default
-    tiles that many blocks must be resident at once (else the grid runs in two waves)."""
-    from phalanx.kernels.gpu.attention_balanced import balanced_config
-
-    got = [r for r in rows if r["case"].startswith("attention balanced")]
-    assert {(r["case"], r["batch"]) for r in got} >= {("attention balanced", 1), ("attention balanced", 64),
-                                                      ("attention balanced ahead", 64)}
-    for r in got:
-        assert r["blocks_per_sm"] >= balanced_config(r["batch"], 128)["per_sm"], r

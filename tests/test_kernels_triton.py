@@ -198,39 +198,6 @@ def check_decode_attention(g: torch.Generator) -> float:
     return max(errs)
 
 
-def check_decode_attention_balanced(g: torch.Generator) -> float:
-    """Equal shares of the tiles: grids of 1 program (every segment its own), a few
-    (segments shared by two and three programs, several short sequences a program), and
-    more programs than tiles; page ids inline and a tile ahead; through the switch."""
-    from phalanx.kernels.attention import decode_attention, decode_attention_ref
-    from phalanx.kernels.gpu import arrivals
-    from phalanx.kernels.gpu import attention as gpu_attention
-    from phalanx.kernels.gpu.attention_balanced import decode_attention_balanced_triton
-
-    errs = []
-    for page_size, hd, nq, nkv, lens in [(16, 16, 8, 2, [1, 15, 16, 17, 55, 150]),
-                                         (1, 16, 4, 4, [3, 40, 1, 9]),
-                                         (4, 32, 8, 2, [70, 2, 33])]:
-        kc, vc, tables = _paged_cache(g, lens, page_size, nkv, hd)
-        # peaked scores (q x 40): the shares' log-sum-exps far apart, as the merge must take
-        q = torch.randn(len(lens), nq, hd, generator=g) * (40.0 if page_size == 4 else 1.0)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
-        ref = decode_attention_ref(q, kc, vc, seq_lens, tables, hd**-0.5)
-        for programs, block_n, ahead in [(1, 16, False), (5, 8, True), (13, 8, False), (1000, 16, True)]:
-            out = decode_attention_balanced_triton(q, kc, vc, seq_lens, tables, hd**-0.5, config=dict(
-                BLOCK_N=block_n, warps=2, prefetch=ahead, programs=programs))
-            assert arrivals.all_zero()
-            per_seq = [rel_err(out[s], ref[s]) for s in range(len(lens))]  # no sequence left out
-            errs.append(max(per_seq))
-        saved = gpu_attention.BALANCED_MIN_SEQS
-        gpu_attention.BALANCED_MIN_SEQS = 2
-        try:
-            errs.append(rel_err(decode_attention(q, kc, vc, seq_lens, tables, hd**-0.5), ref))
-        finally:
-            gpu_attention.BALANCED_MIN_SEQS = saved
-    return max(errs)
-
-
 def check_prefill_attention(g: torch.Generator) -> float:
     from phalanx.kernels.attention import prefill_attention, prefill_attention_ref
 

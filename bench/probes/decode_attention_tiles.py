@@ -2,15 +2,17 @@
 kernel read the KV cache at 0.62 of the copy rate on one H200, 0.77 on one H100).
 
     python bench/probes/decode_attention_tiles.py [--ctx 1024] [--batches 1,64,128]
+        [--width 4096] [--default-only]
 
 Qwen3-30B-A3B attention shape (32 query heads, 4 KV heads, head_dim 128, pages of 16,
-block tables as wide as the decode bench's graphs: 4096 positions), bf16, every sequence
+block tables `--width` positions wide: 4096 as the decode bench's graphs by default; a
+server's graphs take its max_model_len, the model's 40960 unless set), bf16, every sequence
 at `ctx`. For each batch, every (positions per split, BLOCK_N, warps, stages, page ids
 loaded inline or a tile ahead): the
 relative error against the float32 reference on fresh random inputs, then the time of one
 call replayed in a CUDA graph (median of 30 after 5 warm-ups), and the KV bytes read over
 that time against the measured copy rate. The default config is the row marked *. A
-table last; JSON to $OUT/decode_attention_tiles.json.
+table last; JSON to $OUT/decode_attention_tiles_<width>.json.
 """
 
 from __future__ import annotations
@@ -27,18 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cuda_timing import median_ms  # noqa: E402  (bench/)
 
 from phalanx.kernels.attention import decode_attention_ref  # noqa: E402
-from phalanx.kernels.gpu import attention, attention_balanced  # noqa: E402
+from phalanx.kernels.gpu import attention  # noqa: E402
 
 NQ, NKV, HD, PAGE, WIDTH = 32, 4, 128, 16, 4096
 # BLOCK_N, warps, (stages, page ids a tile ahead): without the prefetch 4 stages compile to
 # the code of 3 (bench/probes/kernel_resources.py), so they are not timed
 TILES = [(bn, w, st, pf) for bn, w in itertools.product((32, 64, 128), (4, 8))
          for st, pf in ((2, False), (3, False), (3, True), (4, True))]
-# The balanced kernel (`attention_balanced`): BLOCK_N, (stages, page ids ahead), programs
-# an SM, register cap (168: 3 blocks of 4 warps an SM, no spills offline)
-BALANCED = list(itertools.product((32, 64), ((2, False), (3, True)), (2, 3, 4, 6), (168, None)))
-BALANCED_SHORT = [(32, (3, True), 3, 168), (64, (3, True), 2, 168), (64, (2, False), 3, 168),
-                  (32, (2, False), 3, 168)]
 
 
 def copy_rate() -> float:
@@ -68,22 +65,8 @@ def timed(row: dict, fn, ref: torch.Tensor, floor_us: float) -> dict:
     return row
 
 
-def balanced_rows(b, q, kc, vc, sl, tables, scale, ref, floor_us, configs) -> list[dict]:
-    """The balanced kernel's rows (``kernel: balanced``); its default marked."""
-    default = attention_balanced.balanced_config(b, HD)
-    rows = []
-    for bn, (st, pf), per_sm, reg in configs:
-        cfg = dict(BLOCK_N=bn, warps=4, stages=st, prefetch=pf, per_sm=per_sm, maxnreg=reg)
-        fn = lambda: attention_balanced.decode_attention_balanced_triton(  # noqa: E731
-            q, kc, vc, sl, tables, scale, config=cfg)
-        row = dict(batch=b, part="bal", kernel="balanced", cfg=cfg,
-                   default=all(default.get(k) == v for k, v in cfg.items()))
-        rows.append(timed(row, fn, ref, floor_us))
-    return rows
-
-
-def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator, split: bool = True,
-               width: int = WIDTH, short: bool = False) -> list[dict]:
+def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator, sweep: bool = True,
+               width: int = WIDTH) -> list[dict]:
     pages = width // PAGE
     tables = torch.randperm(b * pages, generator=g, device="cuda").view(b, pages).to(torch.int32)
     kc = torch.randn(b * pages, NKV, PAGE, HD, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -96,9 +79,8 @@ def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator, split: bool = 
     default = attention._decode_partition(b, NKV, NQ, HD, width, default_bn)
     default_pipe = (3, True) if attention.PAGE_PREFETCH else (2, False)
     floor_us = 2 * b * ctx * NKV * HD * 2 / rate * 1e6
-    rows = balanced_rows(b, q, kc, vc, sl, tables, scale, ref, floor_us,
-                         BALANCED_SHORT if short else BALANCED)
-    for part in sorted({default, 64, 128, 256, 512, 1024} if split else {default}):
+    rows = []
+    for part in sorted({default, 64, 128, 256, 512, 1024} if sweep else {default}):
         for bn, w, st, pf in TILES:
             if part % bn:
                 continue
@@ -106,9 +88,8 @@ def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator, split: bool = 
             fn = lambda: attention.decode_attention_triton(q, kc, vc, sl, tables, scale,  # noqa: E731
                                                            partition=part, config=cfg)
             is_default = part == default and (bn, w, st, pf) == (default_bn, 4, *default_pipe)
-            if split or is_default:
-                rows.append(timed(dict(batch=b, part=part, kernel="split", cfg=cfg, default=is_default),
-                                  fn, ref, floor_us))
+            if sweep or is_default:
+                rows.append(timed(dict(batch=b, part=part, cfg=cfg, default=is_default), fn, ref, floor_us))
     return rows
 
 
@@ -116,33 +97,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 64, 128])
-    ap.add_argument("--no-split-sweep", action="store_true",
-                    help="time only the split kernel's default beside the balanced kernel's configs")
-    ap.add_argument("--short", action="store_true",
-                    help="the split kernel's default and four balanced configs only")
+    ap.add_argument("--default-only", action="store_true", help="time only the default tiles")
     ap.add_argument("--width", type=int, default=WIDTH,
                     help="block table width in positions (the engine's: max_model_len)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     rate = copy_rate()
-    rows = [r for b in args.batches for r in batch_rows(b, args.ctx, rate, g, not (args.no_split_sweep or args.short),
-                                                      args.width, args.short)]
+    rows = [r for b in args.batches for r in batch_rows(b, args.ctx, rate, g, not args.default_only, args.width)]
     with open(os.path.join(os.environ.get("OUT", "."), f"decode_attention_tiles_{args.width}.json"), "w") as f:
         json.dump(dict(copy_bytes_per_s=rate, ctx=args.ctx, width=args.width, rows=rows), f, indent=1)
-    print(f"copy {rate / 1e12:.2f} TB/s, ctx {args.ctx}, tables {args.width} positions; best 6 of each kernel per batch and "
-          "the defaults (*)")
-    print("| batch | kernel | part | BLOCK_N, warps, stages, prefetch (, per SM, maxnreg) | err | us | of copy |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"copy {rate / 1e12:.2f} TB/s, ctx {args.ctx}, tables {args.width} positions; best 6 per "
+          "batch and the default (*)")
+    print("| batch | part | BLOCK_N, warps, stages, prefetch | err | us | of copy |")
+    print("|---|---|---|---|---|---|")
     for b in args.batches:
-        for kernel in ("split", "balanced"):
-            ok = sorted((r for r in rows if r["batch"] == b and r["kernel"] == kernel and "us" in r),
-                        key=lambda r: r["us"])
-            for r in ok[:6] + [r for r in ok[6:] if r["default"]]:
-                c = r["cfg"]
-                extra = f", {c['per_sm']}, {c['maxnreg']}" if kernel == "balanced" else ""
-                print(f"| {b} | {kernel} | {r['part']}{'*' if r['default'] else ''} | {c['BLOCK_N']}, "
-                      f"{c['warps']}, {c['stages']}, {'ahead' if c['prefetch'] else 'inline'}{extra} | "
-                      f"{r['err']:.1e} | {r['us']:.1f} | {r['of_copy']:.2f} |")
+        ok = sorted((r for r in rows if r["batch"] == b and "us" in r), key=lambda r: r["us"])
+        for r in ok[:6] + [r for r in ok[6:] if r["default"]]:
+            c = r["cfg"]
+            print(f"| {b} | {r['part']}{'*' if r['default'] else ''} | {c['BLOCK_N']}, {c['warps']}, "
+                  f"{c['stages']}, {'ahead' if c['prefetch'] else 'inline'} | {r['err']:.1e} | "
+                  f"{r['us']:.1f} | {r['of_copy']:.2f} |")
     bad = [r for r in rows if "error" in r or r.get("err", 0) > 2e-2]
     print(f"{len(rows)} configs, {len(bad)} failed or off: " + "; ".join(
         f"b{r['batch']} p{r['part']} {r['cfg']}: {r.get('error', r.get('err'))}" for r in bad[:6]))

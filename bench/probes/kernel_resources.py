@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offline_sm90 import offline_target  # noqa: E402  (bench/)
 
 from phalanx.kernels.attention import AttentionMetadata  # noqa: E402
-from phalanx.kernels.gpu import attention, attention_balanced, gemv, moe, moe_fp8, moe_fp8_decode, prefill_attention  # noqa: E402
+from phalanx.kernels.gpu import attention, gemv, moe, moe_fp8, moe_fp8_decode, prefill_attention  # noqa: E402
 from phalanx.kernels.gpu.fp8_linear import fp8_linear_triton  # noqa: E402
 
 HID, NQ, NKV, HD, E, INTER, TOPK, PAGE, CTX = 2048, 32, 4, 128, 128, 768, 8, 16, 1024
@@ -65,10 +65,6 @@ def launch_cases(batch: int) -> list[tuple[str, object]]:
     def attend(**cfg):
         return lambda: attention.decode_attention_triton(q, kc, kc, lens, tables, HD ** -0.5, config=cfg)
 
-    def balanced(**cfg):
-        return lambda: attention_balanced.decode_attention_balanced_triton(q, kc, kc, lens, tables, HD ** -0.5,
-                                                                           config=cfg)
-
     x = torch.empty(batch, HID, dtype=BF16)
     ids = (torch.arange(batch * TOPK) % E).view(batch, TOPK).to(torch.int32)
     weights = torch.full((batch, TOPK), 1.0 / TOPK)
@@ -76,8 +72,6 @@ def launch_cases(batch: int) -> list[tuple[str, object]]:
     q13, s13, q2, s2 = _experts(True)
     cases = [("attention", attend()),
              ("attention ahead", attend(prefetch=True)),
-             ("attention balanced", balanced()),
-             ("attention balanced ahead", balanced(prefetch=True, stages=3)),
              ("experts bf16", lambda: moe.fused_experts_triton(x, weights, ids, w13, w2)),
              ("experts fp8", lambda: moe_fp8.fused_experts_fp8_triton(x, weights, ids, q13, s13, q2, s2))]
     if batch > 4:  # past the small path: the weight-rows candidate (`moe_fp8.DECODE_WEIGHT_ROWS`)

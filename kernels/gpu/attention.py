@@ -282,12 +282,6 @@ def _decode_reduce_kernel(
                  so_s, so_h, BLOCK_G, BLOCK_D)
 
 
-# From this many sequences decode attention runs over equal shares of the batch's tiles
-# (`attention_balanced`: a fixed grid about the SMs' resident blocks, where the split
-# kernel's grid grows with the batch in whole waves). None: off until a decode row on a
-# GPU ranks it (`decode_gpu.py --baselines attnbal`).
-BALANCED_MIN_SEQS: int | None = None
-
 # The split kernel loads a tile's page ids one iteration ahead (PREFETCH), with 3 stages:
 # the next tile's K/V copies then stay in flight while a tile computes (compiled for sm_90:
 # bench/probes/kernel_resources.py). Off until a decode row on a GPU says it wins.
@@ -335,15 +329,9 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
     int32 [S, max_pages]. ``partition`` (positions per split, a multiple of the KV tile)
     overrides the heuristic (tests use it to force several splits); ``config`` the split
     kernel's tile (keys BLOCK_N, warps, stages, prefetch: page ids a tile ahead;
-    bench/probes/decode_attention_tiles.py). From `BALANCED_MIN_SEQS` sequences (neither
-    given) the balanced kernel runs instead.
+    bench/probes/decode_attention_tiles.py).
     """
     S, H, D = q.shape
-    if BALANCED_MIN_SEQS is not None and S >= BALANCED_MIN_SEQS and partition is None and config is None:
-        from .attention_balanced import decode_attention_balanced_triton
-        out = decode_attention_balanced_triton(q, k_cache, v_cache, seq_lens, block_tables, scale)
-        if out is not None:
-            return out
     _, KVH, page, _ = k_cache.shape
     out = torch.empty_like(q)
     if S == 0:
