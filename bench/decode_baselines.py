@@ -24,6 +24,10 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (`kernels.gpu.attention.PAGE_PREFETCH` on; off by default until measured), so the next
   tile's K/V copies stay in flight while a tile computes; the same tiles in the same
   order, so tokens equal.
+* ``attnwide``: decode attention with a program for every split of the block table
+  (`kernels.gpu.attention.GRID_POSITIONS = None`), as before the grid was capped; with
+  tables wider than 4096 positions (`decode_gpu.py --max-model-len`) the positions per
+  split can differ too, so tokens agree within rounding.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -40,7 +44,7 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead")
+             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnwide")
 _SAVED: dict = {}
 
 
@@ -82,6 +86,13 @@ def _switch(name: str, on: bool) -> None:
     elif name == "attnahead":
         from phalanx.kernels.gpu import attention
         attention.PAGE_PREFETCH = on
+    elif name == "attnwide":
+        from phalanx.kernels.gpu import attention
+        if on:
+            _SAVED["grid"] = attention.GRID_POSITIONS
+            attention.GRID_POSITIONS = None
+        else:
+            attention.GRID_POSITIONS = _SAVED.pop("grid")
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on

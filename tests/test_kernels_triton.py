@@ -184,8 +184,19 @@ def check_decode_attention(g: torch.Generator) -> float:
         with mock.patch.object(gpu_attention, "arrival_counts", lambda *a, **k: None):
             reduced = decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16)
         assert torch.equal(merged, reduced)
+        # A grid of 2 splits, narrower than the table: a sequence past 2 x 16 positions
+        # is cut in 2 chunks of whole tiles instead; merged by the last to arrive or by
+        # the reduce launch, the same bits; shorter ones keep the 16-position splits.
+        with mock.patch.object(gpu_attention, "GRID_POSITIONS", 32), \
+                mock.patch.object(gpu_attention, "_GRID_PROGRAMS", 1):
+            chunked = decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16)
+            with mock.patch.object(gpu_attention, "arrival_counts", lambda *a, **k: None):
+                chunked_reduced = decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16)
+        assert torch.equal(chunked, chunked_reduced)
+        short = seq_lens <= 32
+        assert torch.equal(chunked[short], merged[short]) and not torch.equal(chunked[~short], merged[~short])
         assert arrivals.all_zero()
-        errs.append(rel_err(merged, ref))
+        errs += [rel_err(merged, ref), rel_err(chunked, ref)]
         # Page ids a tile ahead (several tiles per split, a masked last tile): the same
         # tiles in the same order, so the same bits.
         tiles = dict(BLOCK_N=8, warps=2)
@@ -194,6 +205,13 @@ def check_decode_attention(g: torch.Generator) -> float:
         inline = decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=32,
                                          config=dict(tiles, prefetch=False))
         assert torch.equal(ahead, inline)
+        for grid in (64,):  # two chunks a (seq, head) past 64 positions
+            with mock.patch.object(gpu_attention, "GRID_POSITIONS", grid), \
+                    mock.patch.object(gpu_attention, "_GRID_PROGRAMS", 1):
+                chunks = [decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=32,
+                                                  config=dict(tiles, prefetch=pf)) for pf in (True, False)]
+            assert torch.equal(chunks[0], chunks[1])
+            errs.append(rel_err(chunks[0], ref))
         errs.append(rel_err(ahead, ref))
     return max(errs)
 

@@ -90,6 +90,7 @@ def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator, sweep: bool = 
             is_default = part == default and (bn, w, st, pf) == (default_bn, 4, *default_pipe)
             if sweep or is_default:
                 rows.append(timed(dict(batch=b, part=part, cfg=cfg, default=is_default), fn, ref, floor_us))
+
     return rows
 
 

@@ -62,8 +62,10 @@ def launch_cases(batch: int) -> list[tuple[str, object]]:
     lens = torch.full((batch,), CTX, dtype=torch.int32)
     tables = torch.zeros(batch, pages, dtype=torch.int32)
 
-    def attend(**cfg):
-        return lambda: attention.decode_attention_triton(q, kc, kc, lens, tables, HD ** -0.5, config=cfg)
+    def attend(width_tables=tables, **cfg):
+        return lambda: attention.decode_attention_triton(q, kc, kc, lens, width_tables, HD ** -0.5, config=cfg)
+
+    wide = torch.zeros(batch, 40960 // PAGE, dtype=torch.int32)  # a server's default max_model_len
 
     x = torch.empty(batch, HID, dtype=BF16)
     ids = (torch.arange(batch * TOPK) % E).view(batch, TOPK).to(torch.int32)
@@ -72,6 +74,7 @@ def launch_cases(batch: int) -> list[tuple[str, object]]:
     q13, s13, q2, s2 = _experts(True)
     cases = [("attention", attend()),
              ("attention ahead", attend(prefetch=True)),
+             ("attention wide tables", attend(wide)),
              ("experts bf16", lambda: moe.fused_experts_triton(x, weights, ids, w13, w2)),
              ("experts fp8", lambda: moe_fp8.fused_experts_fp8_triton(x, weights, ids, q13, s13, q2, s2))]
     if batch > 4:  # past the small path: the weight-rows candidate (`moe_fp8.DECODE_WEIGHT_ROWS`)
