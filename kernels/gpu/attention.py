@@ -323,15 +323,16 @@ def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim
     bench/NOTES.md): B=1 best at 64 (7.4 µs vs 8.1 at 128), B=4 at 64, B=16 at 256, B=64
     at 256 (49.7 vs 54.5 at 1024). Past 64 sequences up to 2048 (one H100, 32-position
     tiles, 128 sequences: 103 µs at 2048, 110 at 512). Longer contexts only add programs,
-    up to 256 splits of the block table (the merge walks a long context's splits one
-    after another) and the grid's (`_decode_grid_splits`: past it, larger chunks).
+    up to the grid's splits (`_decode_grid_splits`, at most 256: the merge walks a
+    sequence's splits one after another), past which a sequence's splits grow instead.
     Grown if the float32 partial buffer [S, H, grid splits, D] would pass
     128 MiB (huge block tables).
     """
     want = triton.next_power_of_2(num_seqs * num_kv_heads * 4)
     part = max(64, min(256, want)) if num_seqs <= 64 else min(2048, want)
-    # At most 256 splits of the table: the merge walks a long context's splits in turn.
-    part = max(part, block_n, triton.next_power_of_2(triton.cdiv(bound, 256)))
+    part = max(part, block_n)
+    if GRID_POSITIONS is None:  # at most 256 splits of the table (else: of the grid)
+        part = max(part, triton.next_power_of_2(triton.cdiv(bound, _MAX_SPLITS)))
     while num_seqs * num_heads * _decode_grid_splits(triton.cdiv(bound, part), part, num_seqs, num_kv_heads) \
             * head_dim * 4 > (128 << 20):
         part *= 2
@@ -342,12 +343,16 @@ def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim
 # PART-position splits (and at least `_GRID_PROGRAMS` programs): a longer sequence's
 # positions are cut in that many larger chunks instead (`_split_chunk`), so a wide table
 # (a server's max_model_len, the model's 40960 unless set) adds no programs that find no
-# positions and return. One H100, ctx 1k, 24 layers, tables of 40960 positions against
-# 4096 before this: decode steps 4% slower at batch 16-128 (attention 1,737 against 1,486
-# µs a step at batch 64; alone at batch 128 127.5 against 103.1 µs). None: a program for
-# every PART-position split of the table.
+# positions and return, nor a longer partition (batch 1 kept 64 positions a split). One
+# H100, ctx 1k, 24 layers, tables of 40960 positions: decode steps 1.017-1.026x the
+# program-per-split grid's at batch 16-128 (attention at batch 64 1,502 against 1,859 µs
+# a step), as fast as with 4096-wide tables (batch 1: 548-555 tok/s against 552-554;
+# 528 with the 256-position splits the table's width forced before); at 4096 the same
+# grid, tokens and speed.
+# None: a program for every PART-position split of the table (at most 256).
 GRID_POSITIONS: int | None = 4096
 _GRID_PROGRAMS = 2048
+_MAX_SPLITS = 256  # a sequence's splits at most (the merge walks them one after another)
 
 
 def _decode_grid_splits(n_split: int, part: int, num_seqs: int, num_kv_heads: int) -> int:
@@ -355,7 +360,7 @@ def _decode_grid_splits(n_split: int, part: int, num_seqs: int, num_kv_heads: in
     if GRID_POSITIONS is None:
         return n_split
     wanted = max(GRID_POSITIONS // part, triton.cdiv(_GRID_PROGRAMS, num_seqs * num_kv_heads))
-    return max(1, min(n_split, wanted))
+    return max(1, min(n_split, wanted, _MAX_SPLITS))
 
 
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: float,
