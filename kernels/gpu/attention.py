@@ -184,20 +184,14 @@ def _decode_split_kernel(
     s = tl.program_id(2).to(tl.int64)
     bt_row = bt_ptr + s * s_bt
     if PREFETCH:
-        seq_len = tl.load(seq_lens_ptr + s)
-        chunk = _split_chunk(seq_len, PART, NGRID, BLOCK_N)
-        start = split * chunk
-        end = tl.minimum(start + chunk, seq_len)
+        seq_len, chunk, start, end = _split_range(seq_lens_ptr, s, split, PART, NGRID, BLOCK_N)
         pages = _tile_pages(bt_row, start, end, PAGE, BLOCK_N)
     if PDL:
         gdc_wait()
     if PDL or TRIGGER:
         gdc_launch_dependents()
     if not PREFETCH:
-        seq_len = tl.load(seq_lens_ptr + s)
-        chunk = _split_chunk(seq_len, PART, NGRID, BLOCK_N)
-        start = split * chunk
-        end = tl.minimum(start + chunk, seq_len)
+        seq_len, chunk, start, end = _split_range(seq_lens_ptr, s, split, PART, NGRID, BLOCK_N)
         pages = start  # unused
     if start >= seq_len:
         return
@@ -236,6 +230,16 @@ def _split_chunk(seq_len, PART, NGRID, BLOCK_N: tl.constexpr):
     splits fit the grid's NGRID, else its positions cut in NGRID chunks of whole tiles."""
     wide = tl.cdiv(tl.cdiv(seq_len, NGRID), BLOCK_N) * BLOCK_N
     return tl.where(tl.cdiv(seq_len, PART) <= NGRID, PART, wide)
+
+
+@triton.jit
+def _split_range(seq_lens_ptr, s, split, PART, NGRID, BLOCK_N: tl.constexpr):
+    """(seq_len, chunk, start, end) of split ``split`` of sequence ``s``: its positions
+    [start, end), chunk = `_split_chunk`."""
+    seq_len = tl.load(seq_lens_ptr + s)
+    chunk = _split_chunk(seq_len, PART, NGRID, BLOCK_N)
+    start = split * chunk
+    return seq_len, chunk, start, tl.minimum(start + chunk, seq_len)
 
 
 @triton.jit
