@@ -9,11 +9,12 @@ then kills whatever is left and fails, so a hang can never stall CI.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 import torch
+
+from free_ports import free_ports
 
 from phalanx.comm.group_comm import CollectiveError, GroupComm
 from phalanx.comm.dispatch import EPDispatcher, make_expert_placement, moe_reference
@@ -28,18 +29,6 @@ WORLD_TIMEOUT_S = 40.0
 
 # ----------------------------------------------------------------------- harness
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 class Ports:
     """Free ports picked afresh for each attempt of a world (`_run_world`): `n` of them
     as a list, or one as an int."""
@@ -48,7 +37,7 @@ class Ports:
         self.n, self.single = n, single
 
     def pick(self):
-        ports = _free_ports(self.n)
+        ports = free_ports(self.n)
         return ports[0] if self.single else ports
 
 

@@ -177,12 +177,10 @@ def _peer_rank(rank: int, port: int, backend: str, out) -> None:
 @pytest.mark.parametrize("backend", ["nvshmem", "ipc"])
 def test_two_processes_exchange_and_a_dead_peer_ends_the_step(backend):
     import multiprocessing as mp
-    import socket
+    from free_ports import free_port
     if backend == "nvshmem":
         pytest.importorskip("nvshmem.core")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_peer_rank, args=(r, port, backend, out)) for r in range(2)]

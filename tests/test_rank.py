@@ -3,10 +3,11 @@ this process."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
+
+from free_ports import free_port
 
 from phalanx import LLM, SamplingParams
 from phalanx.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
@@ -16,19 +17,13 @@ from phalanx.actors.rank.spec import RankSpec
 from phalanx.models.loader import read_model_config
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def rank(tiny_model):
     cfg = EngineConfig(model_path=tiny_model, model=read_model_config(tiny_model),
                        cache=CacheConfig(page_size=8, num_pages=128),
                        scheduler=SchedulerConfig(max_num_batched_tokens=64),
                        parallel=ParallelConfig(tp=1, dp=1))
-    eng = Rank(RankSpec(0, 1, 1, 3, f"tcp://127.0.0.1:{_port()}", 10.0, cfg))
+    eng = Rank(RankSpec(0, 1, 1, 3, f"tcp://127.0.0.1:{free_port()}", 10.0, cfg))
     info = eng.start()
     assert info["rank"] == 0 and info["epoch"] == 3 and info["num_pages"] == 128
     yield eng

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from free_ports import free_port
 from phalanx.comm.shm_agreement import ShmAgreement
 from phalanx.spawn import run_ranks
 
@@ -109,12 +110,8 @@ def _group_agreement(rank: int, world: int, port: int, root: str) -> tuple:
 
 @pytest.mark.parametrize("split", [False, True], ids=["shared", "split-shm"])
 def test_group_comm_agrees_through_shared_memory_or_falls_back_together(split, tmp_path):
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     root = str(tmp_path) if split else ""
-    results, errors = run_ranks(_group_agreement, 3, (port, root), timeout_s=90)
+    results, errors = run_ranks(_group_agreement, 3, (free_port(), root), timeout_s=90)
     assert not errors, errors
     assert results == {r: (not split, [2, 7]) for r in range(3)}, results
 

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from free_ports import free_port
 from phalanx.comm.shm_broadcast import ShmBroadcast
 from phalanx.spawn import run_ranks
 
@@ -98,11 +99,7 @@ def _tp_plans(rank: int, world: int, port: int) -> list:
 
 
 def test_group_comm_tp_leaders_share_plans_through_shared_memory():
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results, errors = run_ranks(_tp_plans, 4, (port,), timeout_s=90)
+    results, errors = run_ranks(_tp_plans, 4, (free_port(),), timeout_s=90)
     assert not errors, errors
     for rank, got in results.items():  # dp rank r's TP group: [10r, 10r + 5)
         assert got == [True, list(range(10 * (rank // 2), 10 * (rank // 2) + 5)), None], got
