@@ -24,8 +24,8 @@ from ..models.shard import ModelShard
 from .block_pool import BlockPool
 from .compile_watch import compile_watch, keep_compiled_kernels
 from .grammars import Grammars
-from .model_runner import (BatchInputs, ModelRunner, PendingTokens, StepSamples,
-                           allocate_kv_cache, num_pages_for_memory, torch_dtype)
+from .kv_memory import allocate_kv_cache, num_pages_for_memory, torch_dtype
+from .model_runner import BatchInputs, ModelRunner, PendingTokens, StepSamples
 from .outputs import StepOutput
 from .prompt_check import check_prompt
 from .sampling_params import SamplingParams

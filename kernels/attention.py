@@ -101,7 +101,7 @@ def write_kv(
     Runs the Triton kernel when :func:`~phalanx.kernels.backend.use_triton` says so.
     """
     if use_triton(k):
-        from .gpu.attention import write_kv_triton
+        from .gpu.kv_write import write_kv_triton
 
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
         return

@@ -603,7 +603,7 @@ def check_dispatch(g: torch.Generator) -> float:
     assert use_triton(x)  # the script sets force_triton(True) globally
     calls: list[str] = []
     targets = {"norm": ["rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton"],
-               "attention": ["write_kv_triton", "decode_attention_triton"],
+               "attention": ["decode_attention_triton"], "kv_write": ["write_kv_triton"],
                "prefill_attention": ["prefill_attention_triton"],
                "moe": ["fused_experts_triton"], "rope": ["rope_triton"], "linear": ["skinny_linear_triton"],
                "gemv": ["gemv_triton"]}

@@ -5,7 +5,7 @@ import pytest
 
 from phalanx.actors.disagg_client import with_staging
 from phalanx.config import CacheConfig, EngineConfig, ModelConfig
-from phalanx.engine.model_runner import ACTIVATION_RESERVE, pages_within
+from phalanx.engine.kv_memory import ACTIVATION_RESERVE, pages_within
 from phalanx.kv_transfer.transport.staging_memory import (CPU_MESSAGE_BYTES, GPU_MESSAGE_BYTES,
                                                 STAGING_BUFFERS, staging_bytes)
 

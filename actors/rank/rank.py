@@ -19,7 +19,7 @@ import torch
 
 from ...engine.expert_timing import time_experts
 from ...engine.llm_engine import LLMEngine
-from ...engine.model_runner import torch_dtype
+from ...engine.kv_memory import torch_dtype
 from ...engine.sampling_params import SamplingParams
 from ...log import get_logger
 from . import plan as planmod

@@ -1,4 +1,5 @@
-"""Triton paged attention: ``write_kv`` and split-K decode (prefill: :mod:`.prefill_attention`).
+"""Triton paged attention: split-K decode (prefill: :mod:`.prefill_attention`; the cache
+write: :mod:`.kv_write`).
 
 Cache layout (see :mod:`phalanx.kernels.attention`): HND pages
 ``[num_pages, num_kv_heads, page_size, head_dim]``; KV position ``p`` of sequence ``s``
@@ -25,7 +26,7 @@ import triton.language as tl
 from .arrivals import arrival_counts
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
-__all__ = ["write_kv_triton", "decode_attention_triton"]
+__all__ = ["decode_attention_triton", "dot_precision"]
 
 _LOG2E = 1.4426950408889634
 
@@ -34,52 +35,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 for fp32 tensors (tf32 would change greedy
     tokens against the CPU reference); the native path for bf16/fp16."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-# ---------------------------------------------------------------- write_kv
-
-
-@triton.jit
-def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    skt, skh, svt, svh, kcp, kch, kct, vcp, vch, vct,
-    NKV, HD, PAGE,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # One program per new token: all its kv heads. Slot < 0 = padding, nothing stored.
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    page = slot // PAGE
-    off = slot % PAGE
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    n_heads = tl.where(slot >= 0, NKV, 0)  # padding token: every lane masked off
-    m = (h < n_heads)[:, None] & (d < HD)[None, :]
-    k = tl.load(k_ptr + t * skt + h[:, None] * skh + d[None, :], mask=m, other=0.0)
-    v = tl.load(v_ptr + t * svt + h[:, None] * svh + d[None, :], mask=m, other=0.0)
-    tl.store(kc_ptr + page * kcp + h[:, None] * kch + off * kct + d[None, :],
-             k.to(kc_ptr.dtype.element_ty), mask=m)
-    tl.store(vc_ptr + page * vcp + h[:, None] * vch + off * vct + d[None, :],
-             v.to(vc_ptr.dtype.element_ty), mask=m)
-
-
-def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """In-place scatter of k, v [T, kv_heads, hd] to their slots; see ``write_kv_ref``."""
-    T, nkv, hd = k.shape
-    if T == 0:
-        return
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    _write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        nkv, hd, k_cache.shape[2],
-        BLOCK_H=triton.next_power_of_2(nkv), BLOCK_D=triton.next_power_of_2(hd), num_warps=4,
-    )
 
 
 # ---------------------------------------------------------------- shared tile step
