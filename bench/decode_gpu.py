@@ -66,16 +66,18 @@ def prefill_flops(cfg: ModelConfig, num_seqs: int, length: int) -> float:
     return 2.0 * active * tokens + attn + 2.0 * num_seqs * cfg.vocab_size * h
 
 
-MAX_MODEL_LEN = 4096  # --max-model-len: the decode graphs' block tables are this wide
+MAX_MODEL_LEN = 4096  # --max-model-len's default
 
 
-def make_engine(cfg: ModelConfig, model, max_batch: int) -> LLMEngine:
+def make_engine(cfg: ModelConfig, model, max_batch: int, max_model_len: int) -> LLMEngine:
+    """A bf16-cache engine over `model`; its decode graphs' block tables are
+    `max_model_len` positions wide (a server's: the model's context unless set)."""
     config = EngineConfig(
         model_path="<in-memory>", model=cfg, device="cuda",
         cache=CacheConfig(page_size=16, num_pages=0, gpu_memory_utilization=0.92,
                           enable_prefix_caching=False),  # repeated prompts recompute: same tokens
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=16384,
-                                  max_model_len=MAX_MODEL_LEN),
+                                  max_model_len=max_model_len),
         cuda_graph_max_batch=max_batch)
     return LLMEngine(config, model=model)
 
@@ -258,7 +260,7 @@ def fp8_rows(hf, cfg: ModelConfig, batches: list[int], args, ceil: dict, bf16: l
     quantize_in_place(model)
     prefill = prefill and not args.no_prefill
     kind = f"decode-{name}"
-    engine = make_engine(cfg, model, engine_seqs(batches, prefill))
+    engine = make_engine(cfg, model, engine_seqs(batches, prefill), args.max_model_len)
     rows = decode_rows(engine, kind, batches, args, ceil["copy_bytes_per_s"],
                        lambda b, c: decode_bytes_fp8(cfg, b, c), {})
     for r in rows:
@@ -291,7 +293,7 @@ def print_table(rows: list[dict], ceil: dict, args, num_pages: int) -> None:
             print(f"{r['kind']} batch {r['batch']}: tokens vs the bf16 twin {r['agreement']}")
     fp8 = f", FP8 matmul {ceil['fp8_matmul_flops_per_s'] / 1e12:.0f}" if "fp8_matmul_flops_per_s" in ceil else ""
     print(f"copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} "
-          f"TFLOP/s{fp8}, {args.layers} layers, ctx {args.ctx}, max_model_len {MAX_MODEL_LEN}, "
+          f"TFLOP/s{fp8}, {args.layers} layers, ctx {args.ctx}, max_model_len {args.max_model_len}, "
           f"{num_pages} KV pages (bf16 engine)")
     print(f"{'what':13} {'batch':>5} {'tok/s':>10} {'floor tok/s':>12} {'of floor':>9} {'HF tok/s':>9} "
           f"{'x HF':>6} {'x bf16':>6} {'step ms':>8} {'GPU ms':>7}")
@@ -305,9 +307,7 @@ def print_table(rows: list[dict], ceil: dict, args, num_pages: int) -> None:
 
 
 def main() -> None:
-    global MAX_MODEL_LEN
     args = _parse_args()
-    MAX_MODEL_LEN = args.max_model_len
     batches = [int(b) for b in args.batches.split(",")]
     hf_cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     cfg = ModelConfig.from_hf(hf_cfg)
@@ -322,7 +322,8 @@ def main() -> None:
         for b in (1, 64):
             hf_rates[b] = hf_decode_tok_s(hf, b, args.ctx, steps=8)
         torch.cuda.empty_cache()
-    engine = make_engine(cfg, phalanx_model_from_hf(hf, cfg), engine_seqs(batches, not args.no_prefill))
+    engine = make_engine(cfg, phalanx_model_from_hf(hf, cfg), engine_seqs(batches, not args.no_prefill),
+                         args.max_model_len)
     rows = decode_rows(engine, "decode", batches, args, ceil["copy_bytes_per_s"],
                        lambda b, c: decode_bytes(cfg, b, c), hf_rates)
     if args.compare_overlap:
@@ -347,7 +348,7 @@ def main() -> None:
         from decode_baselines import baseline_rows
         rows += baseline_rows(
             names,
-            lambda: make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches)),
+            lambda: make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches), args.max_model_len),
             lambda eng, kind, bs: decode_rows(eng, kind, bs, args, ceil["copy_bytes_per_s"],
                                               lambda b, c: decode_bytes(cfg, b, c), hf_rates),
             rows, batches)
@@ -361,7 +362,7 @@ def main() -> None:
                              name=name, prefill=prefill)
         finally:
             switch(False)
-    result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, max_model_len=MAX_MODEL_LEN, num_pages=num_pages,
+    result = dict(ceilings=ceil, layers=args.layers, ctx=args.ctx, max_model_len=args.max_model_len, num_pages=num_pages,
                   quantization=args.quantization, rows=rows, device=torch.cuda.get_device_name())
     out = os.path.join(os.environ.get("OUT", "."), "decode_gpu.json")
     with open(out, "w") as f:

@@ -84,7 +84,7 @@ def build(args):
         from decode_fp8 import quantize_in_place
         quantize_in_place(model)
     if not args.dry_run:
-        return cfg, decode_gpu.make_engine(cfg, model, args.seqs)
+        return cfg, decode_gpu.make_engine(cfg, model, args.seqs, decode_gpu.MAX_MODEL_LEN)
     conf = mgm.engine_config(cfg, "cpu", "float32", args.seqs, mgm.pages_for(args.seqs, args.length), True)
     return cfg, LLMEngine(conf, model=model)
 
