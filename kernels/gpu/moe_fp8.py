@@ -200,7 +200,8 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
                              expert_map=None, *, a_fp8: bool | None = None,
                              config: dict | None = None) -> torch.Tensor:
     """SwiGLU experts over FP8 stacks; see the module docstring. ``a_fp8`` forces the
-    mode (None: from the rows per expert); ``config`` overrides `_config`'s keys."""
+    mode (None: from the rows per expert); ``config`` overrides `_config`'s keys
+    (``warps2`` / ``stages2``: down's own, else gate_up's)."""
     T, hid = x.shape
     if T == 0:
         return x.new_zeros((0, hid))
@@ -250,7 +251,8 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
         P, hid, inter_dim, E, inter.stride(0), inter_s.stride(0), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), pair_out.stride(0),
         A_FP8=cfg["A_FP8"], SCALE_AFTER=cfg["SCALE_AFTER"], BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=GROUP, PREC=prec,
-        num_warps=cfg["warps"], num_stages=cfg["stages"], **_even(cfg, inter_dim, hid, cfg["N2"], w2, w2_scale),
+        num_warps=cfg.get("warps2", cfg["warps"]), num_stages=cfg.get("stages2", cfg["stages"]),
+        **_even(cfg, inter_dim, hid, cfg["N2"], w2, w2_scale),
     )
     out = x.new_empty((T, hid))
     block = min(1024, triton.next_power_of_2(hid))
