@@ -28,6 +28,14 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (`kernels.gpu.attention.GRID_POSITIONS = None`), as before the grid was capped; with
   tables wider than 4096 positions (`decode_gpu.py --max-model-len`) the positions per
   split can differ too, so tokens agree within rounding.
+* ``moeahead`` / ``moeaheadlast``: the small MoE path's down kernel prefetches its
+  weight rows into L2 before its PDL wait, while gate_up runs
+  (`kernels.gpu.moe_decode.DOWN_AHEAD` "normal" / "last": evict-last lines; off by
+  default until measured); the same loads and MMAs after the wait, so tokens equal.
+  Batches of at most 4 (the small path).
+* ``moeupahead4`` / ``moeupahead16``: the small path's gate_up programs prefetch the
+  first 4 / 16 K blocks of their tile rows into L2 once they know their expert
+  (`moe_decode.GATE_UP_AHEAD_BLOCKS`); tokens equal. Batches of at most 4.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -44,7 +52,8 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnwide")
+             "moes4", "moes5", "moes6", "moeahead", "moeaheadlast", "moeupahead4", "moeupahead16",
+             "routefold", "attnreduce", "attn64", "attnahead", "attnwide")
 _SAVED: dict = {}
 
 
@@ -93,6 +102,12 @@ def _switch(name: str, on: bool) -> None:
             attention.GRID_POSITIONS = None
         else:
             attention.GRID_POSITIONS = _SAVED.pop("grid")
+    elif name in ("moeahead", "moeaheadlast"):
+        from phalanx.kernels.gpu import moe_decode
+        moe_decode.DOWN_AHEAD = ("last" if name.endswith("last") else "normal") if on else None
+    elif name.startswith("moeupahead"):
+        from phalanx.kernels.gpu import moe_decode
+        moe_decode.GATE_UP_AHEAD_BLOCKS = int(name[10:]) if on else 0
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on
@@ -109,6 +124,13 @@ def _switch(name: str, on: bool) -> None:
                 dot[key] = _SAVED.pop(key)
 
 
+def _max_batch(name: str) -> int:
+    """The largest batch a baseline changes (its rows past it would repeat the main rows)."""
+    if name == "cublas":
+        return _GEMV_MAX_M
+    return 4 if name.startswith(("moeahead", "moeupahead")) else 1 << 30
+
+
 def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[dict],
                   batches: list[int]) -> list[dict]:
     """Rows ``decode-<name>`` for each baseline; ``build_engine()`` makes a new engine,
@@ -123,8 +145,7 @@ def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[d
         _switch(name, True)
         try:
             engine = build_engine()
-            got = decode_rows(engine, f"decode-{name}",
-                              [b for b in batches if name != "cublas" or b <= _GEMV_MAX_M])
+            got = decode_rows(engine, f"decode-{name}", [b for b in batches if b <= _max_batch(name)])
         finally:
             _switch(name, False)
             engine = None

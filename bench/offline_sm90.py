@@ -199,10 +199,11 @@ def _patch_pdl_device_check(pdl) -> list[tuple[object, str, object]]:
         return {"PDL": True, "launch_pdl": True} if enabled(device, kernel) else {"PDL": False}
 
     patched = []
+    real = {"pdl_enabled": pdl.pdl_enabled, "pdl_launch": pdl.pdl_launch}  # before pdl's own are set
     for name, module in list(sys.modules.items()):
         if name.startswith("phalanx.kernels.gpu") and module is not None:
             for attr, new in (("pdl_enabled", enabled), ("pdl_launch", launch)):
-                old = getattr(pdl, attr)
+                old = real[attr]
                 if getattr(module, attr, None) is old:
                     patched.append((module, attr, old))
                     setattr(module, attr, new)
