@@ -24,6 +24,9 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (`kernels.gpu.attention.PAGE_PREFETCH` on; off by default until measured), so the next
   tile's K/V copies stay in flight while a tile computes; the same tiles in the same
   order, so tokens equal.
+* ``attnkvahead``: decode attention's split kernel prefetches its K/V rows into L2
+  before its PDL wait (`kernels.gpu.attention.KV_AHEAD`; off by default until
+  measured); the same loads after the wait, so tokens equal.
 * ``attnwide``: decode attention with a program for every split of the block table
   (`kernels.gpu.attention.GRID_POSITIONS = None`), as before the grid was capped; with
   tables wider than 4096 positions (`decode_gpu.py --max-model-len`) the positions per
@@ -33,9 +36,10 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (`kernels.gpu.moe_decode.DOWN_AHEAD` "normal" / "last": evict-last lines; off by
   default until measured); the same loads and MMAs after the wait, so tokens equal.
   Batches of at most 4 (the small path).
-* ``moeupahead4`` / ``moeupahead16``: the small path's gate_up programs prefetch the
-  first 4 / 16 K blocks of their tile rows into L2 once they know their expert
-  (`moe_decode.GATE_UP_AHEAD_BLOCKS`); tokens equal. Batches of at most 4.
+* ``moeupahead8`` / ``moeupahead16``: the small path's gate_up programs prefetch the
+  first 8 / 16 K blocks of their tile rows into L2 once they know their expert
+  (`moe_decode.GATE_UP_AHEAD_BLOCKS`; its pipeline asks for 3-4 blocks at a time);
+  tokens equal. Batches of at most 4.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -52,8 +56,8 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "moeahead", "moeaheadlast", "moeupahead4", "moeupahead16",
-             "routefold", "attnreduce", "attn64", "attnahead", "attnwide")
+             "moes4", "moes5", "moes6", "moeahead", "moeaheadlast", "moeupahead8", "moeupahead16",
+             "routefold", "attnreduce", "attn64", "attnahead", "attnkvahead", "attnwide")
 _SAVED: dict = {}
 
 
@@ -95,6 +99,9 @@ def _switch(name: str, on: bool) -> None:
     elif name == "attnahead":
         from phalanx.kernels.gpu import attention
         attention.PAGE_PREFETCH = on
+    elif name == "attnkvahead":
+        from phalanx.kernels.gpu import attention
+        attention.KV_AHEAD = on
     elif name == "attnwide":
         from phalanx.kernels.gpu import attention
         if on:

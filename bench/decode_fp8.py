@@ -139,6 +139,8 @@ FP8_BASELINES = {
     # ("normal" / "last": evict-last lines), as the bf16 rows' moeahead / moeaheadlast
     "fp8moeahead": (_down_ahead("normal"), lambda b: b <= 4, False),
     "fp8moeaheadlast": (_down_ahead("last"), lambda b: b <= 4, False),
+    # and the small path's gate_up rows prefetched whole (`moe_decode.GATE_UP_AHEAD_BLOCKS`)
+    "fp8moeupahead16": (_fp8_switch(".gpu.moe_decode", "GATE_UP_AHEAD_BLOCKS", 16, 0), lambda b: b <= 4, False),
     # candidates, off by default: the decode tiles' weight rows prefetched into L2 as a
     # program starts (`moe_fp8.DECODE_AHEAD`: K blocks of gate_up, of down)
     "fp8downahead": (_fp8_switch(".gpu.moe_fp8", "DECODE_AHEAD", (0, 6), (0, 0)), lambda b: b > 4, False),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["prefetch_rows", "prefetch_lines", "bulk_rows_ok", "prefetch_capable"]
+__all__ = ["prefetch_rows", "prefetch_lines", "prefetch_paged_rows", "bulk_rows_ok", "prefetch_capable"]
 
 
 @triton.jit
@@ -56,6 +56,19 @@ def prefetch_lines(ptrs, mask, ON: tl.constexpr):
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
             "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_paged_rows(bt_row, start, end, base, s_page, s_pos, PAGE, ROW_BYTES, BLOCK_N: tl.constexpr):
+    """Prefetch the rows (``ROW_BYTES`` each, at ``base + page * s_page + offset * s_pos``)
+    of positions [start, end) of a paged cache whose pages are listed at ``bt_row``
+    (int32 page ids, one per PAGE positions), BLOCK_N positions at a time."""
+    nn = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + nn
+        m = pos < end
+        page = tl.load(bt_row + pos // PAGE, mask=m, other=0).to(tl.int64)
+        prefetch_rows(base + page * s_page + (pos % PAGE).to(tl.int64) * s_pos, ROW_BYTES, m, False)
 
 
 def prefetch_capable(device) -> bool:

@@ -59,7 +59,7 @@ DOWN_AHEAD: str | None = None
 # K blocks of each gate_up tile row prefetched into L2 (one bulk request a row) as soon as
 # the program knows its expert, so the whole tile's bytes are requested at once rather
 # than a pipeline's stages at a time; 0: none. A candidate, off until measured
-# (--baselines moeupahead4 / moeupahead16).
+# (--baselines moeupahead8 / moeupahead16).
 GATE_UP_AHEAD_BLOCKS = 0
 
 _ROWS = 16  # padded M of the MMA tile (tl.dot needs >= 16 rows); only row 0 is real
