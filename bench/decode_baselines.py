@@ -24,22 +24,10 @@ few-row part turned off, in the same process, tokens checked against the main ro
   (`kernels.gpu.attention.PAGE_PREFETCH` on; off by default until measured), so the next
   tile's K/V copies stay in flight while a tile computes; the same tiles in the same
   order, so tokens equal.
-* ``attnkvahead``: decode attention's split kernel prefetches its K/V rows into L2
-  before its PDL wait (`kernels.gpu.attention.KV_AHEAD`; off by default until
-  measured); the same loads after the wait, so tokens equal.
 * ``attnwide``: decode attention with a program for every split of the block table
   (`kernels.gpu.attention.GRID_POSITIONS = None`), as before the grid was capped; with
   tables wider than 4096 positions (`decode_gpu.py --max-model-len`) the positions per
   split can differ too, so tokens agree within rounding.
-* ``moeahead`` / ``moeaheadlast``: the small MoE path's down kernel prefetches its
-  weight rows into L2 before its PDL wait, while gate_up runs
-  (`kernels.gpu.moe_decode.DOWN_AHEAD` "normal" / "last": evict-last lines; off by
-  default until measured); the same loads and MMAs after the wait, so tokens equal.
-  Batches of at most 4 (the small path).
-* ``moeupahead8`` / ``moeupahead16``: the small path's gate_up programs prefetch the
-  first 8 / 16 K blocks of their tile rows into L2 once they know their expert
-  (`moe_decode.GATE_UP_AHEAD_BLOCKS`; its pipeline asks for 3-4 blocks at a time);
-  tokens equal. Batches of at most 4.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -56,8 +44,7 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "moeahead", "moeaheadlast", "moeupahead8", "moeupahead16",
-             "routefold", "attnreduce", "attn64", "attnahead", "attnkvahead", "attnwide")
+             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnwide")
 _SAVED: dict = {}
 
 
@@ -99,9 +86,6 @@ def _switch(name: str, on: bool) -> None:
     elif name == "attnahead":
         from phalanx.kernels.gpu import attention
         attention.PAGE_PREFETCH = on
-    elif name == "attnkvahead":
-        from phalanx.kernels.gpu import attention
-        attention.KV_AHEAD = on
     elif name == "attnwide":
         from phalanx.kernels.gpu import attention
         if on:
@@ -109,12 +93,6 @@ def _switch(name: str, on: bool) -> None:
             attention.GRID_POSITIONS = None
         else:
             attention.GRID_POSITIONS = _SAVED.pop("grid")
-    elif name in ("moeahead", "moeaheadlast"):
-        from phalanx.kernels.gpu import moe_decode
-        moe_decode.DOWN_AHEAD = ("last" if name.endswith("last") else "normal") if on else None
-    elif name.startswith("moeupahead"):
-        from phalanx.kernels.gpu import moe_decode
-        moe_decode.GATE_UP_AHEAD_BLOCKS = int(name[10:]) if on else 0
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on
@@ -131,13 +109,6 @@ def _switch(name: str, on: bool) -> None:
                 dot[key] = _SAVED.pop(key)
 
 
-def _max_batch(name: str) -> int:
-    """The largest batch a baseline changes (its rows past it would repeat the main rows)."""
-    if name == "cublas":
-        return _GEMV_MAX_M
-    return 4 if name.startswith(("moeahead", "moeupahead")) else 1 << 30
-
-
 def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[dict],
                   batches: list[int]) -> list[dict]:
     """Rows ``decode-<name>`` for each baseline; ``build_engine()`` makes a new engine,
@@ -152,7 +123,8 @@ def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[d
         _switch(name, True)
         try:
             engine = build_engine()
-            got = decode_rows(engine, f"decode-{name}", [b for b in batches if b <= _max_batch(name)])
+            got = decode_rows(engine, f"decode-{name}",
+                              [b for b in batches if name != "cublas" or b <= _GEMV_MAX_M])
         finally:
             _switch(name, False)
             engine = None

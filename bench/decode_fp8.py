@@ -107,14 +107,6 @@ def _fp8_switch(module: str, name: str, off_value, default=None):
     return switch
 
 
-def _down_ahead(value: str):
-    """A switch for `FP8_BASELINES`: the small MoE path's down rows prefetched into L2
-    before its PDL wait (`moe_decode.DOWN_AHEAD`, off by default)."""
-    def switch(on: bool) -> None:
-        importlib.import_module("phalanx.kernels.gpu.moe_decode").DOWN_AHEAD = value if on else None
-    return switch
-
-
 # --baselines names for the FP8 rows only: (switch, the batches it changes, whether it
 # changes prefill too: then the prefill row runs again beside the decode rows).
 FP8_BASELINES = {
@@ -135,14 +127,6 @@ FP8_BASELINES = {
     # a candidate, off by default: the experts' decode tiles past the small path with the
     # weight rows as the MMA's M and FP8 activations (`moe_fp8_decode`)
     "fp8wrows": (_fp8_switch(".gpu.moe_fp8", "DECODE_WEIGHT_ROWS", {}, False), lambda b: b > 4, False),
-    # a candidate, off by default: the small path's down rows prefetched into L2 ahead
-    # ("normal" / "last": evict-last lines), as the bf16 rows' moeahead / moeaheadlast
-    "fp8moeahead": (_down_ahead("normal"), lambda b: b <= 4, False),
-    "fp8moeaheadlast": (_down_ahead("last"), lambda b: b <= 4, False),
-    # and the small path's gate_up rows prefetched whole (`moe_decode.GATE_UP_AHEAD_BLOCKS`)
-    "fp8moeupahead16": (_fp8_switch(".gpu.moe_decode", "GATE_UP_AHEAD_BLOCKS", 16, 0), lambda b: b <= 4, False),
-    # candidates, off by default: the decode tiles' weight rows prefetched into L2 as a
-    # program starts (`moe_fp8.DECODE_AHEAD`: K blocks of gate_up, of down)
-    "fp8downahead": (_fp8_switch(".gpu.moe_fp8", "DECODE_AHEAD", (0, 6), (0, 0)), lambda b: b > 4, False),
-    "fp8ahead": (_fp8_switch(".gpu.moe_fp8", "DECODE_AHEAD", (4, 6), (0, 0)), lambda b: b > 4, False),
+    # the decode tiles' down with 128-row N tiles and 3 stages (the tile before N2 64, 4 stages)
+    "fp8down128": (_fp8_switch(".gpu.moe_fp8", "DECODE_DOWN", {"N2": 128, "stages2": 3}, {}), lambda b: b > 4, False),
 }

@@ -46,8 +46,7 @@ class Compiled:
     stack: int  # bytes per thread of local-memory stack: spills (0 = none)
     shared: int  # bytes per block
     cp_async: int  # cp.async instructions in the PTX (loads staged through shared memory)
-    tma: int  # TMA copies (cp.async.bulk, L2 prefetches not counted)
-    l2_prefetch: int  # L2 prefetch instructions (kernels/gpu/l2_prefetch.py)
+    tma: int  # TMA copies (cp.async.bulk)
     wgmma: int  # Hopper warp-group MMAs
     mma: int  # warp-level MMAs (mma.sync)
     waits: tuple[int, ...]  # each async wait's allowance of copies left in flight, in order;
@@ -133,8 +132,7 @@ class _Driver:
             name=metadata.name, hash=metadata.hash, grid=tuple(int(g) for g in grid), warps=metadata.num_warps,
             stages=metadata.num_stages, regs=regs, stack=stack, shared=metadata.shared,
             cp_async=len(re.findall(r"cp\.async\.(?:ca|cg)", ptx)),
-            tma=len(re.findall(r"cp\.async\.bulk(?!\.prefetch)", ptx)),
-            l2_prefetch=len(re.findall(r"cp\.async\.bulk\.prefetch\.L2|prefetch\.global\.L2", ptx)),
+            tma=len(re.findall(r"cp\.async\.bulk", ptx)),
             wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
             mma=len(re.findall(r"\bmma\.sync", ptx)),
             waits=tuple(int(n) for n in re.findall(r"async_wait[^{\n]*\{num = (\d+)", ttgir))))
@@ -179,7 +177,7 @@ def offline_target(capability: int = 90) -> Iterator[list[Compiled]]:
     old_active = driver_config._active  # None until something asked for the driver
     driver_config.set_active(fake)
     triton_compiler.CompiledKernel.__init__ = init
-    patched = _patch_device_checks(pdl)
+    patched = _patch_pdl_device_check(pdl)
     try:
         yield records
     finally:
@@ -189,13 +187,10 @@ def offline_target(capability: int = 90) -> Iterator[list[Compiled]]:
         driver_config._active = old_active
 
 
-def _patch_device_checks(pdl) -> list[tuple[object, str, object]]:
-    """Make ``pdl_enabled`` (and `l2_prefetch.prefetch_capable`) answer as for a CUDA
-    sm_90 device, in every kernel module that imported them by name. Returns what to
-    restore."""
+def _patch_pdl_device_check(pdl) -> list[tuple[object, str, object]]:
+    """Make ``pdl_enabled`` answer as for a CUDA device, in every kernel module that
+    imported it by name. Returns what to restore."""
     import sys
-
-    from phalanx.kernels.gpu import l2_prefetch
 
     def enabled(device, kernel: str = "gemv") -> bool:
         return kernel in pdl._enabled and pdl.gdc_wait is not None
@@ -204,12 +199,10 @@ def _patch_device_checks(pdl) -> list[tuple[object, str, object]]:
         return {"PDL": True, "launch_pdl": True} if enabled(device, kernel) else {"PDL": False}
 
     patched = []
-    real = {"pdl_enabled": pdl.pdl_enabled, "pdl_launch": pdl.pdl_launch,  # before pdl's own are set
-            "prefetch_capable": l2_prefetch.prefetch_capable}
+    real = {"pdl_enabled": pdl.pdl_enabled, "pdl_launch": pdl.pdl_launch}  # before pdl's own are replaced
     for name, module in list(sys.modules.items()):
         if name.startswith("phalanx.kernels.gpu") and module is not None:
-            for attr, new in (("pdl_enabled", enabled), ("pdl_launch", launch),
-                              ("prefetch_capable", lambda device: True)):
+            for attr, new in (("pdl_enabled", enabled), ("pdl_launch", launch)):
                 old = real[attr]
                 if getattr(module, attr, None) is old:
                     patched.append((module, attr, old))

@@ -43,28 +43,6 @@ def test_every_decode_kernel_compiles_for_sm90_without_spills(rows):
         assert r["shared"] <= SM90_SHARED and r["blocks_per_sm"] >= 1, r
 
 
-def test_l2_prefetch_candidates_compile_their_prefetches(rows):
-    """The L2 prefetch candidates (kernels/gpu/l2_prefetch.py: inline PTX, which Triton's
-    interpreter never runs) compile for sm_90 with their prefetches in the code, and
-    the default cases carry none."""
-    def prefetches(case, name, batch):
-        got = [r["l2_prefetch"] for r in rows if r["case"] == case and r["name"] == name and r["batch"] == batch]
-        assert got, (case, name, batch)
-        return got[0]
-
-    for batch in (1, 64):
-        assert prefetches("attention kv ahead", "_decode_split_kernel", batch) >= 2  # K and V
-        assert prefetches("attention", "_decode_split_kernel", batch) == 0
-    for case in ("experts bf16 ahead", "experts fp8 ahead"):
-        assert prefetches(case, "_small_down_pair_kernel", 1) >= 1
-        assert prefetches(case, "_small_gate_up_kernel", 1) >= 2  # gate rows, up rows
-    assert prefetches("experts fp8 ahead", "_small_down_pair_kernel", 1) >= 2  # rows and scales
-    assert prefetches("experts bf16", "_small_down_pair_kernel", 1) == 0
-    assert prefetches("experts fp8 ahead", "_fp8_gate_up_kernel", 64) >= 2
-    assert prefetches("experts fp8 ahead", "_fp8_down_kernel", 64) >= 1
-    assert prefetches("experts fp8", "_fp8_down_kernel", 64) == 0
-
-
 def test_pipelined_loops_keep_copies_in_flight(rows):
     """A loop whose loads the pipeliner staged (cp.async) has a wait allowing copies in
     flight, except decode attention with its page ids loaded inline (the known case the
@@ -75,7 +53,7 @@ def test_pipelined_loops_keep_copies_in_flight(rows):
     assert {r["name"] for r in staged} >= {"_decode_split_kernel", "_fp8_gate_up_kernel", "_gate_up_kernel",
                                            "_small_gate_up_kernel", "_prefill_kernel"}
     for r in staged:
-        if r["case"] in ("attention", "attention wide tables", "attention kv ahead") and not PAGE_PREFETCH:
+        if r["case"] in ("attention", "attention wide tables") and not PAGE_PREFETCH:
             assert max(r["waits"]) == 0, r  # the inline lookup: nothing in flight while it computes
         elif r["case"] == "prefill prefix":  # inline by construction (the probe's case)
             assert r["waits"][0] == 0 and max(r["waits"]) > 0, r  # the prefix loop waits; the others not

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offline_sm90 import offline_target  # noqa: E402  (bench/)
 
 from phalanx.kernels.attention import AttentionMetadata  # noqa: E402
-from phalanx.kernels.gpu import attention, gemv, moe, moe_decode, moe_fp8, moe_fp8_decode, prefill_attention  # noqa: E402
+from phalanx.kernels.gpu import attention, gemv, moe, moe_fp8, moe_fp8_decode, prefill_attention  # noqa: E402
 from phalanx.kernels.gpu.fp8_linear import fp8_linear_triton  # noqa: E402
 
 HID, NQ, NKV, HD, E, INTER, TOPK, PAGE, CTX = 2048, 32, 4, 128, 128, 768, 8, 16, 1024
@@ -51,19 +51,6 @@ def _experts(fp8: bool):
     if not fp8:
         return w13, None, w2, None
     return w13, torch.empty(E, 2 * INTER, HID // 128), w2, torch.empty(E, HID, INTER // 128)
-
-
-def _small_ahead(launch):
-    """``launch`` with the small MoE path's L2 prefetches on (down's rows evict-last,
-    gate_up's first 4 K blocks)."""
-    def run():
-        saved = moe_decode.DOWN_AHEAD, moe_decode.GATE_UP_AHEAD_BLOCKS
-        moe_decode.DOWN_AHEAD, moe_decode.GATE_UP_AHEAD_BLOCKS = "last", 4
-        try:
-            launch()
-        finally:
-            moe_decode.DOWN_AHEAD, moe_decode.GATE_UP_AHEAD_BLOCKS = saved
-    return run
 
 
 def launch_cases(batch: int) -> list[tuple[str, object]]:
@@ -87,20 +74,12 @@ def launch_cases(batch: int) -> list[tuple[str, object]]:
     q13, s13, q2, s2 = _experts(True)
     cases = [("attention", attend()),
              ("attention ahead", attend(prefetch=True)),
-             ("attention kv ahead", attend(kv_ahead=True)),
              ("attention wide tables", attend(wide)),
              ("experts bf16", lambda: moe.fused_experts_triton(x, weights, ids, w13, w2)),
              ("experts fp8", lambda: moe_fp8.fused_experts_fp8_triton(x, weights, ids, q13, s13, q2, s2))]
     if batch > 4:  # past the small path: the weight-rows candidate (`moe_fp8.DECODE_WEIGHT_ROWS`)
         cases.append(("experts fp8 weight rows",
                       lambda: moe_fp8_decode.fused_experts_fp8_decode_triton(x, weights, ids, q13, s13, q2, s2)))
-        cases.append(("experts fp8 ahead",  # `moe_fp8.DECODE_AHEAD`'s L2 prefetch of the tiles' rows
-                      lambda: moe_fp8.fused_experts_fp8_triton(x, weights, ids, q13, s13, q2, s2,
-                                                               config=dict(ahead1=4, ahead2=6))))
-    else:  # the small path's L2 prefetches (`moe_decode.DOWN_AHEAD`, `GATE_UP_AHEAD_BLOCKS`)
-        cases += [("experts bf16 ahead", _small_ahead(lambda: moe.fused_experts_triton(x, weights, ids, w13, w2))),
-                  ("experts fp8 ahead", _small_ahead(
-                      lambda: moe_fp8.fused_experts_fp8_triton(x, weights, ids, q13, s13, q2, s2)))]
     for name, (n, k) in (("qkv", (NQ * HD + 2 * NKV * HD, HID)), ("o", (HID, NQ * HD))):
         qw, sw = torch.empty(n, k, dtype=torch.float8_e4m3fn), torch.empty(n, k // 128)
         a = torch.empty(batch, k, dtype=BF16)

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from .arrivals import arrival_counts
-from .l2_prefetch import bulk_rows_ok, prefetch_paged_rows
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
 __all__ = ["decode_attention_triton", "dot_precision"]
@@ -120,7 +119,7 @@ def _decode_split_kernel(
     scale_log2, G, HD, PAGE, PART, NGRID,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER: tl.constexpr, PREFETCH: tl.constexpr, KV_AHEAD: tl.constexpr,
+    TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # Program (split, kv_head, seq): the G query heads of kv_head over KV positions
     # [split*C, min((split+1)*C, seq_len)), C = `_split_chunk` (PART, unless the sequence
@@ -135,17 +134,10 @@ def _decode_split_kernel(
     # reads now (it waits for this grid to finish before it reads the output).
     # PREFETCH (_attend_range): the length and first page ids read before the PDL wait
     # (host-copied before the step's first kernel, written by none: pdl.py's protocol).
-    # KV_AHEAD (with PDL): the split's K and V rows prefetched into L2 before the wait,
-    # while the kernel before (the one writing q and this step's K/V) still runs.
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2).to(tl.int64)
     bt_row = bt_ptr + s * s_bt
-    if KV_AHEAD:  # a hint: this step's new row may still be being written; all are read again after the wait
-        _, _, start0, end0 = _split_range(seq_lens_ptr, s, split, PART, NGRID, BLOCK_N)
-        row_bytes = HD * (kc_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        prefetch_paged_rows(bt_row, start0, end0, kc_ptr + kvh * s_kh, s_kp, s_kt, PAGE, row_bytes, BLOCK_N)
-        prefetch_paged_rows(bt_row, start0, end0, vc_ptr + kvh * s_vh, s_vp, s_vt, PAGE, row_bytes, BLOCK_N)
     if PREFETCH:
         seq_len, chunk, start, end = _split_range(seq_lens_ptr, s, split, PART, NGRID, BLOCK_N)
         pages = _tile_pages(bt_row, start, end, PAGE, BLOCK_N)
@@ -269,12 +261,6 @@ def _decode_reduce_kernel(
 # bench/probes/kernel_resources.py). Off until a decode row on a GPU says it wins.
 PAGE_PREFETCH = False
 
-# The split kernel, launched with PDL, prefetches its K/V rows into L2 before its wait
-# (`l2_prefetch.prefetch_paged_rows`): at a few sequences the copies' latency, not the bytes, holds the kernel.
-# A candidate, off until a decode row on a GPU ranks it (decode_gpu.py --baselines
-# attnkvahead); the same loads after the wait, so tokens equal.
-KV_AHEAD = False
-
 
 def _decode_block_n(num_seqs: int, head_dim: int) -> int:
     """KV positions per tile of the split kernel: 32 past 64 sequences, else 64 (32 for
@@ -382,8 +368,6 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, MERGE=merge, PREC=dot_precision(q.dtype),
         TRIGGER=(direct or merge) and pdl_enabled(q.device), PREFETCH=prefetch,
-        KV_AHEAD=cfg.get("kv_ahead", KV_AHEAD) and pdl_enabled(q.device, "attention")
-        and bulk_rows_ok(k_cache, D * k_cache.element_size()) and bulk_rows_ok(v_cache, D * v_cache.element_size()),
         num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 3 if prefetch else 2),
         **pdl_launch(q.device, "attention"),
     )

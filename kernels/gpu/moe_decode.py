@@ -45,22 +45,9 @@ import triton.language as tl
 from .arrivals import arrival_counts
 from .attention import dot_precision
 from .fp8_linear import fp8_block_dot, scales_ahead
-from .l2_prefetch import bulk_rows_ok, prefetch_capable, prefetch_lines, prefetch_rows
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
-__all__ = ["fused_experts_small_triton", "small_config", "DOWN_AHEAD"]
-
-# Whether the split down kernel, launched with PDL, prefetches its weight rows into L2
-# before its wait (`l2_prefetch.py`), while gate_up still runs: None (no), "normal", or
-# "last" (the lines marked evict-last, so gate_up's stream, 2x the bytes, does not push
-# them out first). Off until a GPU ranks it (bench/decode_gpu.py --baselines moeahead,
-# moeaheadlast); the same loads and MMAs either way, so the bits do not change.
-DOWN_AHEAD: str | None = None
-# K blocks of each gate_up tile row prefetched into L2 (one bulk request a row) as soon as
-# the program knows its expert, so the whole tile's bytes are requested at once rather
-# than a pipeline's stages at a time; 0: none. A candidate, off until measured
-# (--baselines moeupahead8 / moeupahead16).
-GATE_UP_AHEAD_BLOCKS = 0
+__all__ = ["fused_experts_small_triton", "small_config"]
 
 _ROWS = 16  # padded M of the MMA tile (tl.dot needs >= 16 rows); only row 0 is real
 
@@ -79,11 +66,9 @@ def _small_gate_up_kernel(
     K_TOP, HID, I, E, sx_t, sw_e, sw_n, si_p, sws_e, sws_n,
     HAS_MAP: tl.constexpr, ROWS: tl.constexpr, FP8: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    AHEAD_BYTES: tl.constexpr,
 ):
     # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1), HID contiguous. PDL
     # (kernels/gpu/pdl.py): launched dependent; wait for the previous kernel first.
-    # AHEAD_BYTES > 0: that many bytes of each tile row prefetched into L2 first.
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -99,9 +84,6 @@ def _small_gate_up_kernel(
     x_row = x_ptr + tok * sx_t
     w_gate = w_ptr + e * sw_e + n.to(tl.int64) * sw_n  # [BLOCK_N] row starts
     w_up = w_gate + I * sw_n
-    if AHEAD_BYTES > 0:
-        prefetch_rows(w_gate, AHEAD_BYTES, nm, False)
-        prefetch_rows(w_up, AHEAD_BYTES, nm, False)
     ty = inter_ptr.dtype.element_ty
     r = tl.arange(0, ROWS)
     r0 = (r == 0)[:, None]
@@ -205,7 +187,7 @@ def _small_down_pair_kernel(
     HID, I, E, K_TOP, si_p, sw_e, sw_n, so_p, sws_e, sws_n,
     HAS_MAP: tl.constexpr, ROWS: tl.constexpr, MERGE: tl.constexpr,
     FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr, TRIGGER: tl.constexpr, AHEAD: tl.constexpr,
+    PDL: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     # The slots spread over programs: pair_out[p, tile] =
     # round(round(w2[e] @ inter[p]) * weight[p]) (the 16-row MMA tile); non-local pairs
@@ -213,24 +195,16 @@ def _small_down_pair_kernel(
     # MERGE every pair of a token arrives at the token's tile counter (arrivals.py) and
     # the last one writes out[t, tile]: the slot sum of _small_combine_kernel. PDL: as
     # the gate_up kernel's. TRIGGER: let a PDL-launched next kernel (the next layer's qkv
-    # GEMV) start its weight reads now. AHEAD (with PDL): the tile's weight rows (and
-    # scales) prefetched into L2 before the wait, from the expert id as read then (a
-    # hint: `l2_prefetch.py`; the loop below reads the id again after the wait).
-    p = tl.program_id(0).to(tl.int64)
-    nb = tl.program_id(1)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = n < HID
-    if AHEAD > 0:  # 1: normal, 2: evict-last
-        e0 = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
-        if (e0 >= 0) & (e0 < E):
-            row_bytes = I * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            prefetch_rows(w_ptr + e0 * sw_e + n.to(tl.int64) * sw_n, row_bytes, nm, AHEAD == 2)
-            prefetch_lines(ws_ptr + e0 * sws_e + n.to(tl.int64) * sws_n, nm, FP8 > 0)
+    # GEMV) start its weight reads now.
     if PDL:
         gdc_wait()
     if PDL or TRIGGER:
         gdc_launch_dependents()
+    p = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
     e = _local_expert(ids_ptr, emap_ptr, p, HAS_MAP)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < HID
     ty = pair_out_ptr.dtype.element_ty
     if (e >= 0) & (e < E):
         kk = tl.arange(0, BLOCK_K)
@@ -339,7 +313,7 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
         x, ids, emap, w13, inter, s13,
         k_top, hid, inter_dim, E, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         s13.stride(0), s13.stride(1), BLOCK_N=c["N1"], BLOCK_K=c["K1"], **meta,
-        AHEAD_BYTES=_up_ahead_bytes(w13, c["K1"], x.device), **pdl_launch(x.device, "moe"),
+        **pdl_launch(x.device, "moe"),
     )
     if c.get("split"):
         _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top)
@@ -350,25 +324,6 @@ def fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map=No
         s2.stride(0), s2.stride(1), BLOCK_N=c["N2"], BLOCK_K=c["K2"], **meta,
     )
     return out
-
-
-def _ahead(w2: torch.Tensor, device: torch.device) -> int:
-    """The split down kernel's AHEAD (`DOWN_AHEAD`: 0 none, 1 normal, 2 evict-last):
-    only where it waits under PDL, with rows the bulk prefetch takes."""
-    if DOWN_AHEAD not in (None, "normal", "last"):
-        raise ValueError(f"moe_decode.DOWN_AHEAD must be None, 'normal' or 'last', not {DOWN_AHEAD!r}")
-    if DOWN_AHEAD is None or not pdl_enabled(device, "moe"):
-        return 0
-    return (1 if DOWN_AHEAD == "normal" else 2) if bulk_rows_ok(w2, w2.shape[-1] * w2.element_size()) else 0
-
-
-def _up_ahead_bytes(w13: torch.Tensor, block_k: int, device: torch.device) -> int:
-    """gate_up's AHEAD_BYTES (`GATE_UP_AHEAD_BLOCKS`): 0 before sm_90 or where the bulk
-    prefetch cannot take the rows."""
-    nbytes = min(GATE_UP_AHEAD_BLOCKS * block_k, w13.shape[-1]) * w13.element_size()
-    if nbytes <= 0 or not prefetch_capable(device) or not bulk_rows_ok(w13, nbytes):
-        return 0
-    return nbytes
 
 
 def _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top) -> None:
@@ -386,8 +341,7 @@ def _down_split(inter, ids, emap, weights, w2, s2, out, c, meta, k_top) -> None:
         hid, inter_dim, E, k_top, inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         s2.stride(0), s2.stride(1), HAS_MAP=meta["HAS_MAP"], ROWS=meta["ROWS"], MERGE=merge,
         FP8=meta["FP8"], BLOCK_N=c["N2"], BLOCK_K=c["K2"], PREC=meta["PREC"],
-        TRIGGER=merge and pdl_enabled(out.device), AHEAD=_ahead(w2, out.device),
-        num_warps=meta["num_warps"],
+        TRIGGER=merge and pdl_enabled(out.device), num_warps=meta["num_warps"],
         num_stages=meta["num_stages"], **pdl_launch(out.device, "moe"),
     )
     if merge:

@@ -33,7 +33,6 @@ import triton.language as tl
 from .attention import dot_precision
 from .fp8_linear import fp8_block_dot, scales_ahead
 from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
-from .l2_prefetch import bulk_rows_ok, prefetch_capable, prefetch_rows
 from . import moe_decode, moe_fp8_decode
 from .moe import SMALL_MAX_PAIRS, _align, _combine_kernel, block_pairs
 
@@ -55,10 +54,8 @@ def _fp8_gate_up_kernel(
     P, K_TOP, HID, I, E, sx_t, sxs_t, sw_e, sw_n, sws_e, sws_n, si_r, sis_r,
     A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREC: tl.constexpr, FP8_MAX_C: tl.constexpr, EVEN: tl.constexpr, SW_N: tl.constexpr, SWS_N: tl.constexpr,
-    AHEAD_BYTES: tl.constexpr,
 ):
     # w13[e] is [2I, HID] (gate rows 0..I-1, up rows I..2I-1); scales [2I, HID/128].
-    # AHEAD_BYTES > 0: that many bytes of each tile row prefetched into L2 first (`DECODE_AHEAD`).
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b).to(tl.int64)
@@ -77,10 +74,6 @@ def _fp8_gate_up_kernel(
     x_rows = x_ptr + tok[:, None] * sx_t
     w_gate = w_ptr + e * sw_e + n[None, :].to(tl.int64) * w_n
     w_up = w_gate + I * w_n
-    if AHEAD_BYTES > 0:
-        g_rows = w_ptr + e * sw_e + n.to(tl.int64) * sw_n
-        prefetch_rows(g_rows, AHEAD_BYTES, nm, False)
-        prefetch_rows(g_rows + I * sw_n, AHEAD_BYTES, nm, False)
     s_gate = ws_ptr + e * sws_e + n.to(tl.int64) * s_n
     s_up = s_gate + I * s_n
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -123,10 +116,9 @@ def _fp8_down_kernel(
     inter_ptr, is_ptr, w_ptr, ws_ptr, pair_out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
     P, HID, I, E, si_r, sis_r, sw_e, sw_n, sws_e, sws_n, so_r,
     A_FP8: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREC: tl.constexpr, EVEN: tl.constexpr, SW_N: tl.constexpr, SWS_N: tl.constexpr, AHEAD_BYTES: tl.constexpr,
+    PREC: tl.constexpr, EVEN: tl.constexpr, SW_N: tl.constexpr, SWS_N: tl.constexpr,
 ):
     # w2[e] is [HID, I]; scales [HID, I/128]. Output row = pair id, scaled by its weight.
-    # AHEAD_BYTES: as gate_up's.
     b = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + b).to(tl.int64)
@@ -135,8 +127,6 @@ def _fp8_down_kernel(
     rows, pair, rm = block_pairs(sorted_ptr, b, P, BLOCK_M)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = n < HID
-    if AHEAD_BYTES > 0:
-        prefetch_rows(w_ptr + e * sw_e + n.to(tl.int64) * sw_n, AHEAD_BYTES, nm, False)
     kk = tl.arange(0, BLOCK_K)
     a_rows = inter_ptr + rows[:, None].to(tl.int64) * si_r
     if EVEN:  # `_load`; a padding row of `inter` (unwritten) stays in its own row, never stored
@@ -184,12 +174,11 @@ DECODE_F16 = True
 # for a token's bits not to depend on its batch (see DECODE_F16).
 DECODE_WEIGHT_ROWS: dict | bool = False
 
-# Decode tiles (past the small path): K blocks of each weight row prefetched into L2 (one
-# bulk request a row, `l2_prefetch.py`) as a program starts, (gate_up, down): the whole
-# tile's bytes requested at once instead of a pipeline's stages at a time (down's K is
-# six blocks, half of them spent filling three stages). (0, 0): none; a candidate until a
-# GPU ranks it (`decode_gpu.py --quantization fp8 --baselines fp8downahead,fp8ahead`).
-DECODE_AHEAD = (0, 0)
+# Down's own decode tile keys (N2, warps2, stages2) over the decode config's, which gives
+# down (codes in float16) 64-row N tiles and 4 stages (one H100, 24 layers: 1.006-1.009x the decode step of
+# N2 128 with 3 stages at batch 16-128, down 1,883 against 1,946 µs a step at 64;
+# bench/NOTES.md). Baselines set it (`decode_gpu.py --baselines fp8down128`: the old tile).
+DECODE_DOWN: dict = {}
 
 
 def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
@@ -199,8 +188,8 @@ def _config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> dict:
     of bench/probes/fp8_tiles.py on one H200 (bench/NOTES.md)."""
     if num_pairs / max(1, num_experts) <= 16 or dtype == torch.float32:
         f16 = DECODE_F16 and dtype != torch.float32
-        return dict(A_FP8=False, SCALE_AFTER=f16, BLOCK_M=16, N1=128, N2=128, warps=4, stages=3,
-                    ahead1=DECODE_AHEAD[0], ahead2=DECODE_AHEAD[1])
+        down = {"N2": 64, "stages2": 4, **DECODE_DOWN} if f16 else {"N2": 128}  # measured in the float16 mode
+        return dict(A_FP8=False, SCALE_AFTER=f16, BLOCK_M=16, N1=128, warps=4, stages=3, **down)
     return dict(A_FP8=True, SCALE_AFTER=False, BLOCK_M=64, N1=GROUP, N2=256, warps=8, stages=3)
 
 
@@ -212,13 +201,6 @@ def _even(cfg: dict, k: int, rows: int, n_tile: int, w: torch.Tensor, ws: torch.
     on = bool(cfg.get("EVEN", False)) and k % GROUP == 0 and rows % n_tile == 0
     keys = dict(EVEN=on, SW_N=w.stride(1) if on else 0, SWS_N=ws.stride(1) if on else 0)
     return dict(keys, maxnreg=cfg["maxnreg"]) if "maxnreg" in cfg else keys
-
-
-def _ahead_bytes(blocks: int, w: torch.Tensor) -> int:
-    """A kernel's AHEAD_BYTES for ``blocks`` K blocks of ``w``'s rows: 0 before sm_90 or
-    where the bulk prefetch cannot take them."""
-    nbytes = min(blocks * GROUP, w.shape[-1]) * w.element_size()
-    return nbytes if nbytes > 0 and prefetch_capable(w.device) and bulk_rows_ok(w, nbytes) else 0
 
 
 def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale,
@@ -268,7 +250,6 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
         w13_scale.stride(0), w13_scale.stride(1), inter.stride(0), inter_s.stride(0),
         A_FP8=cfg["A_FP8"], SCALE_AFTER=cfg["SCALE_AFTER"], BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=GROUP, PREC=prec, FP8_MAX_C=FP8_MAX,
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_even(cfg, hid, inter_dim, cfg["N1"], w13, w13_scale),
-        AHEAD_BYTES=_ahead_bytes(cfg.get("ahead1", 0), w13),
     )
     pair_out = x.new_empty((P, hid))
     weights = topk_weights.reshape(-1).contiguous()
@@ -278,7 +259,7 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
         w2_scale.stride(0), w2_scale.stride(1), pair_out.stride(0),
         A_FP8=cfg["A_FP8"], SCALE_AFTER=cfg["SCALE_AFTER"], BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=GROUP, PREC=prec,
         num_warps=cfg.get("warps2", cfg["warps"]), num_stages=cfg.get("stages2", cfg["stages"]),
-        **_even(cfg, inter_dim, hid, cfg["N2"], w2, w2_scale), AHEAD_BYTES=_ahead_bytes(cfg.get("ahead2", 0), w2),
+        **_even(cfg, inter_dim, hid, cfg["N2"], w2, w2_scale),
     )
     out = x.new_empty((T, hid))
     block = min(1024, triton.next_power_of_2(hid))
