@@ -175,9 +175,9 @@ DECODE_F16 = True
 DECODE_WEIGHT_ROWS: dict | bool = False
 
 # Down's own decode tile keys (N2, warps2, stages2) over the decode config's, which gives
-# down (codes in float16) 64-row N tiles and 4 stages (one H100, 24 layers: 1.006-1.009x the decode step of
-# N2 128 with 3 stages at batch 16-128, down 1,883 against 1,946 µs a step at 64;
-# bench/NOTES.md). Baselines set it (`decode_gpu.py --baselines fp8down128`: the old tile).
+# down (codes in float16) 64-row N tiles and 4 stages: one H100, 24 layers, 1.005-1.009x
+# the decode step of N2 128 with 3 stages at batch 16-128, down 1,883 against 1,946 µs a
+# step at 64 (bench/NOTES.md). `decode_gpu.py --baselines fp8down128` runs the old tile.
 DECODE_DOWN: dict = {}
 
 
