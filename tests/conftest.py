@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -13,8 +15,11 @@ import tempfile
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
-# Keep the default-model cache of the test run out of the user's home folder.
-os.environ.setdefault("PHALANX_CACHE_DIR", tempfile.mkdtemp(prefix="phalanx-test-cache-"))
+# Keep the default-model cache of the test run out of the user's home folder; a folder
+# made here is the run's own and goes when the run ends (a given PHALANX_CACHE_DIR stays).
+if "PHALANX_CACHE_DIR" not in os.environ:
+    os.environ["PHALANX_CACHE_DIR"] = tempfile.mkdtemp(prefix="phalanx-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PHALANX_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 

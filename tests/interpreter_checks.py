@@ -1,7 +1,11 @@
 """Running a test module's checks under Triton's interpreter, in a subprocess (Triton
 reads TRITON_INTERPRET when first imported, so the pytest process, which may have
 imported it already, cannot switch): the module, run as a script, prints one line
-``RESULTS {json}`` with each check's result; the pytest side reads it once per module."""
+``RESULTS {json}`` with each check's result; the pytest side reads it once per module.
+
+The interpreter runs on one core, so the pytest side starts one script per core (up to
+`MAX_WORKERS`) over a shared claims folder (``--claims DIR``): each script runs the checks
+it claims first (a file created exclusively per check) and the results are merged."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 import zlib
 from collections.abc import Callable
@@ -21,11 +27,29 @@ def checks_in(namespace: dict) -> list[str]:
     return sorted(n for n, fn in namespace.items() if n.startswith("check_") and callable(fn))
 
 
+MAX_WORKERS = 4
+
+
+def _claimed(name: str) -> bool:
+    """Whether this script runs check `name`: always alone; with ``--claims DIR``, when it
+    is the first to create ``DIR/name``."""
+    if "--claims" not in sys.argv:
+        return True
+    folder = sys.argv[sys.argv.index("--claims") + 1]
+    try:
+        os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def run_checks(namespace: dict, call: Callable[[str, Callable], dict] = lambda n, fn: fn()
                ) -> dict:
-    """Each check's result (``call(name, fn)``), or ``{"error": traceback}``."""
+    """Each claimed check's result (``call(name, fn)``), or ``{"error": traceback}``."""
     results = {}
     for name in checks_in(namespace):
+        if not _claimed(name):
+            continue
         try:
             results[name] = call(name, namespace[name])
         except Exception:  # reported per check by the pytest side
@@ -76,17 +100,45 @@ def assert_within(results: dict, name: str, tol: float) -> None:
     assert res["err"] < tol, f"{name}: relative error {res['err']:.3e}"
 
 
-def run_module(path: str, timeout_s: float = 600) -> dict:
-    """The pytest side: run the module at `path` under the interpreter; its results."""
+def _workers() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_WORKERS, cores or 1))
+
+
+def run_module(path: str, timeout_s: float = 600, workers: int | None = None) -> dict:
+    """The pytest side: run the module at `path` under the interpreter, `workers` scripts
+    (default one per core) over a claims folder; the merged results. Checks that time
+    their own waits pass ``workers=1``."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"check script failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULTS "):])
+    results: dict = {}
+    deadline = time.monotonic() + timeout_s
+    with tempfile.TemporaryDirectory(prefix="phalanx-checks-") as claims, \
+            tempfile.TemporaryDirectory(prefix="phalanx-checks-out-") as logs:
+        procs = []  # (process, its stdout file, its stderr file): files, so no pipe fills up
+        try:
+            for i in range(workers or _workers()):
+                out, err = (open(os.path.join(logs, f"{i}.{kind}"), "w+") for kind in ("out", "err"))
+                procs.append((subprocess.Popen([sys.executable, path, "--claims", claims], env=env,
+                                               stdout=out, stderr=err), out, err))
+            for proc, out, err in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                out.seek(0)
+                err.seek(0)
+                text = out.read()
+                lines = [ln for ln in text.splitlines() if ln.startswith("RESULTS ")]
+                if proc.returncode != 0 or not lines:
+                    pytest.fail(f"check script failed (rc {proc.returncode}):\n{text[-4000:]}\n"
+                                f"{err.read()[-4000:]}")
+                results.update(json.loads(lines[-1][len("RESULTS "):]))
+        finally:
+            for proc, out, err in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close()
+                err.close()
+    return results
 
 
 def rel_err(out, ref) -> float:

@@ -317,7 +317,7 @@ CHECKS = checks_in(globals())
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_module(__file__)
+    return run_module(__file__, workers=1)  # its checks time their waits: one core each
 
 
 @pytest.mark.parametrize("name", CHECKS)
