@@ -39,7 +39,8 @@ SLOW_MODULES = frozenset({
     "test_chaos_cli", "test_chaos_injectors", "test_comm_dispatch", "test_disagg", "test_groups",
     "test_kernel_resources", "test_kernels_triton", "test_kv_slab_copy", "test_kv_transport",
     "test_optional_triton", "test_peer_exchange", "test_rank_kills", "test_sdk_local", "test_serve",
-    "test_serve_multinode", "test_shm_agreement", "test_shm_broadcast", "test_shm_collectives",
+    "test_serve_multinode", "test_server_aiperf", "test_shm_agreement", "test_shm_broadcast",
+    "test_shm_collectives",
 })
 
 

@@ -17,7 +17,8 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from phalanx.server import BackgroundServer, EngineBackend, create_app  # noqa: E402
+from phalanx.server import EngineBackend  # noqa: E402
+from app_server import serving  # noqa: E402
 
 MODEL = "tiny-test"
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "openai" / "openapi-subset.json"
@@ -29,11 +30,8 @@ pytestmark = pytest.mark.skipif(not SPEC.is_file(), reason=f"no spec at {SPEC}")
 def server(tiny_model):
     backend = EngineBackend.from_model_dir(tiny_model, model_name=MODEL, num_pages=256,
                                            max_model_len=64)
-    srv = BackgroundServer(lambda: create_app(backend, stream_resume_s=0))
-    srv.start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend, stream_resume_s=0) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from phalanx.sdk import (APIConnectionError, APIError, AsyncClient, ChatCompleti
                          Completion)
 from phalanx.sdk.sse import iter_sse_data
 from phalanx.server import BackgroundServer, EngineBackend, create_app
+from app_server import serving
 
 MODEL = "tiny-sdk"
 KEY = "sdk-key"
@@ -25,10 +26,8 @@ def backend(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    srv = BackgroundServer(lambda: create_app(backend, api_key=KEY)).start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend, api_key=KEY) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

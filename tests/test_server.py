@@ -17,8 +17,8 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from phalanx import LLM, SamplingParams
+from app_server import serving
 from spy_backend import SpyBackend
-from phalanx.server import BackgroundServer, create_app
 
 MODEL = "tiny-test"
 KEY = "test-key"
@@ -40,12 +40,8 @@ def backend(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    srv = BackgroundServer(lambda: create_app(backend, api_key=KEY, max_body_bytes=BODY_CAP,
-                                              stream_resume_s=0))
-    srv.start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend, api_key=KEY, max_body_bytes=BODY_CAP, stream_resume_s=0) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from phalanx.server import BackgroundServer, EngineBackend, create_app
+from phalanx.server import EngineBackend
 from phalanx.server.metrics import ServerMetrics
+from app_server import serving
 
 MODEL = "tiny-metrics"
 VLLM_FAMILIES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -41,11 +42,8 @@ def test_backend_totals_are_counters_that_never_go_back():
 def server(tiny_model):
     backend = EngineBackend.from_model_dir(tiny_model, model_name=MODEL, max_num_seqs=8,
                                            num_pages=256)
-    srv = BackgroundServer(lambda: create_app(backend))
-    srv.start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend) as srv:
+        yield srv
 
 
 async def test_a_served_request_in_vllms_names(server):

@@ -16,6 +16,7 @@ from openai import AsyncOpenAI
 
 from phalanx import __version__
 from phalanx.server import BackgroundServer, EngineBackend, create_app
+from app_server import serving
 
 MODEL = "tiny-routes"
 KEY = "routes-key"
@@ -31,11 +32,8 @@ def backend(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    srv = BackgroundServer(lambda: create_app(backend, api_key=KEY, allowed_origins=[ORIGIN]))
-    srv.start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend, api_key=KEY, allowed_origins=[ORIGIN]) as srv:
+        yield srv
 
 
 async def _post(server, path: str, body: dict, headers: dict = AUTH) -> tuple[int, dict, dict]:

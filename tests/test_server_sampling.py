@@ -12,7 +12,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from phalanx import LLM, SamplingParams
-from phalanx.server import BackgroundServer, EngineBackend, create_app
+from phalanx.server import EngineBackend
+from app_server import serving
 
 MODEL = "tiny-test"
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
@@ -26,11 +27,8 @@ def backend(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    srv = BackgroundServer(lambda: create_app(backend, stream_resume_s=0))
-    srv.start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend, stream_resume_s=0) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

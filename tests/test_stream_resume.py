@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 
 from phalanx.sdk import AsyncClient
+from app_server import serving
 from spy_backend import SpyBackend
-from phalanx.server import BackgroundServer, create_app
 
 MODEL = "tiny-resume"
 BODY = {"model": MODEL, "prompt": "alpha bravo", "max_tokens": 60, "temperature": 0.8,
@@ -29,11 +29,8 @@ def backend(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    srv = BackgroundServer(lambda: create_app(backend, stream_resume_s=2.0))
-    srv.start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend, stream_resume_s=2.0) as srv:
+        yield srv
 
 
 class CuttingProxy:

@@ -15,7 +15,8 @@ from openai import AsyncOpenAI, BadRequestError
 from phalanx import LLM, SamplingParams
 from phalanx.actors.resume import resume_from
 from phalanx.engine.structured_output import StructuredOutput
-from phalanx.server import BackgroundServer, EngineBackend, create_app
+from phalanx.server import EngineBackend
+from app_server import serving
 
 MODEL = "tiny-test"
 
@@ -53,11 +54,8 @@ def backend(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    srv = BackgroundServer(lambda: create_app(backend, stream_resume_s=0))
-    srv.start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend, stream_resume_s=0) as srv:
+        yield srv
 
 
 @pytest.fixture

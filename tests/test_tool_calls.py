@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
-from phalanx.server import BackgroundServer, EngineBackend, create_app
+from phalanx.server import EngineBackend
+from app_server import serving
 
 MODEL = "tiny-test"
 WEATHER = {"type": "object", "properties": {
@@ -33,11 +34,8 @@ def backend(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(backend):
-    srv = BackgroundServer(lambda: create_app(backend, stream_resume_s=0))
-    srv.start()
-    yield srv
-    srv.run(backend.close())
-    srv.stop()
+    with serving(backend, stream_resume_s=0) as srv:
+        yield srv
 
 
 @pytest.fixture
