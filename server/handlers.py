@@ -86,13 +86,14 @@ def _text_chars(req: Union[proto.CompletionRequest, proto.ChatCompletionRequest]
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                add_special_tokens: bool = False, tools: Optional[list] = None) -> list[int]:
-    """The token ids of `messages` (and `tools`) under the model folder's chat template
-    (400 when the template refuses them)."""
+                add_special_tokens: bool = False, tools: Optional[list] = None,
+                template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+    """The token ids of `messages` (and `tools`) under the model folder's chat template,
+    `template_kwargs` as its variables (400 when the template refuses them)."""
     try:
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools)
+            continue_final_message=continue_final_message, tools=tools, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - templates raise on messages they refuse
         raise OpenAIError(400, f"The chat template rejected the messages: {e}",
                           param="messages", code="invalid_value") from None
@@ -181,7 +182,10 @@ class GenerationHandlers:
         """A validated chat request, ready to run (OpenAIError if it is not)."""
         self.check_model(req.model)
         tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        prompt = render_chat(self.backend.tokenizer, proto.chat_messages(req), tools=tools.render)
+        prompt = render_chat(self.backend.tokenizer, proto.chat_messages(req), tools=tools.render,
+                             add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
+                             template_kwargs=req.chat_template_kwargs)
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         max_tokens = self._fit([prompt], requested, None, param, "messages")

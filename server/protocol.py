@@ -141,6 +141,9 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
+    add_generation_prompt: bool = True  # extension: the template's assistant header
+    continue_final_message: bool = False  # extension: extend the last (assistant) message
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extension: template variables
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -253,6 +256,27 @@ def _check_chat(req: "ChatCompletionRequest") -> None:
             raise _bad("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
                        f"{req.top_logprobs}.")
     tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    check_template_args(req.add_generation_prompt, req.continue_final_message,
+                        req.chat_template_kwargs)
+
+
+# apply_chat_template's own arguments and the variables it sets itself
+_TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize",
+                                "return_dict", "tokenizer_kwargs"})
+
+
+def check_template_args(add_generation_prompt: bool, continue_final_message: bool,
+                        template_kwargs: Optional[dict[str, Any]]) -> None:
+    """400 for a chat rendering vLLM refuses too: both flags set, or `chat_template_kwargs`
+    naming one of apply_chat_template's own arguments (they have fields of their own)."""
+    if add_generation_prompt and continue_final_message:
+        raise _bad("continue_final_message", "add_generation_prompt and continue_final_message "
+                   "cannot both be true.")
+    taken = sorted(_TEMPLATE_RESERVED.intersection(template_kwargs or {}))
+    if taken:
+        raise _bad("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}: "
+                   "those are the renderer's own (give them as request fields where they are).")
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

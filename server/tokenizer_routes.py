@@ -3,8 +3,9 @@ OpenAI API, which clients such as lm-evaluation-harness and AIPerf use to count 
 
 `/tokenize` takes either a completion prompt (`{"prompt": str, "add_special_tokens":
 true}`) or chat messages (`{"messages": [...], "add_generation_prompt": true,
-"continue_final_message": false, "add_special_tokens": false}`: the ids a chat request
-with these messages would run on), with `return_token_strs` for each id's token string;
+"continue_final_message": false, "chat_template_kwargs": {...}, "add_special_tokens":
+false}`: the ids a chat request with these fields would run on), with `return_token_strs`
+for each id's token string;
 it answers `{"count", "max_model_len", "tokens", "token_strs"}`. `/detokenize` takes
 `{"tokens": [int]}` and answers `{"prompt": str}`. `model` is optional; when given it
 must be the served one (404 otherwise). Ids outside the vocabulary are 400.
@@ -37,6 +38,7 @@ class TokenizeChat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: Optional[str] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
@@ -60,10 +62,8 @@ class TokenizerRoutes:
         if req.model is not None:
             self.gen.check_model(req.model)
         if isinstance(req, TokenizeChat):
-            if req.add_generation_prompt and req.continue_final_message:
-                raise OpenAIError(400, "add_generation_prompt and continue_final_message "
-                                  "cannot both be true.", param="continue_final_message",
-                                  code="invalid_value")
+            proto.check_template_args(req.add_generation_prompt, req.continue_final_message,
+                                      req.chat_template_kwargs)
             messages = proto.chat_messages(req)
             chars = sum(len(m["content"]) for m in messages)
             ids = await self.gen.on_tokenizer(chars, self._chat_ids, messages, req)
@@ -95,7 +95,8 @@ class TokenizerRoutes:
         return render_chat(self.gen.backend.tokenizer, messages,
                            add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
-                           add_special_tokens=req.add_special_tokens)
+                           add_special_tokens=req.add_special_tokens,
+                           template_kwargs=req.chat_template_kwargs)
 
 
 def _has_messages(body: bytes) -> bool:
