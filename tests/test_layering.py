@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import pathlib
 
 import pytest
@@ -39,14 +40,19 @@ PURE = ["engine.block_pool", "engine.scheduler", "engine.sequence", "actors.reco
 
 
 def _modules() -> dict[str, pathlib.Path]:
+    """The package's modules by dotted name: the checkout's top-level folders but SKIP and
+    hidden ones (venvs such as AIPerf's `.aiperf-<version>/`), pruned before they are walked."""
     mods = {}
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] in SKIP:
-            continue
-        parts = rel.with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        mods[name] = path
+    for top, dirs, files in os.walk(ROOT):
+        if pathlib.Path(top) == ROOT:
+            dirs[:] = [d for d in dirs if d not in SKIP and not d.startswith(".")]
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = pathlib.Path(top) / file
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            mods[name] = path
     return mods
 
 
