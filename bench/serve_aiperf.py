@@ -36,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="model folder (default: the tiny model); with --url, the served name")
     ap.add_argument("--tokenizer", default=None, help="with --url: the model's folder")
     ap.add_argument("--url", default=None, help="measure this server instead of starting one")
+    ap.add_argument("--api-key", default=None, help="with --url: the server's key")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--isl", type=int, default=64)
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
                                     requests=args.requests or max(8, 4 * c), concurrency=c,
                                     isl=args.isl, osl=args.osl, extra_inputs=("ignore_eos:true",))
                 rows.append(level_row(profile(python, url, model, tokenizer, scenario, Path(tmp),
-                                              seed=args.seed)))
+                                              seed=args.seed, api_key=args.api_key)))
                 print(f"{scenario.name}: {rows[-1]['out_tok_s']:.1f} tok/s", flush=True)
     finally:
         if server is not None:
