@@ -140,7 +140,10 @@ def profile(python: Path, url: str, model: str, tokenizer: str, scenario: Scenar
     # 0.13.0's record processors take a tokenizer folder for a hub id and fail
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    env["NO_COLOR"] = "1"
+    # its dataset's memory-mapped files in the run's folder, not one more /tmp/aiperf_mmap_*
+    # per run, and no cache of them under ~/.cache/aiperf
+    env.update(NO_COLOR="1", AIPERF_DATASET_MMAP_BASE_PATH=str(art),
+               AIPERF_DATASET_MMAP_CACHE_ENABLED="false")
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     # cwd: out_dir, so that `-m aiperf` cannot find a module of that name where it runs
