@@ -122,6 +122,19 @@ class Server:
         raise SystemExit(f"server not ready (rc={self.proc.poll()}):\n"
                          f"{self.err.read_text(errors='replace')[-3000:]}")
 
+    @classmethod
+    def started(cls, folder: str, args, out_dir: Path, limit_s: float) -> "Server":
+        """A server past its ready line (stopped again if it does not get there)."""
+        server = cls(folder, args, out_dir)
+        try:
+            server.wait_ready(limit_s)
+        except BaseException:
+            server.stop()
+            raise
+        print(f"server ready: {server.url} ({server.model}), started in "
+              f"{server.startup_s:.1f} s", flush=True)
+        return server
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -323,14 +336,8 @@ def main(argv=None) -> int:
             folder = str(default_model_dir())
         server = None
         if args.url is None:
-            server = Server(folder, args, out_dir)
-            try:
-                server.wait_ready(args.timeout_s)
-            except BaseException:
-                server.stop()
-                raise
+            server = Server.started(folder, args, out_dir, args.timeout_s)
             url, model = server.url, server.model
-            print(f"server ready: {url} ({model}), started in {server.startup_s:.1f} s", flush=True)
         else:
             url, model = args.url.rstrip("/"), args.model
         try:

@@ -103,14 +103,8 @@ def main(argv=None) -> int:
         opts = argparse.Namespace(concurrency=args.concurrency, device=args.device,
                                   max_num_seqs=args.max_num_seqs, max_model_len=0,
                                   load_format=None, cuda_graph_max_prefill=None)
-        server = Server(folder, opts, out_dir)
-        try:
-            server.wait_ready(args.timeout_s)
-        except BaseException:
-            server.stop()
-            raise
+        server = Server.started(folder, opts, out_dir, args.timeout_s)
         url, model, tokenizer = server.url, server.model, folder
-        print(f"server ready: {url} ({model}), started in {server.startup_s:.1f} s", flush=True)
     else:
         url, model, tokenizer = args.url.rstrip("/"), args.model, args.tokenizer
     rows = []
