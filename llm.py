@@ -215,7 +215,7 @@ class LLM:
             texts = [prompts] if isinstance(prompts, str) else list(prompts)
             if any(not isinstance(t, str) for t in texts):
                 raise ValueError("prompts: must be a string or a list of strings")
-            return texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            return texts, [self.tokenizer.encode(t) for t in texts]
         ids = list(prompt_token_ids)
         if ids and all(isinstance(t, int) for t in ids):
             ids = [ids]
@@ -265,7 +265,9 @@ class LLM:
     def generate(self, prompts: Prompts = None, sampling_params: Params = None,
                  prompt_token_ids: TokenPrompts = None) -> list[RequestOutput]:
         """Complete every prompt; results come back in the prompts' order, each with
-        `sampling_params.n` outputs (choice i seeded with seed + i). The first choice of
+        `sampling_params.n` outputs (choice i seeded with seed + i). A text prompt is
+        tokenized with the tokenizer's special tokens (a BOS where it adds one), as the
+        server's `/v1/completions` does by default. The first choice of
         a prompt runs ahead; the others join once its prompt is in the cache, so they
         share its pages."""
         texts, token_lists = self._inputs(prompts, prompt_token_ids)
@@ -317,7 +319,7 @@ class LLM:
     def stream(self, prompt: str | Sequence[int],
                sampling_params: Optional[SamplingParams] = None) -> Iterator[int]:
         """Yield one request's tokens as they are produced."""
-        tokens = self.tokenizer.encode(prompt, add_special_tokens=False) \
+        tokens = self.tokenizer.encode(prompt) \
             if isinstance(prompt, str) else list(prompt)
         (rid,) = self._submit([tokens], [sampling_params or SamplingParams()])
         done = False

@@ -42,8 +42,9 @@ class ChoiceRun:
         for k in range(len(self.rids)):
             ids, end = self.tokens.get(k, []), self.last[k]
             lps = self.logprobs.get(k)
+            shown = ids[:-1] if end.finish_reason == "stop" and ids else ids  # not the stop token
             outputs.append(CompletionOutput(
-                k, decode(ids), ids, end.finish_reason, lps,
+                k, decode(shown), ids, end.finish_reason, lps,
                 None if lps is None else sum(lp.logprob for lp in lps)))
         first = self.last[0]
         return RequestOutput(self.rids[0], text, self.prompt_token_ids, outputs,

@@ -1,7 +1,9 @@
 """What changes a batch's logits before temperature and the filters, all rows at once.
 
-Order (as `SamplingParams` documents): `logit_bias` added; `min_tokens` bars EOS and the
-row's `stop_token_ids` while fewer output tokens exist; the repetition penalty (tokens of
+Order (as `SamplingParams` documents): tokens outside `allowed_token_ids` removed; bad
+words removed (the last token of a banned sequence whose other tokens end the output so
+far); `logit_bias` added; `min_tokens` bars EOS and the row's `stop_token_ids` while fewer
+output tokens exist; the repetition penalty (tokens of
 the prompt or the output: a positive logit divided by it, a negative one multiplied);
 then `frequency_penalty * count + presence_penalty * (count > 0)` subtracted, counting
 the output tokens only. Each is one batched operation over the rows that use it.
@@ -49,11 +51,49 @@ class RowHistory:
 def process_logits(x: torch.Tensor, rows: Sequence[RowHistory],
                    eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
     """`x` (float32 `[B, vocab]`, modified in place and returned) after every row's
-    bias, min-tokens bar and penalties."""
+    allow-list, bad words, bias, min-tokens bar and penalties. A row with an allow-list
+    that the later steps left with no token keeps its allowed tokens alone."""
+    listed = _keep_allowed(x, rows)
+    kept = x[listed].clone() if listed else None
+    _ban_bad_words(x, rows)
     _add_bias(x, rows)
     _bar_stops(x, rows, eos_token_ids)
     _penalize(x, rows)
+    if listed:
+        empty = torch.isneginf(x[listed]).all(dim=1, keepdim=True)
+        x[listed] = torch.where(empty, kept, x[listed])
     return x
+
+
+def _keep_allowed(x: torch.Tensor, rows: Sequence[RowHistory]) -> list[int]:
+    """Remove every token outside each row's `allowed_token_ids`; the rows that have one."""
+    listed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not listed:
+        return listed
+    keep = torch.zeros(len(listed), x.shape[1], dtype=torch.bool, device=x.device)
+    pairs = _token_rows([rows[i].params.allowed_token_ids for i in listed], range(len(listed)))
+    pairs = torch.from_numpy(pairs).to(x.device)
+    keep[pairs[0], pairs[1]] = True
+    x[listed] = x[listed].masked_fill(~keep, float("-inf"))
+    return listed
+
+
+def _ban_bad_words(x: torch.Tensor, rows: Sequence[RowHistory]) -> None:
+    """For each banned sequence, its last token where the output ends with the rest
+    (output tokens only: a prompt's tail does not start a bad word)."""
+    pairs = []
+    for i, r in enumerate(rows):
+        words = r.params.bad_words_token_ids
+        if not words:
+            continue
+        out = r.outputs()
+        for w in words:
+            head = len(w) - 1
+            if head <= len(out) and (head == 0 or out[len(out) - head:] == list(w[:head])):
+                pairs.append((i, w[-1]))
+    if pairs:
+        idx = torch.tensor(pairs, dtype=torch.long, device=x.device)
+        x[idx[:, 0], idx[:, 1]] = float("-inf")
 
 
 def _add_bias(x: torch.Tensor, rows: Sequence[RowHistory]) -> None:

@@ -32,7 +32,7 @@ class StepOutput:
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
-    text: str
+    text: str  # of token_ids without the EOS / stop token that ended them (as vLLM's)
     token_ids: list[int]
     finish_reason: Optional[str]
     logprobs: Optional[list[TokenLogprob]] = None  # one per token (requests asking)

@@ -18,12 +18,17 @@ LogitBias = Union[Mapping[int, float], tuple[tuple[int, float], ...], None]
 class SamplingParams:
     """How to pick each next token of one request.
 
-    The logits of a row are processed in this order: `logit_bias` added, `min_tokens`
+    The logits of a row are processed in this order: every token outside
+    `allowed_token_ids` removed, `bad_words_token_ids` removed (a sequence's last token,
+    where the output so far ends with the rest of it; a one-token sequence always),
+    `logit_bias` added, `min_tokens`
     (EOS and `stop_token_ids` barred until that many tokens are out), repetition penalty
     (prompt and output tokens: positive logits divided, negative ones multiplied),
     frequency and presence penalties (output tokens: `count * frequency + presence`
     subtracted), temperature, then the filters top-k, top-p, min-p.
-    `temperature == 0` is greedy: the arg-max of the processed logits.
+    `temperature == 0` is greedy: the arg-max of the processed logits. A row that the
+    steps after the allow-list left without a token (`min_tokens` barring every allowed
+    one) keeps the allowed tokens alone: the allow-list is never broken.
 
     `logprobs`: report the sampled token's log-probability and the `logprobs` most likely
     alternatives (0: the sampled token only), from the distribution actually sampled from
@@ -61,11 +66,17 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     structured: Optional[StructuredOutput] = None
+    allowed_token_ids: Optional[tuple[int, ...]] = None  # None: every token
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # see engine/bad_words.py
     output_base: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids",
+                           tuple(tuple(w) for w in self.bad_words_token_ids or ()))
         self._validate()
 
     def _validate(self) -> None:
@@ -97,6 +108,13 @@ class SamplingParams:
             if value is not None:
                 _check_int(name, value, 0, MAX_LOGPROBS)
         _check_int("output_base", self.output_base, 0)
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or not all(_is_token(t) for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids (>= 0), "
+                             f"got {list(self.allowed_token_ids)[:8]}")
+        if any(not w or not all(_is_token(t) for t in w) for w in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty sequences of token ids "
+                             f"(>= 0), got {self.bad_words_token_ids[:4]}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
 
@@ -108,7 +126,8 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether anything besides temperature and the filters changes the logits."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty
-                    or self.frequency_penalty or self.repetition_penalty != 1.0)
+                    or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def plain_greedy(self) -> bool:
@@ -127,6 +146,10 @@ class SamplingParams:
         base = self.seed if self.seed is not None or self.greedy else draw_seed()
         return [dataclasses.replace(self, n=1, seed=None if base is None else base + i)
                 for i in range(self.n)]
+
+
+def _is_token(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 def _check_int(name: str, value: object, low: int, high: Optional[int] = None) -> None:

@@ -68,11 +68,14 @@ class ServingBackend(abc.ABC):
       tokenizer: a Hugging Face tokenizer of the model folder (`encode`, `decode`,
         `apply_chat_template` with the folder's chat template). The server uses it on
         its event loop thread only.
+      eos_token_ids: the ids that end a request unless it ignores EOS (the engine's;
+        the server keeps their text out of the output). Default: none known.
     """
 
     model_name: str
     max_model_len: int
     tokenizer: Any
+    eos_token_ids: tuple[int, ...] = ()
 
     @abc.abstractmethod
     def generate(self, request_id: str, prompt_token_ids: list[int],

@@ -46,12 +46,16 @@ class ClusterBackend(ThreadedBackend):
 
     def __init__(self, client: Any, *, model_name: str, max_model_len: int, tokenizer: Any,
                  router: Optional[Router] = None, config: DriverConfig = DriverConfig(),
-                 close_client: Optional[Callable[[], None]] = None) -> None:
+                 close_client: Optional[Callable[[], None]] = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         """`client`: an `actors.cluster.ClusterClient` (`GroupClient`, `DisaggClient`),
-        handed over to the driver thread: nobody else may call it from now on. `close_client` (default `client.close`) runs on that thread at `close()`.
-        `router`: default one built from `client.topology()` with `config`'s policy."""
+        handed over to the driver thread: nobody else may call it from now on.
+        `close_client` (default `client.close`) runs on that thread at `close()`.
+        `router`: default one built from `client.topology()` with `config`'s policy.
+        `eos_token_ids`: the model's (ServingBackend documents them)."""
         super().__init__()
         self.model_name, self.max_model_len, self.tokenizer = model_name, max_model_len, tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
         self._driver = ClusterDriver(client, self, router=router, config=config,
                                      close_client=close_client)
         self._start(self._driver)

@@ -1,19 +1,37 @@
-"""Token ids to text, incrementally, with OpenAI `stop` strings.
+"""Token ids to text, incrementally, with OpenAI `stop` strings and vLLM's text fields.
 
 `IncrementalDetokenizer` turns a growing list of token ids into text deltas whose
-concatenation equals `tokenizer.decode(all_ids, skip_special_tokens=True)` for
+concatenation equals `tokenizer.decode(all_ids, skip_special_tokens=...)` for
 byte-level tokenizers: it decodes a sliding window (the previous delta's tokens plus
 the new ones) and holds text back while it ends in an incomplete UTF-8 sequence.
 
-`TextAssembler` adds stop strings on top: text is emitted only once no stop string can
-still start inside it, and output ends (excluding the stop string) at the first match.
+`TextAssembler` applies a choice's `TextRules` on top: the token that ended the output
+(EOS or a `stop_token_ids` one) has no text; text is emitted only once no stop string
+can still start inside it; output ends at the first stop string whose match ends past
+the first `min_tokens` tokens' text, before it (or after it, with `include_stop`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["IncrementalDetokenizer", "TextAssembler"]
+__all__ = ["IncrementalDetokenizer", "TextAssembler", "TextRules"]
+
+
+@dataclass(frozen=True, slots=True)
+class TextRules:
+    """How one choice's tokens become its text. `stop`: non-empty strings (the caller
+    validates); `end_tokens`: the ids that end the output when sampled (the request's
+    `stop_token_ids`, and EOS unless it ignores it): always its last token, never text
+    unless `include_stop` (vLLM's `include_stop_str_in_output`, which also keeps a
+    matched stop string)."""
+
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False
+    skip_special_tokens: bool = True
+    end_tokens: frozenset[int] = frozenset()
+    min_tokens: int = 0
 
 _REPLACEMENT = "\ufffd"
 
@@ -21,14 +39,15 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Text deltas of one output stream (the vLLM prefix/read-offset scheme)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # window start: the tokens of the previous delta
         self._read = 0  # tokens up to here are already emitted as text
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Append tokens; return the text they complete ("" while a character is
@@ -47,16 +66,17 @@ class IncrementalDetokenizer:
 
 
 class TextAssembler:
-    """Emitted text of one choice: detokenized deltas cut at the first stop string."""
+    """Emitted text of one choice: detokenized deltas under its `TextRules`."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
-        """`stop`: non-empty strings (the caller validates); the output ends before
-        the first occurrence of any of them."""
-        self._detok = IncrementalDetokenizer(tokenizer)
-        self._stop = tuple(stop)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+    def __init__(self, tokenizer: Any, rules: TextRules = TextRules()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, rules.skip_special_tokens)
+        self._rules = rules
+        longest = max((len(s) for s in rules.stop), default=1)
+        self._hold = 0 if rules.include_stop else longest - 1
         self._text = ""  # everything decoded so far (up to a stop match)
         self._emitted = 0  # chars of _text already returned
+        self._tokens = 0  # tokens decoded so far
+        self._floor = 0  # a stop match must end past this (the first min_tokens' text)
         self.stopped = False
 
     @property
@@ -69,12 +89,21 @@ class TextAssembler:
         `self.stopped` is True and later calls return ""."""
         if self.stopped:
             return ""
-        new = self._detok.push(token_ids, final)
-        if not new and not final:
+        ids = list(token_ids)
+        if ids and ids[-1] in self._rules.end_tokens and not self._rules.include_stop:
+            ids.pop()
+        before = len(self._text)
+        quiet = max(0, self._rules.min_tokens - self._tokens)
+        if quiet and ids:
+            self._text += self._detok.push(ids[:quiet])
+            self._tokens += len(ids[:quiet])
+            self._floor = len(self._text)
+            ids = ids[quiet:]
+        self._text += self._detok.push(ids, final)
+        self._tokens += len(ids)
+        if len(self._text) == before and not final:
             return ""
-        search_from = max(0, len(self._text) - self._hold)
-        self._text += new
-        cut = self._find_stop(search_from)
+        cut = self._find_stop(before)
         if cut is not None:
             self._text = self._text[:cut]
             self.stopped = True
@@ -85,6 +114,12 @@ class TextAssembler:
         self._emitted = end
         return out
 
-    def _find_stop(self, start: int) -> int | None:
-        hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+    def _find_stop(self, before: int) -> int | None:
+        """Where the text ends at the earliest stop match that ends past both `before`
+        (earlier text was searched already) and the min-tokens floor."""
+        best = None
+        for s in self._rules.stop:
+            i = self._text.find(s, max(0, max(before, self._floor) - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(s) if self._rules.include_stop else i)
+        return None if best is None else best[1]

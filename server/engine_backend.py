@@ -44,6 +44,7 @@ class EngineBackend(ThreadedBackend):
         self.config = config
         self.model_name = model_name or os.path.basename(os.path.normpath(config.model_path))
         self.max_model_len = config.max_model_len
+        self.eos_token_ids = tuple(config.model.eos_token_ids)
         if tokenizer is None:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(config.model_path)

@@ -17,7 +17,7 @@ from ..openai_types import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCom
                          PromptTokensDetails, ToolCall, ToolCallDelta, UNSET, Usage)
 from . import tool_parser
 from .generation import ChoiceEvent
-from .logprob_format import TokenTexts, chat_logprobs, completion_logprobs, merge_completion
+from .logprob_format import TokenNames, chat_logprobs, completion_logprobs, merge_completion
 
 __all__ = ["Envelope", "ChoiceResult", "CompletionFormat", "ChatFormat", "make_usage"]
 
@@ -77,7 +77,7 @@ class CompletionFormat:
     `echo`: each prompt (by prompt index = choice index // `per_prompt`) is repeated
     before its choices' text; `texts`: token texts for `logprobs` (None: not asked)."""
 
-    def __init__(self, texts: Optional[TokenTexts] = None,
+    def __init__(self, texts: Optional[TokenNames] = None,
                  echo: Optional[Sequence[EchoPrompt]] = None, per_prompt: int = 1) -> None:
         self.texts, self.echo, self.per_prompt = texts, echo, per_prompt
         self._offsets: dict[int, int] = {}  # stream: next text offset of each choice
@@ -135,7 +135,7 @@ class ChatFormat:
     of the text (`tool_parser`): they become `tool_calls` (a stream: one delta per call,
     whole) and a choice that made any ends with finish reason "tool_calls"."""
 
-    def __init__(self, texts: Optional[TokenTexts] = None, tools: bool = False) -> None:
+    def __init__(self, texts: Optional[TokenNames] = None, tools: bool = False) -> None:
         self.texts, self.tools = texts, tools
         self._streams: dict[int, tool_parser.ToolCallStream] = {}
 

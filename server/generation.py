@@ -19,7 +19,7 @@ from ..engine.logprobs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from ..log import get_logger
 from .backend import ServingBackend, TokenDelta
-from .detokenizer import TextAssembler
+from .detokenizer import TextAssembler, TextRules
 from .errors import SERVER_ERROR, OpenAIError
 from .metrics import ServerMetrics
 
@@ -47,11 +47,11 @@ class ChoiceRun:
     the one token generated is dropped; the choice ends with "length" and no text."""
 
     def __init__(self, backend: ServingBackend, request_id: str, index: int,
-                 prompt_token_ids: list[int], params: SamplingParams, stop: Sequence[str],
+                 prompt_token_ids: list[int], params: SamplingParams, rules: TextRules,
                  metrics: ServerMetrics, arrival: float, keep_output: bool = True) -> None:
         self.backend, self.request_id, self.index = backend, request_id, index
         self.prompt_token_ids, self.params = prompt_token_ids, params
-        self.text = TextAssembler(backend.tokenizer, stop)
+        self.text = TextAssembler(backend.tokenizer, rules)
         self.metrics, self._last = metrics, arrival
         self._first_at = 0.0  # when the first token arrived
         self.num_tokens = 0

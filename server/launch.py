@@ -143,7 +143,7 @@ def _cluster_backend(model, layout: dict, kwargs: dict, model_name: Optional[str
         name = model_name or os.path.basename(os.path.normpath(config.model_path))
         return ClusterBackend(client, model_name=name, max_model_len=config.max_model_len,
                               tokenizer=AutoTokenizer.from_pretrained(config.model_path),
-                              config=driver)
+                              config=driver, eos_token_ids=config.model.eos_token_ids)
     except BaseException:
         client.close()
         raise

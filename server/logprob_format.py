@@ -2,7 +2,7 @@
 object and the chat route's `logprobs.content` list.
 
 A token's text is its own decoding (`tokenizer.decode([id])`, cached), as vLLM reports
-it; a token that is part of a multi-byte character decodes to U+FFFD. A logprob of -inf
+it (or `token_id:<id>`, `TokenIdTexts`); a token that is part of a multi-byte character decodes to U+FFFD. A logprob of -inf
 (a token the request's filters removed) is written as -9999.0, as vLLM does: JSON has no
 infinity.
 """
@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..engine.logprobs import TokenLogprob
 from ..openai_types import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
-__all__ = ["TokenTexts", "completion_logprobs", "chat_logprobs", "finite"]
+__all__ = ["TokenTexts", "TokenIdTexts", "TokenNames", "completion_logprobs", "chat_logprobs", "finite"]
 
 FLOOR = -9999.0
+TokenNames = Callable[[int], str]  # a token id's name in logprobs (TokenTexts, TokenIdTexts)
 
 
 def finite(logprob: float) -> float:
@@ -39,7 +40,15 @@ class TokenTexts:
         return text
 
 
-def completion_logprobs(texts: TokenTexts, logprobs: Sequence[Optional[TokenLogprob]],
+class TokenIdTexts:
+    """Each token named `token_id:<id>` (vLLM's `return_tokens_as_token_ids`: a client
+    reads ids back from logprobs whatever the tokens decode to)."""
+
+    def __call__(self, token: int) -> str:
+        return f"token_id:{token}"
+
+
+def completion_logprobs(texts: TokenNames, logprobs: Sequence[Optional[TokenLogprob]],
                         prompt_tokens: Sequence[int] = (), offset: int = 0) -> CompletionLogprobs:
     """The legacy object for `logprobs` (a None entry: a token nothing scored, whose id
     comes from `prompt_tokens` at the same position); text offsets start at `offset`."""
@@ -62,7 +71,7 @@ def completion_logprobs(texts: TokenTexts, logprobs: Sequence[Optional[TokenLogp
     return out
 
 
-def chat_logprobs(texts: TokenTexts, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(texts: TokenNames, logprobs: Sequence[TokenLogprob]) -> ChatLogprobs:
     """`{"content": [...], "refusal": null}` for a chat choice's (or chunk's) tokens."""
     content = []
     for lp in logprobs:

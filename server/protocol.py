@@ -1,4 +1,5 @@
-"""Request bodies of `/v1/completions` and `/v1/chat/completions` (msgspec, strict).
+"""Request bodies of `/v1/completions` and `/v1/chat/completions` (request_bodies.py):
+decoded, checked, and read into what the engine and the server run with.
 
 Decoding is strict: JSON types must match (a string where an int is expected, a bool
 where a number is expected, ... are 400 with `param` naming the field; see errors.py
@@ -20,16 +21,25 @@ Extensions (vLLM spellings): `top_k` (int, 0 or -1 = off), `min_p` (float in [0,
 `structured_outputs` / `guided_json|regex|choice|grammar` (an output constraint),
 `repetition_penalty` (float in (0, 2]), `min_tokens` (EOS and stop tokens barred until
 that many tokens are out), `stop_token_ids` (ids that end the choice, finish reason
-"stop"), `ignore_eos` (bool) and `return_token_ids` (bool: each choice, and each stream
-chunk's choice, carries the ids of the tokens it adds as `token_ids`).
-`stop` is implemented by matching the detokenized text (up to 4 non-empty strings).
+"stop"; their text is not output), `ignore_eos` (bool), `return_token_ids` (bool: each
+choice, and each stream chunk's choice, carries the ids of the tokens it adds as
+`token_ids`), `include_stop_str_in_output` (the matched stop string, or the stop token's
+text, is kept), `skip_special_tokens` (default true), `allowed_token_ids` (only these
+may be sampled), `bad_words` (words never generated: engine/bad_words.py),
+`truncate_prompt_tokens` (keep the prompt's last k tokens; -1: the context length),
+`add_special_tokens` (the tokenizer's BOS and the like; default true for completions,
+false for chat, whose template writes them), `return_tokens_as_token_ids` (logprobs name
+tokens `token_id:<id>`) and `priority` (0 only: requests are served first come, first
+served, as vLLM's default policy, which refuses other values too).
+`stop` is implemented by matching the detokenized text (up to 4 non-empty strings); a
+match ending within the first `min_tokens` tokens' text does not count.
 Response bodies live in `phalanx.openai_types` (shared with the SDK).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Type, TypeVar, Union
+from typing import Any, Optional, Sequence, Type, TypeVar, Union
 
 import msgspec
 
@@ -37,113 +47,22 @@ from ..engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 from ..engine.structured_output import StructuredOutput
 from .errors import OpenAIError
 from .chat_messages import chat_messages
+from .detokenizer import TextRules
 from .output_constraint import constraint_of
-from .tool_choice import ToolSpec, tool_plan
+from .request_bodies import (ChatCompletionRequest, ChatMessageIn, CompletionRequest,  # noqa: F401
+                             ContentPart, SamplingFields, StreamOptions)
+from .tool_choice import tool_plan
 
 __all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart",
            "ChatMessageIn", "ChatCompletionRequest", "decode_request", "completion_prompts",
            "chat_messages", "stop_strings", "sampling_params", "MAX_PROMPTS", "decode_struct",
-           "logit_bias", "structured_output"]
+           "logit_bias", "structured_output", "text_rules"]
 
 MAX_PROMPTS = 256  # prompts per /v1/completions request
 MAX_BEST_OF = 20
 MAX_STOP = 4
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 T = TypeVar("T")
-
-
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: Optional[bool] = None
-    include_obfuscation: Optional[bool] = None  # accepted, no effect
-
-
-class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
-    """Fields shared by both routes."""
-
-    model: str
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None  # extension
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stream: Optional[bool] = None
-    stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = None
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
-    repetition_penalty: Optional[float] = None  # extension
-    min_tokens: Optional[int] = None  # extension
-    response_format: Optional[dict[str, Any]] = None
-    structured_outputs: Optional[dict[str, Any]] = None  # extension
-    guided_json: Union[dict[str, Any], str, None] = None  # extension (vLLM's older names)
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
-    ignore_eos: Optional[bool] = None  # extension
-    return_token_ids: Optional[bool] = None  # extension
-    min_p: Optional[float] = None  # extension
-    stop_token_ids: Optional[list[int]] = None  # extension
-
-
-class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
-    """CreateCompletionRequest. `prompt`: a string, a list of token ids, or a list of
-    either (one choice per prompt, `index` = the prompt's position)."""
-
-    prompt: Union[str, list[Any]]
-    best_of: Optional[int] = None
-    echo: Optional[bool] = None
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None
-
-
-class ContentPart(msgspec.Struct):
-    type: str
-    text: Optional[str] = None
-
-
-class FunctionCallIn(msgspec.Struct):
-    name: str
-    arguments: str
-
-
-class ToolCallIn(msgspec.Struct):
-    id: str
-    function: FunctionCallIn
-    type: str = "function"
-
-
-class ChatMessageIn(msgspec.Struct):
-    """A chat message; only text content (a string or `{"type": "text"}` parts). An
-    assistant message may carry the `tool_calls` it made; a `tool` message answers one
-    (`tool_call_id`)."""
-
-    role: str
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCallIn]] = None
-    tool_call_id: Optional[str] = None
-
-
-class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):
-    """CreateChatCompletionRequest (text only). `max_completion_tokens` wins over the
-    deprecated `max_tokens` when both are given."""
-
-    messages: list[ChatMessageIn]
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[ToolSpec]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
-    metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
-    service_tier: Optional[str] = None
-    add_generation_prompt: bool = True  # extension: the template's assistant header
-    continue_final_message: bool = False  # extension: extend the last (assistant) message
-    chat_template_kwargs: Optional[dict[str, Any]] = None  # extension: template variables
 
 
 _AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
@@ -222,6 +141,7 @@ def _check_common(req: SamplingFields) -> None:
                    f"{req.repetition_penalty}.")
     if req.min_tokens is not None and req.min_tokens < 0:
         raise _bad("min_tokens", f"min_tokens must be >= 0, got {req.min_tokens}.")
+    _check_vllm_fields(req)
     logit_bias(req)
     structured_output(req)
     stop_strings(req)
@@ -229,6 +149,30 @@ def _check_common(req: SamplingFields) -> None:
         _check_completion(req)
     elif isinstance(req, ChatCompletionRequest):
         _check_chat(req)
+
+
+def _check_vllm_fields(req: SamplingFields) -> None:
+    if req.allowed_token_ids is not None and (not req.allowed_token_ids
+                                              or any(t < 0 for t in req.allowed_token_ids)):
+        raise _bad("allowed_token_ids", "allowed_token_ids must be a non-empty list of token "
+                   "ids (>= 0).")
+    if req.bad_words is not None and any(not w.strip() for w in req.bad_words):
+        raise _bad("bad_words", "bad_words must be words with text.")
+    t = req.truncate_prompt_tokens
+    if t is not None and t != -1 and t < 1:
+        raise _bad("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the context "
+                   f"length) or at least 1, got {t}.")
+    if req.priority not in (None, 0):
+        raise _bad("priority", f"priority={req.priority} asks for priority scheduling, which "
+                   "this server does not run: it serves requests first come, first served "
+                   "(priority 0).", "unsupported_value")
+
+
+def text_rules(req: SamplingFields, eos_token_ids: Sequence[int]) -> TextRules:
+    """How the request's choices turn tokens into text."""
+    ends = set(req.stop_token_ids or ()) | (set() if req.ignore_eos else set(eos_token_ids))
+    return TextRules(tuple(stop_strings(req)), bool(req.include_stop_str_in_output),
+                     req.skip_special_tokens is not False, frozenset(ends), req.min_tokens or 0)
 
 
 def _check_completion(req: "CompletionRequest") -> None:
@@ -365,9 +309,11 @@ def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int,
+                    bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """SamplingParams of a decoded request (OpenAI defaults: temperature 1, top_p 1);
-    `n` is the number of choices to run per prompt (`best_of` when given)."""
+    `n` is the number of choices to run per prompt (`best_of` when given); `bad_words`:
+    the request's `bad_words` as token sequences (engine/bad_words.py)."""
     logprobs, prompt_logprobs = None, None
     runs = req.n or 1
     if isinstance(req, CompletionRequest):
@@ -393,6 +339,8 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> SamplingParams:
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=logit_bias(req), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured=structured_output(req)[0])
+            structured=structured_output(req)[0], bad_words_token_ids=bad_words,
+            allowed_token_ids=None if req.allowed_token_ids is None
+            else tuple(req.allowed_token_ids))
     except ValueError as e:
         raise _bad(str(e).split(" ", 1)[0], str(e)) from None

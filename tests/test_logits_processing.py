@@ -1,5 +1,6 @@
-"""Penalties, logit bias, min_tokens and logprobs of the batched sampler against plain
-per-row reference formulas (the OpenAI / vLLM definitions written out in Python)."""
+"""Allow-lists, bad words, penalties, logit bias, min_tokens and logprobs of the batched
+sampler against plain per-row reference formulas (the OpenAI / vLLM definitions written
+out in Python)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ EOS = (7,)
 def _reference(logits: list[float], row: RowHistory, eos=EOS) -> list[float]:
     """One row's processed logits, term by term."""
     p, x = row.params, list(logits)
+    if p.allowed_token_ids is not None:
+        x = [v if t in p.allowed_token_ids else -math.inf for t, v in enumerate(x)]
+    allowed_only = list(x)
+    outs = row.outputs()
+    for word in p.bad_words_token_ids:
+        if len(word) - 1 <= len(outs) and outs[len(outs) - len(word) + 1:] == list(word[:-1]):
+            x[word[-1]] = -math.inf
     for t, b in p.logit_bias:
         x[t] += b
     if row.num_output < p.min_tokens:
@@ -29,9 +37,10 @@ def _reference(logits: list[float], row: RowHistory, eos=EOS) -> list[float]:
     for t in seen:
         if p.repetition_penalty != 1.0:
             x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-    outs = row.outputs()
     for t in set(outs):
         x[t] -= p.frequency_penalty * outs.count(t) + p.presence_penalty
+    if p.allowed_token_ids is not None and all(v == -math.inf for v in x):
+        return allowed_only  # the allow-list is never broken
     return x
 
 
@@ -39,6 +48,12 @@ def _random_row(rng: random.Random) -> RowHistory:
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))]
     output = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 10))]
     base = rng.randrange(0, len(prompt))
+    history = prompt[len(prompt) - base:] + output
+    tail = tuple(history[-rng.randrange(1, 3):]) if history else ()
+    words = rng.choice([(), ((rng.randrange(VOCAB),),), (tail + (rng.randrange(VOCAB),),
+                                                        (rng.randrange(VOCAB), 5))])
+    allowed = rng.choice([None, None, tuple(rng.sample(range(VOCAB), rng.randrange(1, 6))),
+                          (EOS[0], 3)])
     params = SamplingParams(
         temperature=rng.choice([0.0, 0.7, 1.0]), seed=rng.randrange(1 << 30),
         presence_penalty=rng.choice([0.0, 0.5, -1.0, 2.0]),
@@ -47,7 +62,7 @@ def _random_row(rng: random.Random) -> RowHistory:
         logit_bias={rng.randrange(VOCAB): rng.uniform(-100, 100) for _ in range(rng.randrange(3))},
         min_tokens=rng.choice([0, 0, 5, 30]), max_tokens=40,
         stop_token_ids=rng.choice([(), (3,), (3, 11)]), ignore_eos=rng.random() < 0.3,
-        output_base=base)
+        output_base=base, allowed_token_ids=allowed, bad_words_token_ids=words)
     return RowHistory(params, prompt, output)
 
 
@@ -60,6 +75,24 @@ def test_processed_logits_equal_the_reference_formulas(seed):
     for i, row in enumerate(rows):
         want = torch.tensor(_reference(logits[i].tolist(), row))
         torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-4)
+
+
+def test_allow_lists_and_bad_words():
+    """Only allowed tokens are drawn; a bad word's last token is barred only after the rest
+    of it in the output (not the prompt); a one-token bad word always; min_tokens barring
+    every allowed token leaves the allowed tokens, not an empty row."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 9] = 3.0
+    for seed in range(20):
+        p = SamplingParams(temperature=1.5, seed=seed, allowed_token_ids=[2, 30, 31])
+        assert sample_batch(logits, [RowHistory(p)], [seed], EOS).tokens[0] in (2, 30, 31)
+    word = SamplingParams(temperature=0, bad_words_token_ids=[(4, 9), (12,)])
+    logits[0, 12] = 9.0
+    after = sample_batch(logits, [RowHistory(word, [1], [4])], [2], EOS).tokens[0]
+    in_prompt = sample_batch(logits, [RowHistory(word, [4], [])], [1], EOS).tokens[0]
+    assert after not in (9, 12) and in_prompt == 9
+    barred = SamplingParams(temperature=0, min_tokens=3, allowed_token_ids=[EOS[0]])
+    assert sample_batch(logits, [RowHistory(barred, [1], [])], [1], EOS).tokens == [EOS[0]]
 
 
 def test_penalties_count_output_tokens_only_and_resumed_output_as_output():

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from phalanx.server import protocol as proto
-from phalanx.server.detokenizer import IncrementalDetokenizer, TextAssembler
+from phalanx.server.detokenizer import IncrementalDetokenizer, TextAssembler, TextRules
 from phalanx.server.errors import OpenAIError
 
 
@@ -47,7 +47,7 @@ def test_stop_strings_cut_the_text_across_chunk_boundaries(tokenizer):
     for stop, expected in [(["three"], "one two "), (["x", "e f"], "one two thre"), (["ve s"], "one two three four fi"),
                            ([" six", "o t"], "one tw"), (["absent"], text)]:
         for seed in range(5):
-            asm = TextAssembler(tokenizer, stop)
+            asm = TextAssembler(tokenizer, TextRules(stop=tuple(stop)))
             chunks = _chunks(ids, random.Random(seed))
             out = "".join(asm.feed(c, final=i == len(chunks) - 1) for i, c in enumerate(chunks))
             assert out == expected and asm.text == expected
@@ -132,7 +132,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(tiny_model):
         def __getattr__(self, name):
             return getattr(real, name)
 
-    backend = SimpleNamespace(tokenizer=Recording(), max_model_len=1 << 20)
+    backend = SimpleNamespace(tokenizer=Recording(), max_model_len=1 << 20, eos_token_ids=())
     handlers = GenerationHandlers(backend, ServerMetrics(), "m")
     long_text = "red green blue " * (OFFLOAD_CHARS // 15 + 1)
     try:

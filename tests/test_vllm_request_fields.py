@@ -1,0 +1,227 @@
+"""vLLM's request fields beyond the sampling basics, through the official `openai` client's
+`extra_body`: `allowed_token_ids`, `bad_words`, `include_stop_str_in_output`,
+`skip_special_tokens`, `truncate_prompt_tokens`, `add_special_tokens`,
+`return_tokens_as_token_ids`, `priority`, and `min_tokens` against `stop` strings.
+
+The model is the tiny one with a tokenizer that adds a BOS (`<|im_start|>`), so
+`add_special_tokens` shows. Tokens are compared with the offline `LLM` given the same
+params; text with the tokenizer's decoding of those tokens under vLLM's rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from phalanx import LLM, SamplingParams
+from phalanx.engine.bad_words import bad_words_token_ids
+from phalanx.server import EngineBackend
+from app_server import serving
+
+MODEL = "tiny-bos"
+BOS = "<|im_start|>"
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model, tmp_path_factory):
+    """The tiny model whose tokenizer puts a BOS before every encoded text."""
+    folder = tmp_path_factory.mktemp("bos") / "model"
+    shutil.copytree(tiny_model, folder)
+    path = folder / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    bos_id = next(a["id"] for a in tok["added_tokens"] if a["content"] == BOS)
+    lead = [{"SpecialToken": {"id": BOS, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]
+    tok["post_processor"] = {"type": "Sequence", "processors": [tok["post_processor"], {
+        "type": "TemplateProcessing", "single": lead,
+        "pair": lead + [{"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {BOS: {"id": BOS, "ids": [bos_id], "tokens": [BOS]}}}]}
+    path.write_text(json.dumps(tok))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    backend = EngineBackend.from_model_dir(model_dir, model_name=MODEL, max_num_seqs=4,
+                                           num_pages=256, max_model_len=512)
+    with serving(backend, stream_resume_s=0) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return LLM(model_dir, max_num_seqs=4, num_pages=256)
+
+
+@pytest.fixture
+async def client(server):
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+async def _complete(client, prompt=PROMPT, max_tokens=12, temperature=0.0, **extra):
+    out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                          temperature=temperature,
+                                          extra_body={"return_token_ids": True, **extra})
+    choice = out.choices[0]
+    return choice.text, choice.model_extra["token_ids"], choice.finish_reason, out.usage
+
+
+def _offline(offline, ids, **params):
+    (out,) = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(**params))
+    return out.outputs[0]
+
+
+def _contains(seq: list[int], part: tuple[int, ...]) -> bool:
+    return any(tuple(seq[i:i + len(part)]) == part for i in range(len(seq) - len(part) + 1))
+
+
+async def test_allowed_token_ids_are_all_that_is_drawn(client, offline):
+    ids = offline.tokenizer.encode(PROMPT)
+    greedy = _offline(offline, ids, temperature=0, max_tokens=12, ignore_eos=True).token_ids
+    allowed = sorted(set(greedy[1:6]) | {5, 77, 301})
+    fields = dict(temperature=1.0, seed=11, max_tokens=12)
+    text, got, _, _ = await _complete(client, allowed_token_ids=allowed, seed=11,
+                                      temperature=1.0, ignore_eos=True)
+    want = _offline(offline, ids, allowed_token_ids=allowed, ignore_eos=True, **fields)
+    assert got == want.token_ids and set(got) <= set(allowed) and len(set(got)) > 1
+    assert text == offline.tokenizer.decode(got, skip_special_tokens=True)
+
+
+async def test_bad_words_never_appear_and_equal_offline(client, offline):
+    ids = offline.tokenizer.encode(PROMPT)
+    plain = _offline(offline, ids, temperature=0, max_tokens=12, ignore_eos=True)
+    words = [offline.tokenizer.decode(plain.token_ids[2:4]).strip(),
+             offline.tokenizer.decode(plain.token_ids[6:7]).strip()]
+    banned = bad_words_token_ids(offline.tokenizer, words)
+    assert any(_contains(plain.token_ids, b) for b in banned)  # the words were there
+    text, got, _, _ = await _complete(client, bad_words=words, ignore_eos=True)
+    want = _offline(offline, ids, temperature=0, max_tokens=12, ignore_eos=True,
+                    bad_words_token_ids=banned)
+    assert got == want.token_ids and text == want.text
+    assert not any(_contains(got, b) for b in banned)
+
+
+async def test_the_token_that_stopped_a_choice_and_stop_strings_in_its_text(client, offline):
+    tok = offline.tokenizer
+    ids = tok.encode(PROMPT)
+    plain = _offline(offline, ids, temperature=0, max_tokens=12, ignore_eos=True).token_ids
+    stop_id = plain[4]
+    text, got, reason, _ = await _complete(client, stop_token_ids=[stop_id], ignore_eos=True)
+    cut = plain[:plain.index(stop_id) + 1]
+    assert got == cut and reason == "stop"
+    assert text == tok.decode(cut[:-1]) == _offline(offline, ids, temperature=0, max_tokens=12,
+                                                     ignore_eos=True, stop_token_ids=[stop_id]).text
+    kept, _, _, _ = await _complete(client, stop_token_ids=[stop_id], ignore_eos=True,
+                                    include_stop_str_in_output=True)
+    assert kept == tok.decode(cut)
+    full = tok.decode(plain)
+    stop = full[len(tok.decode(plain[:3])) + 1:][:4]
+    before, _, _, _ = await _complete(client, stop=[stop], ignore_eos=True)
+    with_it, _, _, _ = await _complete(client, stop=[stop], ignore_eos=True,
+                                       include_stop_str_in_output=True)
+    assert before == full[:full.index(stop)] and with_it == before + stop
+
+
+async def test_a_stop_string_within_min_tokens_does_not_count(client, offline):
+    tok = offline.tokenizer
+    plain = _offline(offline, tok.encode(PROMPT), temperature=0, max_tokens=12,
+                     ignore_eos=True).token_ids
+    full = tok.decode(plain)
+    stop = tok.decode(plain[1:2]).strip()[:2]  # text of the second token
+    floor = len(tok.decode(plain[:4]))
+    later = [i for i in range(len(full)) if full.startswith(stop, i) and i + len(stop) > floor]
+    want = full[:later[0]] if later else full
+    assert len(want) > full.index(stop)  # the first match was inside the first 4 tokens
+    text, _, _, _ = await _complete(client, stop=[stop], min_tokens=4, ignore_eos=True)
+    assert text == want
+
+
+async def test_special_tokens_in_text_only_when_asked(client, offline):
+    tok = offline.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    eos = offline.config.model.eos_token_ids[0]
+    skipped, got, _, _ = await _complete(client, max_tokens=3, allowed_token_ids=[im_end],
+                                         ignore_eos=True)
+    shown, _, _, _ = await _complete(client, max_tokens=3, allowed_token_ids=[im_end],
+                                     ignore_eos=True, skip_special_tokens=False)
+    assert got == [im_end] * 3 and skipped == "" and shown == "<|im_end|>" * 3
+    # EOS that ended the choice is not text, even unskipped, unless include_stop_str_in_output
+    ended, got, reason, _ = await _complete(client, max_tokens=3, allowed_token_ids=[eos],
+                                            skip_special_tokens=False)
+    kept, _, _, _ = await _complete(client, max_tokens=3, allowed_token_ids=[eos],
+                                    skip_special_tokens=False, include_stop_str_in_output=True)
+    assert got == [eos] and reason == "stop" and ended == "" and kept == tok.decode([eos])
+
+
+async def test_add_special_tokens_and_truncation(client, server, offline):
+    tok = offline.tokenizer
+    with_bos, bare = tok.encode(PROMPT), tok.encode(PROMPT, add_special_tokens=False)
+    assert with_bos == tok.encode(BOS, add_special_tokens=False) + bare
+    _, _, _, usage = await _complete(client, max_tokens=1)
+    _, _, _, off = await _complete(client, max_tokens=1, add_special_tokens=False)
+    assert usage.prompt_tokens == len(with_bos) and off.prompt_tokens == len(bare)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(server.url + "/tokenize", json={"prompt": PROMPT}) as r:
+            assert (await r.json())["count"] == usage.prompt_tokens
+    text, got, _, usage = await _complete(client, truncate_prompt_tokens=5, ignore_eos=True)
+    assert usage.prompt_tokens == 5
+    assert got == _offline(offline, with_bos[-5:], temperature=0, max_tokens=12,
+                           ignore_eos=True).token_ids
+    _, _, _, whole = await _complete(client, max_tokens=1, truncate_prompt_tokens=-1)
+    assert whole.prompt_tokens == len(with_bos)
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    bos_chat = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"add_special_tokens": True})
+    cut = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
+    (rendered,) = offline.chat(messages, SamplingParams(max_tokens=1))
+    assert chat.usage.prompt_tokens == len(rendered.prompt_token_ids)
+    assert bos_chat.usage.prompt_tokens == chat.usage.prompt_tokens + 1
+    assert cut.usage.prompt_tokens == 3
+
+
+async def test_logprobs_name_tokens_by_id_when_asked(client):
+    out = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True,
+                    "ignore_eos": True})
+    choice = out.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in choice.logprobs.top_logprobs for k in top)
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True,
+                    "ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in
+                                          chat.choices[0].model_extra["token_ids"]]
+
+
+async def test_priority_zero_is_served(client):
+    text, _, reason, _ = await _complete(client, max_tokens=2, priority=0)
+    assert reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"priority": 1}, "priority"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids"),  # outside the vocabulary
+    ({"bad_words": ["  "]}, "bad_words"),
+    ({"bad_words": ["x"] * 65}, "bad_words"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 513}, "truncate_prompt_tokens"),  # past the context
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+])
+async def test_bad_values_are_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        await _complete(client, max_tokens=2, **extra)
+    assert err.value.body["param"] == param
