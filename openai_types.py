@@ -78,6 +78,9 @@ class CompletionChoice(msgspec.Struct):
     # vLLM's `return_token_ids` extension: the generated token ids (a chunk: since the
     # previous chunk of the choice); absent unless the request asked for them
     token_ids: Union[list[int], UnsetType] = UNSET
+    # vLLM's: the stop string or `stop_token_ids` id that ended the choice (null otherwise,
+    # EOS included)
+    stop_reason: Union[int, str, None] = None
 
 
 class Completion(msgspec.Struct):
@@ -133,6 +136,7 @@ class ChatChoice(msgspec.Struct):
     finish_reason: Optional[str] = None
     logprobs: Any = None
     token_ids: Union[list[int], UnsetType] = UNSET  # as `CompletionChoice.token_ids`
+    stop_reason: Union[int, str, None] = None  # as `CompletionChoice.stop_reason`
 
 
 class ChatCompletion(msgspec.Struct):
@@ -162,6 +166,7 @@ class ChatChunkChoice(msgspec.Struct):
     finish_reason: Optional[str] = None
     logprobs: Any = None
     token_ids: Union[list[int], UnsetType] = UNSET  # as `CompletionChoice.token_ids`
+    stop_reason: Union[int, str, None] = None  # as `CompletionChoice.stop_reason`
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -78,6 +78,7 @@ class TextAssembler:
         self._tokens = 0  # tokens decoded so far
         self._floor = 0  # a stop match must end past this (the first min_tokens' text)
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that matched
 
     @property
     def text(self) -> str:
@@ -121,5 +122,8 @@ class TextAssembler:
         for s in self._rules.stop:
             i = self._text.find(s, max(0, max(before, self._floor) - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
-                best = (i, i + len(s) if self._rules.include_stop else i)
-        return None if best is None else best[1]
+                best = (i, i + len(s) if self._rules.include_stop else i, s)
+        if best is None:
+            return None
+        self.stop_string = best[2]
+        return best[1]

@@ -43,6 +43,7 @@ class ChoiceResult:
     logprobs: Optional[list[TokenLogprob]] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     cumulative_logprob: float = 0.0
+    stop_reason: Any = None
 
     def add(self, event: ChoiceEvent) -> None:
         self.text += event.text
@@ -52,7 +53,7 @@ class ChoiceResult:
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = event.prompt_logprobs
         if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
+            self.finish_reason, self.stop_reason = event.finish_reason, event.stop_reason
 
 
 def _ids(env: Envelope, ids: Optional[list[int]]) -> Any:
@@ -107,7 +108,7 @@ class CompletionFormat:
             choices.append(CompletionChoice(
                 r.index, text, r.finish_reason,
                 self._logprobs(r.index, r.prompt_logprobs, r.logprobs, True),
-                token_ids=_ids(env, r.token_ids)))
+                token_ids=_ids(env, r.token_ids), stop_reason=r.stop_reason))
         return Completion(env.id, "text_completion", env.created, env.model, choices, usage)
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
@@ -121,7 +122,8 @@ class CompletionFormat:
         self._offsets.setdefault(event.index, 0)
         return Completion(env.id, "text_completion", env.created, env.model,
                           [CompletionChoice(event.index, text, event.finish_reason, logprobs,
-                                            token_ids=_ids(env, event.token_ids))])
+                                            token_ids=_ids(env, event.token_ids),
+                                            stop_reason=event.stop_reason)])
 
     def usage_chunk(self, env: Envelope, usage: Usage) -> Completion:
         return Completion(env.id, "text_completion", env.created, env.model, [], usage)
@@ -157,7 +159,8 @@ class ChatFormat:
         for r in results:
             message, reason = self._message(r)
             choices.append(ChatChoice(r.index, message, reason, self._logprobs(r.logprobs),
-                                      token_ids=_ids(env, r.token_ids)))
+                                      token_ids=_ids(env, r.token_ids),
+                                      stop_reason=r.stop_reason))
         return ChatCompletion(env.id, "chat.completion", env.created, env.model, choices, usage)
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
@@ -185,7 +188,8 @@ class ChatFormat:
         delta, reason = self._delta(event)
         return self._chunk(env, [ChatChunkChoice(event.index, delta, reason,
                                                  self._logprobs(event.logprobs),
-                                                 token_ids=_ids(env, event.token_ids))])
+                                                 token_ids=_ids(env, event.token_ids),
+                                                 stop_reason=event.stop_reason)])
 
     def usage_chunk(self, env: Envelope, usage: Usage) -> ChatCompletionChunk:
         return self._chunk(env, [], usage)

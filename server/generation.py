@@ -13,7 +13,7 @@ import asyncio
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence, Union
 
 from ..engine.logprobs import TokenLogprob
 from ..engine.sampling_params import SamplingParams
@@ -30,7 +30,8 @@ __all__ = ["ChoiceEvent", "ChoiceRun", "merge_runs"]
 
 @dataclass(slots=True)
 class ChoiceEvent:
-    """New text of choice `index`; `finish_reason` ("stop"/"length") on its last event;
+    """New text of choice `index`; `finish_reason` ("stop"/"length") on its last event,
+    with `stop_reason` (the stop string or `stop_token_ids` id that ended it, else None);
     `token_ids`: the tokens generated since the previous event of the choice."""
 
     index: int
@@ -39,6 +40,7 @@ class ChoiceEvent:
     token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[TokenLogprob]] = None  # one per token of `token_ids` (if asked)
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # on the first event
+    stop_reason: Union[int, str, None] = None
 
 
 class ChoiceRun:
@@ -61,6 +63,8 @@ class ChoiceRun:
         self._backend_done = False
         self._closed = False
         self._ids: list[int] = []  # tokens not yet carried by an event
+        self._last_token: Optional[int] = None
+        self._eos = frozenset(getattr(backend, "eos_token_ids", ()))
         self._lps: Optional[list[TokenLogprob]] = None  # their logprobs (if asked)
         self._prompt_lps: Optional[list] = None  # prompt logprobs for the next event
         self.keep_output = keep_output
@@ -115,6 +119,8 @@ class ChoiceRun:
             self._last = now
         self.num_tokens += n
         self._ids.extend(delta.token_ids)
+        if n:
+            self._last_token = delta.token_ids[-1]
         if delta.logprobs is not None:
             self._lps = (self._lps or []) + delta.logprobs
             self.cumulative_logprob += sum(lp.logprob for lp in delta.logprobs)
@@ -140,7 +146,18 @@ class ChoiceRun:
             self._finished(finish_reason)
         if lps is None and self.params.logprobs is not None:
             lps = []
-        return ChoiceEvent(self.index, text, finish_reason, ids, lps, prompt)
+        return ChoiceEvent(self.index, text, finish_reason, ids, lps, prompt,
+                           self._stop_reason(finish_reason))
+
+    def _stop_reason(self, finish_reason: Optional[str]) -> Union[int, str, None]:
+        """vLLM's: the stop string that matched, or the `stop_token_ids` id sampled last
+        (EOS, unless ignored, wins over a listed id: None)."""
+        if self.text.stop_string is not None:
+            return self.text.stop_string
+        last = self._last_token
+        if finish_reason != "stop" or last not in self.params.stop_token_ids:
+            return None
+        return None if last in self._eos and not self.params.ignore_eos else last
 
     def _finished(self, reason: str) -> None:
         self.metrics.finished(reason, len(self.prompt_token_ids), self.num_tokens,

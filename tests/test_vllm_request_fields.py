@@ -127,6 +127,34 @@ async def test_the_token_that_stopped_a_choice_and_stop_strings_in_its_text(clie
     assert before == full[:full.index(stop)] and with_it == before + stop
 
 
+async def test_stop_reason_names_what_ended_a_choice(client, offline):
+    """vLLM's `stop_reason`: the stop string or the listed stop token; null for EOS and
+    length; on the last chunk of a stream."""
+    tok = offline.tokenizer
+    plain = _offline(offline, tok.encode(PROMPT), temperature=0, max_tokens=12,
+                     ignore_eos=True).token_ids
+    stop_id, stop = plain[3], tok.decode(plain[5:7]).strip()[:3]
+    eos = offline.config.model.eos_token_ids[0]
+    cases = [({"stop_token_ids": [stop_id], "ignore_eos": True}, stop_id),
+             ({"stop": [stop], "ignore_eos": True}, stop),
+             ({"allowed_token_ids": [eos], "stop_token_ids": [eos]}, None),  # EOS wins
+             ({"ignore_eos": True}, None)]  # length
+    for extra, want in cases:
+        out = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                              temperature=0, extra_body=extra)
+        assert out.choices[0].model_extra["stop_reason"] == want, extra
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    stop = whole.choices[0].message.content[4:7]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+        extra_body={"stop": [stop], "ignore_eos": True})
+    chunks = [c async for c in stream]
+    last = [c.choices[0] for c in chunks if c.choices][-1]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
+
+
 async def test_a_stop_string_within_min_tokens_does_not_count(client, offline):
     tok = offline.tokenizer
     plain = _offline(offline, tok.encode(PROMPT), temperature=0, max_tokens=12,
