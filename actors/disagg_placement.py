@@ -65,7 +65,8 @@ class DisaggPlacement:
         by_dp: dict[int, list] = {}
         for req in batch:
             by_dp.setdefault(req.local, []).append(req)
-        refs = [sup.leaders[dp].reserve_many.remote([(r.request_id, r.tokens) for r in reqs])
+        refs = [sup.leaders[dp].reserve_many.remote([(r.request_id, r.tokens, r.params.prefix_root)
+                                                     for r in reqs])
                 for dp, reqs in by_dp.items()]
         reserved = []
         for reqs, results in zip(by_dp.values(), self._decode_call(key, lambda: ray.get(refs))):

@@ -24,8 +24,19 @@ class PoolExhausted(RuntimeError):
     """Not enough free pages for an allocation."""
 
 
+def salt_root(salt: Optional[str]) -> Optional[int]:
+    """The parent of a salted sequence's first page (None: unsalted). Pages of requests
+    with different salts never share a chain hash, so they never share cached KV (vLLM's
+    `cache_salt`: a tenant cannot probe another's prompts by their prefix-cache hits)."""
+    if salt is None:
+        return None
+    h = hashlib.blake2b(b"phalanx-cache-salt\0" + salt.encode("utf-8"), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
 def hash_pages(tokens: Sequence[int], page_size: int, parent: Optional[int]) -> list[int]:
-    """Chain hashes of the full pages of `tokens`, continuing from `parent`.
+    """Chain hashes of the full pages of `tokens`, continuing from `parent` (a sequence
+    starts from its `salt_root`).
 
     Stable across processes (unlike `hash()`), so ranks and the router agree.
     """

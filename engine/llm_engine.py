@@ -158,13 +158,14 @@ class LLMEngine:
     def release_held(self, request_id: str) -> bool:
         return self.scheduler.release_held(request_id)
 
-    def reserve(self, request_id: str, prompt_token_ids: Seq[int]
-                ) -> Optional[tuple[list[int], int]]:
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int],
+                prefix_root: Optional[int] = None) -> Optional[tuple[list[int], int]]:
         """Pages for a prompt's KV about to arrive and how many of its tokens they
-        already hold from the prefix cache (None: no room now)."""
+        already hold from the prefix cache (None: no room now); `prefix_root`: the
+        request's `SamplingParams.prefix_root`."""
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.scheduler.reserve(request_id, list(prompt_token_ids))
+        return self.scheduler.reserve(request_id, list(prompt_token_ids), prefix_root)
 
     def unreserve(self, request_id: str) -> bool:
         return self.scheduler.unreserve(request_id)

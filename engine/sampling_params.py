@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+from .block_pool import salt_root
 from .structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's top_logprobs limit)
@@ -68,6 +69,7 @@ class SamplingParams:
     structured: Optional[StructuredOutput] = None
     allowed_token_ids: Optional[tuple[int, ...]] = None  # None: every token
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # see engine/bad_words.py
+    cache_salt: Optional[str] = None  # prefix cache shared only with the same salt
     output_base: int = 0
 
     def __post_init__(self) -> None:
@@ -115,8 +117,16 @@ class SamplingParams:
         if any(not w or not all(_is_token(t) for t in w) for w in self.bad_words_token_ids):
             raise ValueError("bad_words_token_ids must be non-empty sequences of token ids "
                              f"(>= 0), got {self.bad_words_token_ids[:4]}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
+
+    @property
+    def prefix_root(self) -> Optional[int]:
+        """The chain-hash parent of this request's first page (`block_pool.salt_root`)."""
+        return salt_root(self.cache_salt)
 
     @property
     def greedy(self) -> bool:

@@ -100,17 +100,17 @@ class Scheduler:
             self.pool.release(pages)
         return pages is not None
 
-    def reserve(self, request_id: str, prompt_token_ids: Seq[int]
-                ) -> Optional[tuple[list[int], int]]:
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int],
+                prefix_root: Optional[int] = None) -> Optional[tuple[list[int], int]]:
         """Pages for a prompt's KV that will arrive from prefill: (pages, cached tokens),
         or None when the pool cannot spare them now (the caller retries later). The
         prompt's longest cached chain of full pages (short of its last token: at least
         one page always comes from prefill) is reused, so only the tokens from `cached`
-        on need to arrive."""
+        on need to arrive. `prefix_root`: the request's `SamplingParams.prefix_root`."""
         if request_id in self.reserved:
             raise ValueError(f"request_id {request_id!r} already has a reservation")
         ps, n = self.pool.page_size, len(prompt_token_ids)
-        hits = self.pool.match_prefix(hash_pages(prompt_token_ids[:n - 1], ps, None))
+        hits = self.pool.match_prefix(hash_pages(prompt_token_ids[:n - 1], ps, prefix_root))
         need = -(-n // ps) - len(hits)
         if need > self.pool.num_free_after_acquire(hits):
             return None

@@ -94,7 +94,7 @@ class Sequence:
         if len(self.page_hashes) < want:
             done = len(self.page_hashes)
             tokens = self.token_slice(done * page_size, want * page_size)
-            parent = self.page_hashes[-1] if self.page_hashes else None
+            parent = self.page_hashes[-1] if self.page_hashes else self.params.prefix_root
             self.page_hashes.extend(hash_pages(tokens, page_size, parent))
         return self.page_hashes[:want]
 

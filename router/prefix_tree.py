@@ -95,10 +95,11 @@ class PrefixTree(TreePruning):
         """The current logical time (number of inserts so far)."""
         return self._clock
 
-    def hashes(self, tokens: Sequence[int], remember: bool = True) -> Sequence[int]:
+    def hashes(self, tokens: Sequence[int], remember: bool = True,
+               parent: Optional[int] = None) -> Sequence[int]:
         """Chain hashes of the full pages of `tokens`, an array('Q') (remembered for later
-        calls)."""
-        return self.hasher.hashes(tokens, remember=remember)
+        calls); `parent`: a salted sequence's root (the engine's `salt_root`)."""
+        return self.hasher.hashes(tokens, parent=parent, remember=remember)
 
     def groups(self) -> list[GroupId]:
         """Groups that hold at least one page, in first-insert order."""

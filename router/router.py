@@ -217,18 +217,20 @@ class Router:
 
     @staticmethod
     def page_hashes(record: RequestRecord, pool: PlacementPool) -> Sequence[int]:
-        """Chain hashes of `record`'s resume tokens at `pool`'s page size: the prompt's
-        pages are hashed once per request and page size (kept on the record), the
-        emitted tokens' pages (after a fault, or at `finish`) on top of them."""
+        """Chain hashes of `record`'s resume tokens at `pool`'s page size, from the root
+        its params name (`prefix_root`: a salted request's; as the engine hashes them):
+        the prompt's pages are hashed once per request and page size (kept on the
+        record), the emitted tokens' pages (after a fault, or at `finish`) on top."""
         prompt, ps = record.prompt_token_ids, pool.tree.page_size
+        root = getattr(record.sampling_params, "prefix_root", None)
         hashes = record.page_hashes.get(ps)
         if hashes is None:
-            hashes = record.page_hashes[ps] = pool.tree.hashes(prompt)
+            hashes = record.page_hashes[ps] = pool.tree.hashes(prompt, parent=root)
         out = record.output_token_ids
         if out:
             k = len(hashes)
             tail = [*prompt[k * ps:], *out]
-            hashes = hashes + pool.tree.hasher.hashes(tail, parent=hashes[-1] if k else None,
+            hashes = hashes + pool.tree.hasher.hashes(tail, parent=hashes[-1] if k else root,
                                                       first_page=k)
         return hashes
 

@@ -29,8 +29,10 @@ may be sampled), `bad_words` (words never generated: engine/bad_words.py),
 `truncate_prompt_tokens` (keep the prompt's last k tokens; -1: the context length),
 `add_special_tokens` (the tokenizer's BOS and the like; default true for completions,
 false for chat, whose template writes them), `return_tokens_as_token_ids` (logprobs name
-tokens `token_id:<id>`) and `priority` (0 only: requests are served first come, first
-served, as vLLM's default policy, which refuses other values too).
+tokens `token_id:<id>`), `priority` (0 only: requests are served first come, first
+served, as vLLM's default policy, which refuses other values too) and `cache_salt` (the
+request's KV pages are shared through the prefix cache only with requests of the same
+salt: engine/block_pool.salt_root).
 `stop` is implemented by matching the detokenized text (up to 4 non-empty strings); a
 match ending within the first `min_tokens` tokens' text does not count.
 Response bodies live in `phalanx.openai_types` (shared with the SDK).
@@ -162,6 +164,8 @@ def _check_vllm_fields(req: SamplingFields) -> None:
     if t is not None and t != -1 and t < 1:
         raise _bad("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the context "
                    f"length) or at least 1, got {t}.")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise _bad("cache_salt", "cache_salt must be a non-empty string.")
     if req.priority not in (None, 0):
         raise _bad("priority", f"priority={req.priority} asks for priority scheduling, which "
                    "this server does not run: it serves requests first come, first served "
@@ -340,6 +344,7 @@ def sampling_params(req: SamplingFields, max_tokens: int,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=logit_bias(req), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             structured=structured_output(req)[0], bad_words_token_ids=bad_words,
+            cache_salt=req.cache_salt,
             allowed_token_ids=None if req.allowed_token_ids is None
             else tuple(req.allowed_token_ids))
     except ValueError as e:

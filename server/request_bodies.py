@@ -56,6 +56,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     add_special_tokens: Optional[bool] = None  # extension (default: the route's)
     return_tokens_as_token_ids: Optional[bool] = None  # extension
     priority: Optional[int] = None  # extension (0 only)
+    cache_salt: Optional[str] = None  # extension
 
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):

@@ -33,8 +33,8 @@ def oracle(tiny_model):
     return prompts, hf_greedy(tiny_model, prompts, MAX_NEW)
 
 
-def _generate(llm, prompts):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+def _generate(llm, prompts, **fields):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **fields)
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts,
                                                            sampling_params=params)]
 
@@ -284,7 +284,8 @@ def test_abort_between_a_steps_announcement_and_its_sends_withdraws_them(tiny_mo
 def test_second_turn_streams_only_what_decode_does_not_cache(tiny_model):
     """A follow-up prompt (the first turn's prompt + its answer + more) on the same decode
     group: the decode pool still caches the first turn's pages, so only the tail of the
-    new prompt is streamed; the tokens still equal transformers'."""
+    new prompt is streamed; the tokens still equal transformers'. The same prompt with a
+    `cache_salt` finds none of them."""
     first = make_prompts(2048, seed=11)[9][:60]
     [answer] = hf_greedy(tiny_model, [first], MAX_NEW)
     second = first + answer + [5, 6, 7, 8, 9]
@@ -301,5 +302,9 @@ def test_second_turn_streams_only_what_decode_does_not_cache(tiny_model):
         # KV the decode side computes only when it samples the next one)
         assert bytes_second <= per_token * (len(second) - (len(first) + len(answer) - 1) // 4 * 4)
         assert bytes_second < per_token * len(second) / 3
+        # a salted request meets none of those pages: its whole prompt is streamed
+        assert _generate(llm, [second], cache_salt="tenant") == [expected]
+        bytes_salted = ray.get(receiver.kv_stats.remote())["bytes"] - bytes_first - bytes_second
+        assert bytes_salted >= per_token * (len(second) - 1)
     finally:
         llm.close()

@@ -122,6 +122,24 @@ def test_a_record_is_hashed_once_per_request():
     assert r.finish(rec) is False and dec.hashed == 11  # nothing tracked: nothing hashed
 
 
+def test_a_salted_record_is_hashed_from_its_salt_as_the_engine_hashes_it():
+    """A request with a `cache_salt` is listed under the engine's salted chain hashes, so
+    it meets only the pages of its own salt, before and after a fault."""
+    from phalanx.engine.block_pool import hash_pages
+    r = Router(page_size=PS, groups=[0, 1])
+    plain = RequestRecord("p", tuple(SYSTEM), SamplingParams(max_tokens=8))
+    salted = SamplingParams(max_tokens=8, cache_salt="tenant-a")
+    rec = RequestRecord("s", tuple(SYSTEM), salted)
+    g = r.route(plain)
+    assert r.match(SYSTEM) == {g: len(SYSTEM)}
+    r.route(rec)
+    want = hash_pages(SYSTEM, PS, salted.prefix_root)
+    assert list(r.page_hashes(rec, r.decode)) == want and not set(want) & set(page_hashes(SYSTEM, PS))
+    rec.accept(0, [1, 2, 3, 4])
+    assert list(r.page_hashes(rec, r.decode)) == hash_pages(rec.resume_tokens(), PS,
+                                                            salted.prefix_root)
+
+
 def test_prepare_hashes_at_admission_and_the_record_carries_the_hashes():
     """`prepare` hashes the prompt for each pool with targets, onto the record; routing
     and finishing it then hash nothing of the prompt again, and the router keeps no

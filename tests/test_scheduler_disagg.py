@@ -90,3 +90,12 @@ def test_reserve_reuses_the_cached_prefix_of_a_prompt():
     assert s.unreserve("t2") and s.unreserve("t3")
     assert s.pool.num_free_pages == 16
     s.pool.check_integrity()
+    # a salted request shares no page with the unsalted one; its own salt's pages it does
+    salt = SamplingParams(max_tokens=2, cache_salt="x").prefix_root
+    assert s.reserve("t4", follow, salt)[1] == 0
+    salted = Sequence("t5", list(range(10)), SamplingParams(max_tokens=2, cache_salt="x"), 1)
+    s.unreserve("t4")
+    s.add(salted)
+    while s.has_unfinished():
+        _run(s)
+    assert s.reserve("t6", follow, salt)[1] == 8 and s.unreserve("t6")

@@ -1,7 +1,8 @@
 """vLLM's request fields beyond the sampling basics, through the official `openai` client's
 `extra_body`: `allowed_token_ids`, `bad_words`, `include_stop_str_in_output`,
 `skip_special_tokens`, `truncate_prompt_tokens`, `add_special_tokens`,
-`return_tokens_as_token_ids`, `priority`, and `min_tokens` against `stop` strings.
+`return_tokens_as_token_ids`, `priority`, `cache_salt`, `stop_reason`, and `min_tokens`
+against `stop` strings.
 
 The model is the tiny one with a tokenizer that adds a BOS (`<|im_start|>`), so
 `add_special_tokens` shows. Tokens are compared with the offline `LLM` given the same
@@ -233,6 +234,23 @@ async def test_logprobs_name_tokens_by_id_when_asked(client):
                                           chat.choices[0].model_extra["token_ids"]]
 
 
+async def test_cache_salt_shares_cached_pages_only_within_a_salt(client):
+    """vLLM's `cache_salt`: a salted request finds none of the pages another salt (or no
+    salt) left in the prefix cache, and all of its own salt's; its tokens are the same."""
+    prompt = " ".join(f"token{i}" for i in range(40))
+
+    async def cached(**extra):
+        _, got, _, usage = await _complete(client, prompt=prompt, max_tokens=2,
+                                           ignore_eos=True, **extra)
+        return usage.prompt_tokens_details.cached_tokens, got
+
+    first, tokens = await cached()
+    seen = [await cached(), await cached(cache_salt="tenant-a"),
+            await cached(cache_salt="tenant-a"), await cached(cache_salt="tenant-b")]
+    assert first == 0 and [n > 0 for n, _ in seen] == [True, False, True, False]
+    assert all(got == tokens for _, got in seen)
+
+
 async def test_priority_zero_is_served(client):
     text, _, reason, _ = await _complete(client, max_tokens=2, priority=0)
     assert reason in ("stop", "length")
@@ -248,6 +266,7 @@ async def test_priority_zero_is_served(client):
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 513}, "truncate_prompt_tokens"),  # past the context
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"cache_salt": ""}, "cache_salt"),
 ])
 async def test_bad_values_are_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:

@@ -48,17 +48,17 @@ class DecodeRole(RankRole):
     def close_gate(self, transfer_id: str) -> None:
         self._receiver.release(transfer_id)
 
-    def reserve_many(self, items: list[tuple[str, list[int]]]
+    def reserve_many(self, items: list[tuple[str, list[int], Optional[int]]]
                      ) -> list[Optional[tuple[list[int], int]]]:
         """Decode pages for prompts' KV (DP leader), in order and in one turn of the loop:
-        per (request_id, prompt) the pages and the prompt tokens they already hold (a
+        per (request_id, prompt, prefix root) the pages and the prompt tokens they already hold (a
         cached prefix: only the rest is streamed), or None when there is no room now;
         after the first None the rest are not tried (requests start in arrival order)."""
         def reserve(engine) -> list:
             out: list = []
-            for request_id, prompt_token_ids in items:
+            for request_id, prompt_token_ids, root in items:
                 room = not out or out[-1] is not None
-                out.append(engine.reserve(request_id, prompt_token_ids) if room else None)
+                out.append(engine.reserve(request_id, prompt_token_ids, root) if room else None)
             return out
         return self._rank.run_on_loop(reserve)
 
