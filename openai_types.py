@@ -6,7 +6,8 @@ CreateChatCompletionResponse, CreateChatCompletionStreamResponse, ListModelsResp
 ErrorResponse). Decoding ignores fields it does not know, so other OpenAI-compatible
 servers decode too. Optional fields that are absent encode as absent (`UNSET`), never
 as `null`, except where the spec marks them required-but-nullable (`logprobs`,
-`finish_reason`, a chat message's `content`/`refusal`).
+`finish_reason`, a chat message's `content`/`refusal`) and vLLM's `stop_reason`, which
+vLLM always sends (null unless a stop string or listed token ended the choice).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from . import protocol as proto
 from .backend import ServingBackend
 from .drain import InFlight, ShutdownDrain, shutting_down_error
 from .errors import SERVER_ERROR, OpenAIError
+from ..openai_types import Usage
 from .formats import ChoiceResult, make_usage
 from .generation import ChoiceRun, admit_all, merge_runs
 from .metrics import ServerMetrics
@@ -148,11 +149,14 @@ class GenerationHandlers:
     async def chunks(self, plan: Plan, runs: list[ChoiceRun]) -> AsyncIterator[Any]:
         """The stream's chunk objects of admitted runs (opening chunks, one per event,
         the usage chunk when asked for); `[DONE]` is the transport's business."""
-        for chunk in plan.fmt.opening_chunks(plan.env, len(runs)):
-            yield chunk
+        done = [0] * len(runs)  # tokens each choice has streamed
+        for i, chunk in enumerate(plan.fmt.opening_chunks(plan.env, len(runs))):
+            yield _with_usage(plan, chunk, i, 0)
         async with aclosing(merge_runs(runs)) as events:
             async for event in events:
-                yield plan.fmt.chunk(plan.env, event)
+                done[event.index] += len(event.token_ids)
+                yield _with_usage(plan, plan.fmt.chunk(plan.env, event), event.index,
+                                  done[event.index])
         if plan.include_usage:
             yield plan.fmt.usage_chunk(plan.env, _usage(plan, runs))
 
@@ -247,6 +251,15 @@ def _best(results: list[ChoiceResult], per: int, n: int) -> list[ChoiceResult]:
             r.index = len(best)
             best.append(r)
     return best
+
+
+def _with_usage(plan: Plan, chunk: Any, index: int, tokens: int) -> Any:
+    """`chunk` with choice `index`'s usage so far, when the request asked for it on every
+    chunk (vLLM's `continuous_usage_stats`)."""
+    if plan.continuous_usage:
+        prompt = len(plan.prompts[index // plan.params.n])
+        chunk.usage = Usage(prompt, tokens, prompt + tokens)
+    return chunk
 
 
 def _usage(plan: Plan, runs: list[ChoiceRun]):

@@ -47,6 +47,7 @@ class Plan:
     n: int = 1
     keep_output: bool = True  # False: echo with max_tokens 0 (the prompt only)
     constraint_param: Optional[str] = None  # the field of the output constraint, if any
+    continuous_usage: bool = False  # every stream chunk carries its choice's usage so far
 
 
 # Prompt text (characters) past which a request is tokenized on the tokenizer thread, not
@@ -138,7 +139,8 @@ class PlanBuilder:
         return TokenIdTexts() if req.return_tokens_as_token_ids else self.token_texts
 
     def _truncate(self, prompt: list[int], req: proto.SamplingFields) -> list[int]:
-        """The prompt's last `truncate_prompt_tokens` tokens (-1: the context length)."""
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: the context length), or
+        its first ones with `truncation_side: "right"`."""
         keep, limit = req.truncate_prompt_tokens, self.backend.max_model_len
         if keep is None:
             return prompt
@@ -146,7 +148,8 @@ class PlanBuilder:
             raise OpenAIError(400, f"truncate_prompt_tokens ({keep}) is greater than the "
                               f"model's context length ({limit}).",
                               param="truncate_prompt_tokens", code="invalid_value")
-        return prompt[-(limit if keep == -1 else keep):]
+        keep = limit if keep == -1 else keep
+        return prompt[:keep] if req.truncation_side == "right" else prompt[-keep:]
 
     def _tokenize(self, prompt: Union[str, list[int]], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, list):
@@ -191,7 +194,8 @@ class PlanBuilder:
             raise OpenAIError(400, f"A request runs at most {MAX_CHOICES} choices; this one "
                               f"asks {params.n} for each of {len(prompts)} prompts.",
                               param="n", code="invalid_value")
+        usage = bool(req.stream and opts and opts.include_usage)
         return Plan(env, prompts, params, proto.text_rules(req, self.backend.eos_token_ids),
-                     bool(req.stream), bool(req.stream and opts and opts.include_usage), fmt,
-                     prompt_param, req.n or 1,
-                     constraint_param=proto.structured_output(req)[1])
+                    bool(req.stream), usage, fmt, prompt_param, req.n or 1,
+                    constraint_param=proto.structured_output(req)[1],
+                    continuous_usage=usage and bool(opts.continuous_usage_stats))

@@ -26,7 +26,8 @@ choice, and each stream chunk's choice, carries the ids of the tokens it adds as
 `token_ids`), `include_stop_str_in_output` (the matched stop string, or the stop token's
 text, is kept), `skip_special_tokens` (default true), `allowed_token_ids` (only these
 may be sampled), `bad_words` (words never generated: engine/bad_words.py),
-`truncate_prompt_tokens` (keep the prompt's last k tokens; -1: the context length),
+`truncate_prompt_tokens` (keep the prompt's last k tokens, or its first k with
+`truncation_side: "right"`; -1: the context length),
 `add_special_tokens` (the tokenizer's BOS and the like; default true for completions,
 false for chat, whose template writes them), `return_tokens_as_token_ids` (logprobs name
 tokens `token_id:<id>`), `priority` (0 only: requests are served first come, first
@@ -63,6 +64,7 @@ __all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart"
 MAX_PROMPTS = 256  # prompts per /v1/completions request
 MAX_BEST_OF = 20
 MAX_STOP = 4
+MAX_SALT = 1024  # characters of cache_salt (vLLM's limit)
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 T = TypeVar("T")
 
@@ -164,8 +166,11 @@ def _check_vllm_fields(req: SamplingFields) -> None:
     if t is not None and t != -1 and t < 1:
         raise _bad("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the context "
                    f"length) or at least 1, got {t}.")
-    if req.cache_salt is not None and not req.cache_salt:
-        raise _bad("cache_salt", "cache_salt must be a non-empty string.")
+    if req.cache_salt is not None and not 1 <= len(req.cache_salt) <= MAX_SALT:
+        raise _bad("cache_salt", f"cache_salt must be a string of 1 to {MAX_SALT} characters.")
+    if req.truncation_side not in (None, "left", "right"):
+        raise _bad("truncation_side", "truncation_side must be \"left\" or \"right\", got "
+                   f"{req.truncation_side!r}.")
     if req.priority not in (None, 0):
         raise _bad("priority", f"priority={req.priority} asks for priority scheduling, which "
                    "this server does not run: it serves requests first come, first served "

@@ -16,6 +16,7 @@ __all__ = ["StreamOptions", "SamplingFields", "CompletionRequest", "ContentPart"
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None  # vLLM's: usage on every chunk too
     include_obfuscation: Optional[bool] = None  # accepted, no effect
 
 
@@ -53,6 +54,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     allowed_token_ids: Optional[list[int]] = None  # extension
     bad_words: Optional[list[str]] = None  # extension
     truncate_prompt_tokens: Optional[int] = None  # extension
+    truncation_side: Optional[str] = None  # extension: "left" (default) or "right"
     add_special_tokens: Optional[bool] = None  # extension (default: the route's)
     return_tokens_as_token_ids: Optional[bool] = None  # extension
     priority: Optional[int] = None  # extension (0 only)

@@ -201,6 +201,11 @@ async def test_add_special_tokens_and_truncation(client, server, offline):
     assert usage.prompt_tokens == 5
     assert got == _offline(offline, with_bos[-5:], temperature=0, max_tokens=12,
                            ignore_eos=True).token_ids
+    _, got, _, usage = await _complete(client, truncate_prompt_tokens=5, ignore_eos=True,
+                                       truncation_side="right")
+    assert usage.prompt_tokens == 5
+    assert got == _offline(offline, with_bos[:5], temperature=0, max_tokens=12,
+                           ignore_eos=True).token_ids
     _, _, _, whole = await _complete(client, max_tokens=1, truncate_prompt_tokens=-1)
     assert whole.prompt_tokens == len(with_bos)
     messages = [{"role": "user", "content": PROMPT}]
@@ -251,6 +256,38 @@ async def test_cache_salt_shares_cached_pages_only_within_a_salt(client):
     assert all(got == tokens for _, got in seen)
 
 
+async def test_continuous_usage_stats_put_usage_on_every_chunk(client, offline):
+    """vLLM's `stream_options.continuous_usage_stats`: each chunk carries its choice's
+    prompt and the tokens it has streamed so far; the closing usage chunk the totals."""
+    prompt_tokens = len(offline.tokenizer.encode(PROMPT))
+    stream = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, n=2, temperature=1.0, seed=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [c async for c in stream]
+    seen = {0: 0, 1: 0}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        seen[choice.index] += len(choice.model_extra["token_ids"])
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == \
+            (prompt_tokens, seen[choice.index])
+    assert seen == {0: 5, 1: 5} and not chunks[-1].choices
+    assert chunks[-1].usage.completion_tokens == 10
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=3,
+        temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True})
+    chunks = [c async for c in chat]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].usage.completion_tokens == 0 and chunks[0].usage.prompt_tokens > 0
+    assert [c.usage.completion_tokens for c in chunks[1:-1]][-1] == 3
+    plain = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                            stream=True, stream_options={"include_usage": True})
+    plain_chunks = [c async for c in plain]
+    assert all(c.usage is None for c in plain_chunks[:-1]) and plain_chunks[-1].usage
+
+
 async def test_priority_zero_is_served(client):
     text, _, reason, _ = await _complete(client, max_tokens=2, priority=0)
     assert reason in ("stop", "length")
@@ -267,6 +304,8 @@ async def test_priority_zero_is_served(client):
     ({"truncate_prompt_tokens": 513}, "truncate_prompt_tokens"),  # past the context
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": "s" * 1025}, "cache_salt"),
+    ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side"),
 ])
 async def test_bad_values_are_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
