@@ -19,7 +19,7 @@ from msgspec import UNSET, UnsetType
 
 __all__ = [
     "UNSET", "Usage", "PromptTokensDetails", "CompletionChoice", "Completion",
-    "CompletionLogprobs", "TopLogprob", "ChatTokenLogprob", "ChatLogprobs",
+    "CompletionLogprobs", "TopLogprob", "PromptLogprob", "PromptLogprobs", "ChatTokenLogprob", "ChatLogprobs",
     "ChatMessage", "ChatChoice", "FunctionCall", "ToolCall", "ToolCallDelta", "ChatCompletion", "ChatDelta", "ChatChunkChoice",
     "ChatCompletionChunk", "Model", "ModelList", "TokenizeResponse", "DetokenizeResponse",
     "Version", "ErrorDetail", "ErrorResponse",
@@ -71,6 +71,18 @@ class ChatLogprobs(msgspec.Struct):
     refusal: Optional[list[ChatTokenLogprob]] = None
 
 
+class PromptLogprob(msgspec.Struct):
+    """A token's entry in vLLM's `prompt_logprobs` (a dict per prompt position, keyed by
+    token id: the prompt's own token and the best alternatives)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]  # None at position 0
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
@@ -82,6 +94,10 @@ class CompletionChoice(msgspec.Struct):
     # vLLM's: the stop string or `stop_token_ids` id that ended the choice (null otherwise,
     # EOS included)
     stop_reason: Union[int, str, None] = None
+    # vLLM's: with `return_token_ids`, the prompt's ids (a stream: on the choice's first
+    # chunk); with `prompt_logprobs`, each prompt position's logprobs
+    prompt_token_ids: Union[list[int], UnsetType] = UNSET
+    prompt_logprobs: Union[PromptLogprobs, UnsetType] = UNSET
 
 
 class Completion(msgspec.Struct):
@@ -149,6 +165,8 @@ class ChatCompletion(msgspec.Struct):
     model: str
     choices: list[ChatChoice]
     usage: Union[Usage, None, UnsetType] = UNSET
+    prompt_token_ids: Union[list[int], UnsetType] = UNSET  # as in `CompletionChoice`
+    prompt_logprobs: Union[PromptLogprobs, UnsetType] = UNSET  # as in `CompletionChoice`
 
     @property
     def text(self) -> str:
@@ -179,6 +197,7 @@ class ChatCompletionChunk(msgspec.Struct):
     model: str
     choices: list[ChatChunkChoice]
     usage: Union[Usage, None, UnsetType] = UNSET
+    prompt_token_ids: Union[list[int], UnsetType] = UNSET  # on the first chunk (token ids asked)
 
     @property
     def text(self) -> str:

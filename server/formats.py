@@ -17,7 +17,8 @@ from ..openai_types import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCom
                          PromptTokensDetails, ToolCall, ToolCallDelta, UNSET, Usage)
 from . import tool_parser
 from .generation import ChoiceEvent
-from .logprob_format import TokenNames, chat_logprobs, completion_logprobs, merge_completion
+from .logprob_format import (TokenNames, chat_logprobs, completion_logprobs, merge_completion,
+                             prompt_logprobs)
 
 __all__ = ["Envelope", "ChoiceResult", "CompletionFormat", "ChatFormat", "make_usage"]
 
@@ -60,6 +61,10 @@ def _ids(env: Envelope, ids: Optional[list[int]]) -> Any:
     return ids if env.token_ids and ids is not None else UNSET
 
 
+def _prompt_lps(names: Optional[TokenNames], lps) -> Any:
+    return UNSET if names is None or lps is None else prompt_logprobs(names, lps)
+
+
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
     return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
                  PromptTokensDetails(cached_tokens))
@@ -76,11 +81,16 @@ class EchoPrompt:
 class CompletionFormat:
     """`text_completion` objects (the same object type for responses and chunks).
     `echo`: each prompt (by prompt index = choice index // `per_prompt`) is repeated
-    before its choices' text; `texts`: token texts for `logprobs` (None: not asked)."""
+    before its choices' text; `texts`: token texts for `logprobs` (None: not asked);
+    `prompts`: the prompts' ids (sent when the envelope asks for token ids);
+    `prompt_names`: token texts for vLLM's `prompt_logprobs` (None: not asked)."""
 
     def __init__(self, texts: Optional[TokenNames] = None,
-                 echo: Optional[Sequence[EchoPrompt]] = None, per_prompt: int = 1) -> None:
+                 echo: Optional[Sequence[EchoPrompt]] = None, per_prompt: int = 1,
+                 prompts: Sequence[list[int]] = (),
+                 prompt_names: Optional[TokenNames] = None) -> None:
         self.texts, self.echo, self.per_prompt = texts, echo, per_prompt
+        self.prompts, self.prompt_names = prompts, prompt_names
         self._offsets: dict[int, int] = {}  # stream: next text offset of each choice
 
     def _prompt(self, index: int) -> Optional[EchoPrompt]:
@@ -108,8 +118,13 @@ class CompletionFormat:
             choices.append(CompletionChoice(
                 r.index, text, r.finish_reason,
                 self._logprobs(r.index, r.prompt_logprobs, r.logprobs, True),
-                token_ids=_ids(env, r.token_ids), stop_reason=r.stop_reason))
+                token_ids=_ids(env, r.token_ids), stop_reason=r.stop_reason,
+                prompt_token_ids=self._prompt_ids(env, r.index),
+                prompt_logprobs=_prompt_lps(self.prompt_names, r.prompt_logprobs)))
         return Completion(env.id, "text_completion", env.created, env.model, choices, usage)
+
+    def _prompt_ids(self, env: Envelope, index: int) -> Any:
+        return _ids(env, self.prompts[index // self.per_prompt] if self.prompts else None)
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
         return []
@@ -123,7 +138,9 @@ class CompletionFormat:
         return Completion(env.id, "text_completion", env.created, env.model,
                           [CompletionChoice(event.index, text, event.finish_reason, logprobs,
                                             token_ids=_ids(env, event.token_ids),
-                                            stop_reason=event.stop_reason)])
+                                            stop_reason=event.stop_reason,
+                                            prompt_token_ids=self._prompt_ids(env, event.index)
+                                            if first else UNSET)])
 
     def usage_chunk(self, env: Envelope, usage: Usage) -> Completion:
         return Completion(env.id, "text_completion", env.created, env.model, [], usage)
@@ -135,10 +152,15 @@ class ChatFormat:
     each choice carries its `finish_reason` (and its remaining text, if any).
     `texts`: token texts for `logprobs` (None: not asked); `tools`: parse tool calls out
     of the text (`tool_parser`): they become `tool_calls` (a stream: one delta per call,
-    whole) and a choice that made any ends with finish reason "tool_calls"."""
+    whole) and a choice that made any ends with finish reason "tool_calls". `prompt`: the
+    prompt's ids (sent when the envelope asks for token ids); `prompt_names`: token texts
+    for vLLM's `prompt_logprobs` (None: not asked)."""
 
-    def __init__(self, texts: Optional[TokenNames] = None, tools: bool = False) -> None:
+    def __init__(self, texts: Optional[TokenNames] = None, tools: bool = False,
+                 prompt: Optional[list[int]] = None,
+                 prompt_names: Optional[TokenNames] = None) -> None:
         self.texts, self.tools = texts, tools
+        self.prompt, self.prompt_names = prompt, prompt_names
         self._streams: dict[int, tool_parser.ToolCallStream] = {}
 
     def _logprobs(self, logprobs: Optional[list[TokenLogprob]]) -> Any:
@@ -161,11 +183,17 @@ class ChatFormat:
             choices.append(ChatChoice(r.index, message, reason, self._logprobs(r.logprobs),
                                       token_ids=_ids(env, r.token_ids),
                                       stop_reason=r.stop_reason))
-        return ChatCompletion(env.id, "chat.completion", env.created, env.model, choices, usage)
+        return ChatCompletion(env.id, "chat.completion", env.created, env.model, choices, usage,
+                              _ids(env, self.prompt),
+                              _prompt_lps(self.prompt_names, results[0].prompt_logprobs
+                                          if results else None))
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
-        return [self._chunk(env, [ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
-                for i in range(num_choices)]
+        chunks = [self._chunk(env, [ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
+                  for i in range(num_choices)]
+        if chunks:
+            chunks[0].prompt_token_ids = _ids(env, self.prompt)
+        return chunks
 
     def _delta(self, event: ChoiceEvent) -> tuple[ChatDelta, Optional[str]]:
         if not self.tools:

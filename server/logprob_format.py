@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 from ..engine.logprobs import TokenLogprob
-from ..openai_types import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from ..openai_types import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                            PromptLogprobs, TopLogprob)
 
-__all__ = ["TokenTexts", "TokenIdTexts", "TokenNames", "completion_logprobs", "chat_logprobs", "finite"]
+__all__ = ["TokenTexts", "TokenIdTexts", "TokenNames", "completion_logprobs", "chat_logprobs",
+           "prompt_logprobs", "finite"]
 
 FLOOR = -9999.0
 TokenNames = Callable[[int], str]  # a token id's name in logprobs (TokenTexts, TokenIdTexts)
@@ -80,6 +82,23 @@ def chat_logprobs(texts: TokenNames, logprobs: Sequence[TokenLogprob]) -> ChatLo
             text, finite(lp.logprob), list(text.encode()),
             [TopLogprob(texts(t), finite(v), list(texts(t).encode())) for t, v in lp.top]))
     return ChatLogprobs(content)
+
+
+def prompt_logprobs(texts: TokenNames, logprobs: Sequence[Optional[TokenLogprob]]
+                    ) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: per prompt position (None for the first, which nothing
+    scores) `{token id: {logprob, rank, decoded_token}}` for the prompt's token and the
+    best alternatives (ranked 1, 2, ... in their order)."""
+    out: PromptLogprobs = []
+    for lp in logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token): PromptLogprob(finite(lp.logprob), lp.rank, texts(lp.token))}
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), PromptLogprob(finite(v), rank, texts(t)))
+        out.append(entry)
+    return out
 
 
 def merge_completion(parts: Sequence[CompletionLogprobs]) -> CompletionLogprobs:

@@ -107,7 +107,7 @@ class PlanBuilder:
                                else self.backend.tokenizer.decode(ids), ids)
                     for p, ids in zip(given, prompts)]
         fmt = CompletionFormat(self._texts(req) if req.logprobs is not None else None, echo,
-                               req.n or 1)
+                               req.n or 1, prompts, self._prompt_names(req))
         plan = self._plan(req, "cmpl", prompts, max_tokens, fmt, "prompt")
         plan.keep_output = not scoring
         return plan
@@ -125,7 +125,8 @@ class PlanBuilder:
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         max_tokens = self._fit([prompt], requested, None, param, "messages")
-        fmt = ChatFormat(self._texts(req) if req.logprobs else None, tools.parse)
+        fmt = ChatFormat(self._texts(req) if req.logprobs else None, tools.parse, prompt,
+                         self._prompt_names(req))
         return self._plan(req, "chatcmpl", [prompt], max_tokens, fmt, "messages")
 
     # -- validation --------------------------------------------------------------------
@@ -137,6 +138,10 @@ class PlanBuilder:
     def _texts(self, req: proto.SamplingFields) -> TokenNames:
         """How logprobs name tokens: their text, or `token_id:<id>` when asked."""
         return TokenIdTexts() if req.return_tokens_as_token_ids else self.token_texts
+
+    def _prompt_names(self, req: proto.SamplingFields) -> Optional[TokenNames]:
+        """Token names for vLLM's `prompt_logprobs` (None: not asked for)."""
+        return None if req.prompt_logprobs is None else self._texts(req)
 
     def _truncate(self, prompt: list[int], req: proto.SamplingFields) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: the context length), or

@@ -31,7 +31,8 @@ may be sampled), `bad_words` (words never generated: engine/bad_words.py),
 `add_special_tokens` (the tokenizer's BOS and the like; default true for completions,
 false for chat, whose template writes them), `return_tokens_as_token_ids` (logprobs name
 tokens `token_id:<id>`), `priority` (0 only: requests are served first come, first
-served, as vLLM's default policy, which refuses other values too) and `cache_salt` (the
+served, as vLLM's default policy, which refuses other values too), `prompt_logprobs`
+(each prompt position's logprobs, vLLM's shape; not streamed) and `cache_salt` (the
 request's KV pages are shared through the prefix cache only with requests of the same
 salt: engine/block_pool.salt_root).
 `stop` is implemented by matching the detokenized text (up to 4 non-empty strings); a
@@ -171,6 +172,13 @@ def _check_vllm_fields(req: SamplingFields) -> None:
     if req.truncation_side not in (None, "left", "right"):
         raise _bad("truncation_side", "truncation_side must be \"left\" or \"right\", got "
                    f"{req.truncation_side!r}.")
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise _bad("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                       f"got {req.prompt_logprobs}.")
+        if req.stream:
+            raise _bad("prompt_logprobs", "prompt_logprobs cannot be streamed (they come "
+                       "whole, with the response).")
     if req.priority not in (None, 0):
         raise _bad("priority", f"priority={req.priority} asks for priority scheduling, which "
                    "this server does not run: it serves requests first come, first served "
@@ -334,6 +342,8 @@ def sampling_params(req: SamplingFields, max_tokens: int,
             prompt_logprobs = req.logprobs
     elif isinstance(req, ChatCompletionRequest) and req.logprobs:
         logprobs = req.top_logprobs or 0
+    if req.prompt_logprobs is not None:  # vLLM: it sets the echoed prompt's too
+        prompt_logprobs = req.prompt_logprobs
     try:
         return SamplingParams(
             n=runs,

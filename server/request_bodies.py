@@ -59,6 +59,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     return_tokens_as_token_ids: Optional[bool] = None  # extension
     priority: Optional[int] = None  # extension (0 only)
     cache_salt: Optional[str] = None  # extension
+    prompt_logprobs: Optional[int] = None  # extension
 
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):

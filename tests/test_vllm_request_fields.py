@@ -1,8 +1,9 @@
 """vLLM's request fields beyond the sampling basics, through the official `openai` client's
 `extra_body`: `allowed_token_ids`, `bad_words`, `include_stop_str_in_output`,
 `skip_special_tokens`, `truncate_prompt_tokens`, `add_special_tokens`,
-`return_tokens_as_token_ids`, `priority`, `cache_salt`, `stop_reason`, and `min_tokens`
-against `stop` strings.
+`return_tokens_as_token_ids`, `prompt_logprobs`, the prompt's ids with `return_token_ids`,
+`priority`, `cache_salt`, `stop_reason`, `stream_options.continuous_usage_stats`, and
+`min_tokens` against `stop` strings.
 
 The model is the tiny one with a tokenizer that adds a BOS (`<|im_start|>`), so
 `add_special_tokens` shows. Tokens are compared with the offline `LLM` given the same
@@ -288,6 +289,51 @@ async def test_continuous_usage_stats_put_usage_on_every_chunk(client, offline):
     assert all(c.usage is None for c in plain_chunks[:-1]) and plain_chunks[-1].usage
 
 
+async def test_prompt_logprobs_and_prompt_token_ids_in_vllms_shape(client, offline):
+    """`prompt_logprobs`: per prompt position `{id: {logprob, rank, decoded_token}}` for the
+    prompt's token and the best alternatives, equal to the offline engine's (null first);
+    `return_token_ids` also gives the prompt's ids (a stream: on each choice's first chunk)."""
+    tok = offline.tokenizer
+    ids = tok.encode(PROMPT)
+    (want,) = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0, max_tokens=2, prompt_logprobs=2))
+    out = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+        extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    choice = out.choices[0].model_extra
+    got = choice["prompt_logprobs"]
+    assert choice["prompt_token_ids"] == ids and len(got) == len(ids) and got[0] is None
+    for pos, (entry, ref) in enumerate(zip(got[1:], want.prompt_logprobs[1:]), start=1):
+        mine = entry[str(ids[pos])]
+        assert mine["logprob"] == pytest.approx(ref.logprob, abs=1e-5) and mine["rank"] == ref.rank
+        assert mine["decoded_token"] == tok.decode([ids[pos]])
+        for rank, (t, v) in enumerate(ref.top, start=1):
+            assert entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-5)
+            assert t == ids[pos] or entry[str(t)]["rank"] == rank
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0,
+        extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    extra = chat.model_extra
+    (rendered,) = offline.chat(messages, SamplingParams(max_tokens=1))
+    assert extra["prompt_token_ids"] == rendered.prompt_token_ids
+    assert len(extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 for e in extra["prompt_logprobs"][1:])  # the prompt's token only
+    stream = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, n=2, temperature=1.0, seed=5, stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    firsts = {}
+    for c in [c async for c in stream]:
+        firsts.setdefault(c.choices[0].index, c.choices[0].model_extra.get("prompt_token_ids"))
+    assert firsts == {0: ids, 1: ids}
+    chat_stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, stream=True,
+        extra_body={"return_token_ids": True})
+    chunks = [c async for c in chat_stream]
+    assert chunks[0].model_extra["prompt_token_ids"] == rendered.prompt_token_ids
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+
+
 async def test_priority_zero_is_served(client):
     text, _, reason, _ = await _complete(client, max_tokens=2, priority=0)
     assert reason in ("stop", "length")
@@ -304,6 +350,8 @@ async def test_priority_zero_is_served(client):
     ({"truncate_prompt_tokens": 513}, "truncate_prompt_tokens"),  # past the context
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"cache_salt": ""}, "cache_salt"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"cache_salt": "s" * 1025}, "cache_salt"),
     ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side"),
 ])
