@@ -32,6 +32,7 @@ from .errors import SERVER_ERROR, OpenAIError, from_http_exception, too_large
 from .handlers import GenerationHandlers
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .request_keys import ARRIVAL, CLIENT_ID, REQUEST_ID
+from .responses import ResponsesRoute
 from .tokenizer_routes import TokenizerRoutes
 
 log = get_logger("phalanx.server")
@@ -93,6 +94,7 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
     app.on_cleanup.append(close_handlers)
     app.router.add_post("/v1/completions", gen.completions)
     app.router.add_post("/v1/chat/completions", gen.chat)
+    app.router.add_post("/v1/responses", ResponsesRoute(gen).create)
     tokens = TokenizerRoutes(gen)
     app.router.add_post("/tokenize", tokens.tokenize)
     app.router.add_post("/detokenize", tokens.detokenize)

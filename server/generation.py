@@ -69,6 +69,7 @@ class ChoiceRun:
         self._prompt_lps: Optional[list] = None  # prompt logprobs for the next event
         self.keep_output = keep_output
         self.cumulative_logprob = 0.0  # of the tokens generated (requests with logprobs)
+        self.finish_reason: Optional[str] = None  # once it finished
 
     async def admit(self) -> None:
         """Submit and wait for the first delta. Raises what the backend raises
@@ -160,6 +161,7 @@ class ChoiceRun:
         return None if last in self._eos and not self.params.ignore_eos else last
 
     def _finished(self, reason: str) -> None:
+        self.finish_reason = reason
         self.metrics.finished(reason, len(self.prompt_token_ids), self.num_tokens,
                               self._last - self._first_at if self._first_at else 0.0)
 
