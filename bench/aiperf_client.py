@@ -59,10 +59,13 @@ def aiperf_python(root: Path = ROOT, install_timeout_s: float = 900.0) -> Path:
     return python
 
 
+ENDPOINTS = ("chat", "completions", "responses")
+
+
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """One `aiperf profile` run: `requests` requests to the `endpoint` ("chat" or
-    "completions"), `concurrency` at a time (0: at `rate` requests/s instead), synthetic
+    """One `aiperf profile` run: `requests` requests to the `endpoint` ("chat",
+    "completions" or "responses"), `concurrency` at a time (0: at `rate` requests/s instead), synthetic
     prompts of exactly `isl` tokens asking for exactly `osl`; `conversations` > 0 makes
     that many chat sessions of `turns` turns instead of `requests` (AIPerf resends each
     session's history). `extra_inputs` are merged into every request body. With
@@ -83,8 +86,8 @@ class Scenario:
     server_token_count: bool = True  # AIPerf counts tokens from `usage`, not by re-tokenizing
 
     def __post_init__(self) -> None:
-        if self.endpoint not in ("chat", "completions"):
-            raise ValueError(f"endpoint: 'chat' or 'completions', not {self.endpoint!r}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint: one of {ENDPOINTS}, not {self.endpoint!r}")
         if self.requests < 1 or self.isl < 1 or self.osl < 1:
             raise ValueError("requests, isl and osl must be >= 1")
         if (self.concurrency > 0) == (self.rate > 0):
@@ -175,9 +178,14 @@ def _bodies(record: dict) -> list[dict]:
 
 
 def response_text(record: dict) -> str:
-    """The text a request received: streamed deltas joined, or the body's choice."""
+    """The text a request received: streamed deltas joined, or the body's choice (a
+    Responses API body: its `output_text.delta` events, or its message's text)."""
     parts = []
     for body in _bodies(record):
+        if body.get("type") == "response.output_text.delta":
+            parts.append(body["delta"])
+        elif body.get("object") == "response":
+            parts += [c["text"] for item in body["output"] for c in item["content"]]
         for choice in body.get("choices") or []:
             if "delta" in choice:
                 parts.append(choice["delta"].get("content") or "")
@@ -189,6 +197,14 @@ def response_text(record: dict) -> str:
 
 
 def response_usage(record: dict) -> Optional[dict]:
-    """The `usage` object the server sent (the last one), None if it sent none."""
-    usage = [b["usage"] for b in _bodies(record) if b.get("usage")]
-    return usage[-1] if usage else None
+    """The `usage` object the server sent (the last one), None if it sent none; the
+    Responses API's (`input_tokens`, `output_tokens`) named as the other routes'."""
+    bodies = [b.get("response", b) for b in _bodies(record)]
+    usage = [b["usage"] for b in bodies if b.get("usage")]
+    if not usage:
+        return None
+    last = usage[-1]
+    if "input_tokens" in last:
+        return {"prompt_tokens": last["input_tokens"], "completion_tokens": last["output_tokens"],
+                "total_tokens": last["total_tokens"]}
+    return last

@@ -14,7 +14,8 @@ from typing import Any, Optional, Union
 import msgspec
 from msgspec import UNSET, UnsetType
 
-__all__ = ["InputContent", "InputMessage", "TextFormat", "TextOptions", "ResponsesRequest",
+__all__ = ["InputContent", "InputMessage", "TextFormat", "TextOptions", "StreamOptions",
+           "ResponsesRequest",
            "OutputText", "OutputMessage", "ResponseUsage", "InputTokensDetails",
            "OutputTokensDetails", "IncompleteDetails", "Response", "ResponseEvent"]
 
@@ -53,6 +54,13 @@ class TextOptions(msgspec.Struct, forbid_unknown_fields=True):
     verbosity: Optional[str] = None  # "medium" only
 
 
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Accepted, no effect: the usage is always on `response.completed`."""
+
+    include_usage: Optional[bool] = None
+    include_obfuscation: Optional[bool] = None
+
+
 class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
     input: Union[str, list[InputMessage]]
@@ -61,6 +69,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None

@@ -1,8 +1,8 @@
 """The server under NVIDIA AIPerf (`aiperf profile`), a load generator nobody here wrote.
 
-AIPerf builds its own request bodies (chat and completions, streamed and whole, with
-`stream_options`, `max_completion_tokens`, `ignore_eos`, multi-turn sessions that resend
-their history), reads SSE its own way and scrapes `/metrics` before, during and after
+AIPerf builds its own request bodies (chat, completions and the Responses API, streamed
+and whole, with `stream_options`, `max_completion_tokens`, `ignore_eos`, multi-turn
+sessions that resend their history), reads SSE its own way and scrapes `/metrics` before, during and after
 its run. Every request AIPerf sent must succeed; the text it received must equal what
 the offline `LLM` generates greedily for the very body it sent (raw export); the usage
 the server reported must match that generation; and the server's Prometheus counters,
@@ -37,6 +37,8 @@ SCENARIOS = {
                                   requests=4, concurrency=0, rate=20.0, isl=24, osl=7),
     "chat-sessions": Scenario("chat-sessions", "chat", streaming=False, conversations=2,
                               turns=3, concurrency=2, isl=16, osl=6),
+    "responses-stream": Scenario("responses-stream", "responses", streaming=True, requests=4,
+                                 concurrency=2, isl=20, osl=8),
 }
 
 
@@ -66,13 +68,25 @@ def _offline_answer(offline: LLM, body: dict):
     """What the offline engine generates for one AIPerf request body (greedy, EOS
     ignored, as the body asks)."""
     assert body.get("temperature") == 0 and body.get("ignore_eos") is True, body
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens",
+                                                             body.get("max_output_tokens")))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     if "messages" in body:
         (out,) = offline.chat(body["messages"], params)
+    elif "input" in body:  # the Responses API: instructions, then the input messages
+        system = [{"role": "system", "content": body["instructions"]}] \
+            if body.get("instructions") else []
+        (out,) = offline.chat(system + [_text_message(m) for m in body["input"]], params)
     else:
         (out,) = offline.generate([body["prompt"]], params)
     return out
+
+
+def _text_message(item: dict) -> dict:
+    content = item["content"]
+    if not isinstance(content, str):
+        content = "".join(part["text"] for part in content)
+    return {"role": item["role"], "content": content}
 
 
 def _counter_total(run, name: str) -> float:
