@@ -31,7 +31,9 @@ may be sampled), `bad_words` (words never generated: engine/bad_words.py),
 `add_special_tokens` (the tokenizer's BOS and the like; default true for completions,
 false for chat, whose template writes them), `return_tokens_as_token_ids` (logprobs name
 tokens `token_id:<id>`), `priority` (0 only: requests are served first come, first
-served, as vLLM's default policy, which refuses other values too), `prompt_logprobs`
+served, as vLLM's default policy, which refuses other values too), `use_beam_search`,
+`length_penalty` and `spaces_between_special_tokens` at their defaults only (false, 1,
+true: no beam search; the text is the fast tokenizer's), `prompt_logprobs`
 (each prompt position's logprobs, vLLM's shape; not streamed) and `cache_salt` (the
 request's KV pages are shared through the prefix cache only with requests of the same
 salt: engine/block_pool.salt_root).
@@ -157,6 +159,8 @@ def _check_common(req: SamplingFields) -> None:
 
 
 def _check_vllm_fields(req: SamplingFields) -> None:
+    _only_neutral(req, use_beam_search=(None, False), length_penalty=(None, 1.0),
+                  spaces_between_special_tokens=(None, True))
     if req.allowed_token_ids is not None and (not req.allowed_token_ids
                                               or any(t < 0 for t in req.allowed_token_ids)):
         raise _bad("allowed_token_ids", "allowed_token_ids must be a non-empty list of token "

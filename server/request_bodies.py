@@ -60,6 +60,10 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     priority: Optional[int] = None  # extension (0 only)
     cache_salt: Optional[str] = None  # extension
     prompt_logprobs: Optional[int] = None  # extension
+    # vLLM's, accepted at their defaults only (no beam search; fast tokenizers' text)
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    spaces_between_special_tokens: Optional[bool] = None
 
 
 class CompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=True):

@@ -334,9 +334,15 @@ async def test_prompt_logprobs_and_prompt_token_ids_in_vllms_shape(client, offli
     assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
 
 
-async def test_priority_zero_is_served(client):
-    text, _, reason, _ = await _complete(client, max_tokens=2, priority=0)
-    assert reason in ("stop", "length")
+async def test_vllms_defaults_sent_explicitly_are_served(client):
+    """A client that writes out vLLM's whole request model sends these at their defaults."""
+    defaults = dict(priority=0, use_beam_search=False, length_penalty=1.0,
+                    spaces_between_special_tokens=True, skip_special_tokens=True,
+                    include_stop_str_in_output=False, add_special_tokens=True, min_tokens=0,
+                    truncate_prompt_tokens=None, allowed_token_ids=None, bad_words=[],
+                    stop_token_ids=[], ignore_eos=False, prompt_logprobs=None)
+    plain = await _complete(client, max_tokens=4)
+    assert await _complete(client, max_tokens=4, **defaults) == plain
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -349,6 +355,9 @@ async def test_priority_zero_is_served(client):
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 513}, "truncate_prompt_tokens"),  # past the context
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"cache_salt": ""}, "cache_salt"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
