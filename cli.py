@@ -120,6 +120,9 @@ def _add_serve_http(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every route but /health")
+    p.add_argument("--metrics-without-key", action="store_true",
+                   help="serve /metrics without the API key (Prometheus scrapers, load "
+                        "generators; vLLM leaves it open)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                    help="larger request bodies are answered 413")
     p.add_argument("--quiet", action="store_true",

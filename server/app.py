@@ -52,10 +52,13 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
                served_model_name: Optional[str] = None,
                allowed_origins: Sequence[str] = (),
                shutdown_grace_s: float = 3.0,
-               stream_resume_s: float = 10.0) -> web.Application:
+               stream_resume_s: float = 10.0,
+               metrics_without_key: bool = False) -> web.Application:
     """An OpenAI-compatible app over `backend`.
 
-    api_key: when set, required as a Bearer token on every route but /health, /version.
+    api_key: when set, required as a Bearer token on every route but /health, /version
+        (and /metrics with `metrics_without_key`: Prometheus scrapers and load generators
+        that read it without the key, as vLLM leaves it open).
     max_body_bytes: request bodies above this are answered 413.
     served_model_name: the model id clients must send (default `backend.model_name`).
     allowed_origins: origins (or "*") whose browser pages may call the API (cors.py).
@@ -74,7 +77,9 @@ def create_app(backend: ServingBackend, *, api_key: Optional[str] = None,
     cors = CorsPolicy(allowed_origins) if allowed_origins else None
     app = web.Application(client_max_size=max_body_bytes, middlewares=[
         _error_middleware(metrics, max_body_bytes),
-        *([cors.middleware] if cors else []), _auth_middleware(api_key)])
+        *([cors.middleware] if cors else []),
+        _auth_middleware(api_key, _UNAUTHENTICATED | ({"/metrics"} if metrics_without_key
+                                                      else set()))])
     if cors:
         cors.install(app)
     app[BACKEND_KEY] = backend
@@ -202,13 +207,13 @@ def _rejected(request: web.Request, e: OpenAIError) -> web.Response:
     return e.response()
 
 
-def _auth_middleware(api_key: Optional[str]):
-    """401 unless `Authorization: Bearer <api_key>` (every route but /health)."""
+def _auth_middleware(api_key: Optional[str], open_paths: frozenset[str]):
+    """401 unless `Authorization: Bearer <api_key>` (every route but `open_paths`)."""
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @web.middleware
     async def middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-        if expected is not None and request.path not in _UNAUTHENTICATED:
+        if expected is not None and request.path not in open_paths:
             given = request.headers.get("Authorization", "")
             if not given:
                 raise OpenAIError(401, "Missing API key: send `Authorization: Bearer <key>`.",

@@ -105,7 +105,8 @@ async def _serve(backend: ServingBackend, args: argparse.Namespace) -> None:
         app = create_app(backend, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                          served_model_name=args.served_model_name,
                          allowed_origins=args.allowed_origins,
-                         stream_resume_s=args.stream_resume)
+                         stream_resume_s=args.stream_resume,
+                         metrics_without_key=args.metrics_without_key)
         quiet = args.quiet
         server = await start_server(app, args.host, args.port,
                                     access_log=None if quiet else access_logger(),

@@ -89,3 +89,39 @@ def test_the_grafana_dashboard_reads_only_exported_metrics(tiny_model):
     text = ServerMetrics("m").render(stats).decode()
     exported = {f.name for f in text_string_to_metric_families(text)}
     assert used and used <= exported, sorted(used - exported)
+
+
+class _Idle:
+    """A backend that serves nothing: enough for the routes that read its stats."""
+
+    model_name, max_model_len, tokenizer = "idle", 64, None
+
+    async def generate(self, request_id, prompt_token_ids, params):  # pragma: no cover
+        raise ValueError("idle")
+        yield
+
+    async def abort(self, request_id):
+        pass
+
+    def stats(self):
+        return {"num_waiting": 0, "num_running": 0, "kv_usage": 0.0, "prefix_hit_rate": 0.0}
+
+    async def close(self):
+        pass
+
+    def healthy(self):
+        return True
+
+
+@pytest.mark.parametrize("open_metrics", [False, True])
+async def test_metrics_without_key_opens_metrics_only(open_metrics):
+    """`--metrics-without-key`: Prometheus and AIPerf read `/metrics` with no key (vLLM's
+    way); every other route still wants it. Without the flag `/metrics` wants it too."""
+    with serving(_Idle(), api_key="k", metrics_without_key=open_metrics) as srv:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(srv.url + "/metrics") as r:
+                assert r.status == (200 if open_metrics else 401)
+            async with s.get(srv.url + "/v1/models") as r:
+                assert r.status == 401
+            async with s.get(srv.url + "/metrics", headers={"Authorization": "Bearer k"}) as r:
+                assert r.status == 200 and "phalanx:" in await r.text()
