@@ -38,7 +38,7 @@ from .sse import SSEStream
 log = get_logger(__name__)
 _encoder = msgspec.json.Encoder()
 
-__all__ = ["GenerationHandlers", "render_chat"]
+__all__ = ["GenerationHandlers", "render_chat", "error_body"]
 
 
 class GenerationHandlers:
@@ -203,7 +203,7 @@ class GenerationHandlers:
         except asyncio.CancelledError:  # abandoned (nobody to read it) or shutting down
             stream.push(shutting_down_error().body())
         except Exception as e:  # noqa: BLE001 - reported in-stream, as the spec has it
-            stream.push(_error_body(plan.env.id, e))
+            stream.push(error_body(plan.env.id, e))
         stream.push(b"[DONE]")
 
     async def _follow(self, request: web.Request, stream: StreamLog, start: int,
@@ -267,7 +267,7 @@ def _usage(plan: Plan, runs: list[ChoiceRun]):
                       sum(r.num_cached_tokens for r in runs))
 
 
-def _error_body(request_id: str, e: Exception) -> bytes:
+def error_body(request_id: str, e: Exception) -> bytes:
     """An in-stream `{"error": ...}` payload (the openai client raises on it)."""
     if isinstance(e, OpenAIError):
         return e.body()
@@ -279,7 +279,7 @@ def _error_body(request_id: str, e: Exception) -> bytes:
 async def _send_error(sse: SSEStream, request_id: str, e: Exception) -> None:
     """An `{"error": ...}` event then `[DONE]`, outside the stream's log."""
     try:
-        await sse.response.write(b"data: " + _error_body(request_id, e) + b"\n\n")
+        await sse.response.write(b"data: " + error_body(request_id, e) + b"\n\n")
         await sse.done()
     except ConnectionResetError:
         pass

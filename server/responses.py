@@ -13,6 +13,7 @@ A failure mid-stream is an `{"error": ...}` event. Streams are not resumable.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from contextlib import aclosing
@@ -23,9 +24,9 @@ from aiohttp import web
 
 from ..log import get_logger
 from .drain import shutting_down_error
-from .errors import SERVER_ERROR, OpenAIError
+from .errors import OpenAIError
 from .generation import ChoiceRun, merge_runs
-from .handlers import GenerationHandlers
+from .handlers import GenerationHandlers, error_body
 from .plans import Plan
 from .protocol import decode_struct
 from .request_keys import ARRIVAL, CLIENT_ID, REQUEST_ID
@@ -87,11 +88,7 @@ class ResponsesRoute:
             entry.absorb()
             await _write_error(sse, shutting_down_error().body())
         except Exception as e:  # noqa: BLE001 - reported in-stream, as the spec has it
-            body = e.body() if isinstance(e, OpenAIError) else OpenAIError(
-                500, f"Internal error while generating: {type(e).__name__}",
-                type=SERVER_ERROR).body()
-            log.error("stream_failed", request_id=shell.id, error=repr(e))
-            await _write_error(sse, body)
+            await _write_error(sse, error_body(shell.id, e))
         return sse.response
 
 
@@ -125,7 +122,7 @@ def _finished(shell: Response, text: str, run: ChoiceRun) -> Response:
 
 async def _events(shell: Response, runs: list[ChoiceRun]) -> AsyncIterator[ResponseEvent]:
     """The stream's events, numbered in order."""
-    seq = iter(range(1 << 62))
+    seq = itertools.count()
     item = _message(shell, "", "in_progress")
     part = OutputText("")
     yield ResponseEvent("response.created", next(seq), response=shell)
