@@ -96,3 +96,13 @@ def local_ray():
     ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+async def client(server):
+    """The official OpenAI client on the module's `server` fixture (a served app without
+    an API key); a module whose server takes a key defines its own."""
+    from app_server import openai_client
+
+    async with openai_client(server) as c:
+        yield c

@@ -13,11 +13,9 @@ import shutil
 import aiohttp
 import openai
 import pytest
-from openai import AsyncOpenAI
 
 from phalanx import LLM, SamplingParams
-from phalanx.server import EngineBackend
-from app_server import serving
+from app_server import served_engine
 
 MODEL = "tiny-template"
 PLAIN_END = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -42,21 +40,13 @@ def model_dir(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    backend = EngineBackend.from_model_dir(model_dir, model_name=MODEL, max_num_seqs=4,
-                                           num_pages=256)
-    with serving(backend, stream_resume_s=0) as srv:
+    with served_engine(model_dir, MODEL, max_num_seqs=4, num_pages=256) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
     return LLM(model_dir, max_num_seqs=4, num_pages=256)
-
-
-@pytest.fixture
-async def client(server):
-    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
-        yield c
 
 
 async def _chat(client, messages, **extra):

@@ -9,11 +9,9 @@ import json
 
 import openai
 import pytest
-from openai import AsyncOpenAI
 
 from phalanx import LLM, SamplingParams
-from phalanx.server import EngineBackend
-from app_server import serving
+from app_server import served_engine
 
 MODEL = "tiny-responses"
 ASK = "Name three colors."
@@ -21,21 +19,13 @@ ASK = "Name three colors."
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    backend = EngineBackend.from_model_dir(tiny_model, model_name=MODEL, max_num_seqs=4,
-                                           num_pages=256)
-    with serving(backend, stream_resume_s=0) as srv:
+    with served_engine(tiny_model, MODEL, max_num_seqs=4, num_pages=256) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def offline(tiny_model):
     return LLM(tiny_model, max_num_seqs=4, num_pages=256)
-
-
-@pytest.fixture
-async def client(server):
-    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
-        yield c
 
 
 def _chat(offline, messages, max_tokens):

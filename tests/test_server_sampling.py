@@ -9,37 +9,23 @@ import math
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
 
 from phalanx import LLM, SamplingParams
-from phalanx.server import EngineBackend
-from app_server import serving
+from app_server import served_engine
 
 MODEL = "tiny-test"
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model):
-    return EngineBackend.from_model_dir(tiny_model, model_name=MODEL, max_num_seqs=16,
-                                        num_pages=512)
-
-
-@pytest.fixture(scope="module")
-def server(backend):
-    with serving(backend, stream_resume_s=0) as srv:
+def server(tiny_model):
+    with served_engine(tiny_model, MODEL, max_num_seqs=16, num_pages=512) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def offline(tiny_model):
     return LLM(tiny_model, max_num_seqs=16, num_pages=512)
-
-
-@pytest.fixture
-async def client(server):
-    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
-        yield c
 
 
 def _ids(llm: LLM, text: str) -> list[int]:

@@ -10,13 +10,12 @@ import random
 import aiohttp
 import jsonschema
 import pytest
-from openai import AsyncOpenAI, BadRequestError
+from openai import BadRequestError
 
 from phalanx import LLM, SamplingParams
 from phalanx.actors.resume import resume_from
 from phalanx.engine.structured_output import StructuredOutput
-from phalanx.server import EngineBackend
-from app_server import serving
+from app_server import served_engine
 
 MODEL = "tiny-test"
 
@@ -47,21 +46,9 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model):
-    return EngineBackend.from_model_dir(tiny_model, model_name=MODEL, max_num_seqs=32,
-                                        num_pages=512)
-
-
-@pytest.fixture(scope="module")
-def server(backend):
-    with serving(backend, stream_resume_s=0) as srv:
+def server(tiny_model):
+    with served_engine(tiny_model, MODEL, max_num_seqs=32, num_pages=512) as srv:
         yield srv
-
-
-@pytest.fixture
-async def client(server):
-    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
-        yield c
 
 
 async def test_twenty_random_schemas_give_valid_json(client):

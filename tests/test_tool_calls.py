@@ -8,7 +8,7 @@ import json
 
 import jsonschema
 import pytest
-from openai import AsyncOpenAI, BadRequestError
+from openai import BadRequestError
 
 from phalanx.server import EngineBackend
 from app_server import serving
@@ -36,12 +36,6 @@ def backend(tiny_model):
 def server(backend):
     with serving(backend, stream_resume_s=0) as srv:
         yield srv
-
-
-@pytest.fixture
-async def client(server):
-    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as c:
-        yield c
 
 
 async def test_a_named_call_round_trip(client, backend):
