@@ -124,9 +124,9 @@ FP8_BASELINES = {
     # the FP8-activation linears (batches past 16, prefill) by the Triton kernel instead of
     # cuBLAS's block-scaled GEMM
     "fp8tritonlin": (_fp8_switch(".gpu.fp8_linear", "CUBLAS_BLOCKWISE", False), lambda b: b > 16, True),
-    # a candidate, off by default: the experts' decode tiles past the small path with the
-    # weight rows as the MMA's M and FP8 activations (`moe_fp8_decode`)
-    "fp8wrows": (_fp8_switch(".gpu.moe_fp8", "DECODE_WEIGHT_ROWS", {}, False), lambda b: b > 4, False),
+    # a candidate, off by default: the experts at every decode batch (the small path's too)
+    # with the weight rows as the MMA's M and FP8 activations (`moe_fp8_decode`)
+    "fp8wrows": (_fp8_switch(".gpu.moe_fp8", "DECODE_WEIGHT_ROWS", {}, False), lambda b: True, False),
     # the decode tiles' down with 128-row N tiles and 3 stages (the tile before N2 64, 4 stages)
     "fp8down128": (_fp8_switch(".gpu.moe_fp8", "DECODE_DOWN", {"N2": 128, "stages2": 3}, {}), lambda b: b > 4, False),
 }

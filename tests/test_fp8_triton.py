@@ -233,14 +233,16 @@ def check_fused_experts_fp8_weight_rows(g: torch.Generator) -> float:
         x, w, ids, w13, s13, w2, s2, emap = _moe_case(g, t, hid=256, inter=256)
         ref = _experts_fp8_acts_ref(x, w, ids, w13, s13, w2, s2, emap)
         errs.append(rel_err(fused_experts_fp8_decode_triton(x, w, ids, w13, s13, w2, s2, emap, config=cfg), ref))
-    xb = x.to(torch.bfloat16)  # the switch takes 16-bit activations past the small path
-    moe_fp8.DECODE_WEIGHT_ROWS = {}
-    try:
-        switched = moe_fp8.fused_experts_fp8_triton(xb, w, ids, w13, s13, w2, s2, emap)
-    finally:
-        moe_fp8.DECODE_WEIGHT_ROWS = False
-    errs.append(0.0 if torch.equal(switched, fused_experts_fp8_decode_triton(xb, w, ids, w13, s13, w2, s2, emap))
-                else 1.0)
+    # the switch takes every 16-bit decode batch, the small path's (T = 1 here) too
+    small = _moe_case(g, 1, hid=256, inter=256)
+    for xc, wc, idc, *rest in ((x, w, ids, w13, s13, w2, s2, emap), small):
+        xb = xc.to(torch.bfloat16)
+        moe_fp8.DECODE_WEIGHT_ROWS = {}
+        try:
+            switched = moe_fp8.fused_experts_fp8_triton(xb, wc, idc, *rest)
+        finally:
+            moe_fp8.DECODE_WEIGHT_ROWS = False
+        errs.append(0.0 if torch.equal(switched, fused_experts_fp8_decode_triton(xb, wc, idc, *rest)) else 1.0)
     return max(errs)
 
 

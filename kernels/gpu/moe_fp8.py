@@ -167,11 +167,11 @@ def _fp8_down_kernel(
 # the dequantizing tiles beside it.
 DECODE_F16 = True
 
-# Decode tiles past the small path with the weight rows as the MMA's M and FP8 activations
+# Every 16-bit decode batch (the small path's too, so that a token's bits do not depend
+# on its batch) with the weight rows as the MMA's M and FP8 activations
 # (`moe_fp8_decode`, wgmma on the codes): False, True (its defaults) or its config keys.
-# Off: 1.008-1.014x on one H100 at 2.5x the error; for an H200 to rank (`decode_gpu.py
-# --quantization fp8 --baselines fp8wrows`). On, the small path would have to follow
-# for a token's bits not to depend on its batch (see DECODE_F16).
+# Off: 1.008-1.014x on one H100 at batch 16-128, at 2.5x the error; for an H200 to rank
+# (`decode_gpu.py --quantization fp8 --baselines fp8wrows`, batch 1 included).
 DECODE_WEIGHT_ROWS: dict | bool = False
 
 # Down's own decode tile keys (N2, warps2, stages2) over the decode config's, which gives
@@ -216,13 +216,14 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
     inter_dim = two_i // 2
     k_top = topk_ids.shape[1]
     P = T * k_top
-    if P <= SMALL_MAX_PAIRS and not a_fp8 and config is None:
+    rows_cfg = DECODE_WEIGHT_ROWS
+    weight_rows = rows_cfg is not False and x.dtype != torch.float32 and a_fp8 is None and config is None
+    if P <= SMALL_MAX_PAIRS and not a_fp8 and config is None and not weight_rows:
         return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map,
                                                      scales=(w13_scale, w2_scale),
                                                      fp8_f16=DECODE_F16 and x.dtype != torch.float32)
     cfg = _config(P, E, x.dtype)
-    rows_cfg = DECODE_WEIGHT_ROWS
-    if rows_cfg is not False and not cfg["A_FP8"] and x.dtype != torch.float32 and a_fp8 is None and config is None:
+    if weight_rows and not cfg["A_FP8"]:
         return moe_fp8_decode.fused_experts_fp8_decode_triton(x, topk_weights, topk_ids, w13, w13_scale,
                                                               w2, w2_scale, expert_map,
                                                               config=rows_cfg if isinstance(rows_cfg, dict) else None)
