@@ -154,13 +154,14 @@ class ChatFormat:
     of the text (`tool_parser`): they become `tool_calls` (a stream: one delta per call,
     whole) and a choice that made any ends with finish reason "tool_calls". `prompt`: the
     prompt's ids (sent when the envelope asks for token ids); `prompt_names`: token texts
-    for vLLM's `prompt_logprobs` (None: not asked)."""
+    for vLLM's `prompt_logprobs` (None: not asked); `echo`: text that leads each choice's
+    content (vLLM's chat `echo`: a stream sends it in the opening delta)."""
 
     def __init__(self, texts: Optional[TokenNames] = None, tools: bool = False,
                  prompt: Optional[list[int]] = None,
-                 prompt_names: Optional[TokenNames] = None) -> None:
+                 prompt_names: Optional[TokenNames] = None, echo: str = "") -> None:
         self.texts, self.tools = texts, tools
-        self.prompt, self.prompt_names = prompt, prompt_names
+        self.prompt, self.prompt_names, self.echo = prompt, prompt_names, echo
         self._streams: dict[int, tool_parser.ToolCallStream] = {}
 
     def _logprobs(self, logprobs: Optional[list[TokenLogprob]]) -> Any:
@@ -168,10 +169,11 @@ class ChatFormat:
 
     def _message(self, r: ChoiceResult) -> tuple[ChatMessage, Optional[str]]:
         if not self.tools:
-            return ChatMessage("assistant", r.text), r.finish_reason
+            return ChatMessage("assistant", self.echo + r.text), r.finish_reason
         content, calls = tool_parser.parse(r.text)
         if not calls:
-            return ChatMessage("assistant", r.text), r.finish_reason
+            return ChatMessage("assistant", self.echo + r.text), r.finish_reason
+        content = self.echo + (content or "") if self.echo else content
         return (ChatMessage("assistant", content, tool_calls=[
                     ToolCall(c.id, FunctionCall(c.name, c.arguments)) for c in calls]),
                 "tool_calls" if r.finish_reason == "stop" else r.finish_reason)
@@ -189,7 +191,7 @@ class ChatFormat:
                                           if results else None))
 
     def opening_chunks(self, env: Envelope, num_choices: int) -> list[Any]:
-        chunks = [self._chunk(env, [ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
+        chunks = [self._chunk(env, [ChatChunkChoice(i, ChatDelta(role="assistant", content=self.echo))])
                   for i in range(num_choices)]
         if chunks:
             chunks[0].prompt_token_ids = _ids(env, self.prompt)

@@ -116,7 +116,8 @@ class PlanBuilder:
         """A validated chat request, ready to run (OpenAIError if it is not)."""
         self.check_model(req.model)
         tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        prompt = render_chat(self.backend.tokenizer, proto.chat_messages(req), tools=tools.render,
+        messages = proto.chat_messages(req)
+        prompt = render_chat(self.backend.tokenizer, messages, tools=tools.render,
                              add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
                              template_kwargs=req.chat_template_kwargs,
@@ -125,8 +126,12 @@ class PlanBuilder:
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         max_tokens = self._fit([prompt], requested, None, param, "messages")
+        # vLLM's `echo`: the last message's text leads each choice's when it is the
+        # assistant's (the role the answer takes), e.g. with continue_final_message
+        last = messages[-1]
+        echo = (last["content"] or "") if req.echo and last["role"] == "assistant" else ""
         fmt = ChatFormat(self._texts(req) if req.logprobs else None, tools.parse, prompt,
-                         self._prompt_names(req))
+                         self._prompt_names(req), echo)
         return self._plan(req, "chatcmpl", [prompt], max_tokens, fmt, "messages")
 
     # -- validation --------------------------------------------------------------------

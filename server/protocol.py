@@ -28,6 +28,8 @@ text, is kept), `skip_special_tokens` (default true), `allowed_token_ids` (only 
 may be sampled), `bad_words` (words never generated: engine/bad_words.py),
 `truncate_prompt_tokens` (keep the prompt's last k tokens, or its first k with
 `truncation_side: "right"`; -1: the context length),
+`echo` on chat (the last message's text leads each choice's content when it is the
+assistant's, e.g. with `continue_final_message`; a stream sends it in the opening delta),
 `add_special_tokens` (the tokenizer's BOS and the like; default true for completions,
 false for chat, whose template writes them), `return_tokens_as_token_ids` (logprobs name
 tokens `token_id:<id>`), `priority` (0 only: requests are served first come, first

@@ -121,4 +121,5 @@ class ChatCompletionRequest(SamplingFields, forbid_unknown_fields=True, kw_only=
     service_tier: Optional[str] = None
     add_generation_prompt: bool = True  # extension: the template's assistant header
     continue_final_message: bool = False  # extension: extend the last (assistant) message
+    echo: bool = False  # extension (vLLM): an assistant's last message leads the answer
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extension: template variables

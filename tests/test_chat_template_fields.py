@@ -108,3 +108,23 @@ async def test_bad_template_fields_are_400_naming_the_field(client, server, extr
         async with aiohttp.ClientSession() as s:
             async with s.post(server.url + "/tokenize", json={"messages": ASK, **extra}) as r:
                 assert r.status == 400 and (await r.json())["error"]["param"] == param
+
+
+async def test_echo_leads_with_the_assistants_last_message(client, offline):
+    """vLLM's chat `echo`: the final assistant message's text comes first in each choice,
+    whole and streamed alike; after a user's message there is nothing to echo."""
+    convo = ASK + [{"role": "assistant", "content": "Red, green"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    (want,) = offline.chat(convo, PARAMS, add_generation_prompt=False, continue_final_message=True)
+    whole = await _chat(client, convo, **extra)
+    assert whole.choices[0].message.content == "Red, green" + want.outputs[0].text
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=convo, max_tokens=6, temperature=0, stream=True, n=2,
+        extra_body={"ignore_eos": True, **extra})
+    texts = ["", ""]
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [whole.choices[0].message.content] * 2
+    (plain,) = offline.chat(ASK, PARAMS)
+    assert (await _chat(client, ASK, echo=True)).choices[0].message.content == plain.outputs[0].text
