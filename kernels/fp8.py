@@ -20,9 +20,9 @@ way at decode, and at prefill quantize activations per token and 128-column grou
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .backend import use_triton
+from .invariant_linear import row_invariant_linear
 
 __all__ = ["BLOCK", "FP8", "FP8_MAX", "check_k_cut", "dequantize", "expand_block_scales", "fp8_linear",
            "fp8_linear_ref", "f16_grid", "quantize_blocks", "quantize_groups", "slice_k_blocks"]
@@ -81,7 +81,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tor
 def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, dequantize(q, scales), bias)`` in ``x.dtype`` (the reference)."""
-    return F.linear(x, dequantize(q, scales, x.dtype), bias)
+    return row_invariant_linear(x, dequantize(q, scales, x.dtype), bias)
 
 
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

@@ -14,7 +14,8 @@ there (bench/NOTES.md). Two Triton paths:
   and lost 1.4% at batch 16 against cuBLAS (bench/NOTES.md, v6). :func:`linear`
   dispatches to it above ``GEMV_MAX_M`` rows.
 
-Everything else (prefill, big batches, CPU tensors, odd dtypes or layouts) is ``F.linear``.
+Everything else (prefill, big batches, CPU tensors, odd dtypes or layouts) is ``F.linear``,
+on CPU through :func:`row_invariant_linear`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .invariant_linear import row_invariant_linear
 
 __all__ = ["linear", "linear_ref", "project", "use_gemv", "use_skinny", "GEMV_FP8", "GEMV_MAX_M",
            "GEMV_ROW_BYTES", "SKINNY_MAX_M"]
@@ -97,7 +99,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             scales: torch.Tensor | None = None) -> torch.Tensor:
     """A model projection ``x @ weight.T + bias``: FP8 codes with ``scales``
     (:func:`phalanx.kernels.fp8.fp8_linear`), the GEMV for a few rows (:func:`use_gemv`),
-    else ``F.linear``."""
+    else :func:`row_invariant_linear`."""
     if use_gemv(x, weight, bias, scales):
         from .gpu.gemv import gemv_triton
 
@@ -106,7 +108,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         from .fp8 import fp8_linear
 
         return fp8_linear(x, weight, scales, bias)
-    return F.linear(x, weight, bias)
+    return row_invariant_linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,7 +116,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Output in ``x.dtype``, float32 accumulation. Takes the GEMV when :func:`use_gemv`
     says so, else the Triton skinny GEMM when :func:`use_skinny` does (one or two
-    launches, no host sync: CUDA-graph capturable), else ``F.linear``. Results of the
+    launches, no host sync: CUDA-graph capturable), else :func:`row_invariant_linear`. Results of the
     paths agree within float32 accumulation-order rounding, not bit for bit.
     """
     if use_gemv(x, weight, bias):
@@ -125,4 +127,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from .gpu.linear import skinny_linear_triton
 
         return skinny_linear_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return row_invariant_linear(x, weight, bias)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .activation import silu_and_mul
 from .backend import use_triton
 from .fp8 import dequantize
+from .invariant_linear import row_invariant_linear
 
 __all__ = [
     "route",
@@ -121,8 +121,8 @@ def fused_experts_ref(
     ids_kt = local_ids.t()
     for e in torch.unique(held).tolist():
         slot_idx, token_idx = torch.where(ids_kt == e)
-        h = F.linear(x[token_idx], w13[e])
-        h = F.linear(silu_and_mul(h), w2[e])
+        h = row_invariant_linear(x[token_idx], w13[e])
+        h = row_invariant_linear(silu_and_mul(h), w2[e])
         h = h * topk_weights[token_idx, slot_idx, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out

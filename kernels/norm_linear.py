@@ -13,8 +13,8 @@ head work (:func:`norm_qkv_rope`), the router's the routing (:func:`norm_route`)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .invariant_linear import row_invariant_linear
 from .linear import project, use_gemv
 from .moe import route
 from .norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
@@ -39,7 +39,7 @@ def norm_linear_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
         normed, new_residual = rms_norm_ref(x, norm_weight, eps), x
     else:
         normed, new_residual = add_rms_norm_ref(x, residual, norm_weight, eps)
-    return F.linear(normed, weight, bias), normed, new_residual
+    return row_invariant_linear(normed, weight, bias), normed, new_residual
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,

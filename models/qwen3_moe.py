@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..kernels.activation import silu_and_mul
 from ..kernels.attention import AttentionMetadata, decode_attention, prefill_attention
+from ..kernels.invariant_linear import row_invariant_linear
 from ..kernels.linear import project
 from ..kernels.moe import fused_experts, make_expert_map, route
 from ..kernels.norm import add_rms_norm
@@ -155,7 +156,7 @@ class SparseMoE(nn.Module):
         else:
             out = yield from self._dispatch(x, weights, ids)
         if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            out = out + torch.sigmoid(row_invariant_linear(x, self.shared_gate)) * self.shared(x)
         return self.comm.all_reduce_tp(out)
 
     def _dispatch(self, x: torch.Tensor, weights: torch.Tensor,
@@ -292,4 +293,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (vocab-parallel shards joined by an all-gather)."""
-        return self.comm.all_gather_tp(F.linear(hidden, self.lm_head), dim=-1)
+        return self.comm.all_gather_tp(row_invariant_linear(hidden, self.lm_head), dim=-1)

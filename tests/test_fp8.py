@@ -52,7 +52,7 @@ def test_fp8_linear_is_linear_over_the_dequantized_weight():
     q, blocks = quantize_blocks(w)
     s = expand_block_scales(blocks, 70)
     ref = x @ dequantize(q, s, torch.float32).T
-    assert torch.equal(fp8_linear(x, q, s), ref)
+    torch.testing.assert_close(fp8_linear(x, q, s), ref, rtol=1e-6, atol=1e-5)  # rows padded: kernels/linear.py
     xq, xs = quantize_groups(x)  # what the GPU kernels do to activations
     assert xq.dtype == FP8 and xs.shape == (5, 3)
     assert (dequantize(xq, xs, torch.float32) - x).norm() / x.norm() < 0.04

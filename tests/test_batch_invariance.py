@@ -1,0 +1,50 @@
+"""A row's result does not depend on the rows that share its batch (ARCHITECTURE §5): the
+CPU path's linears pad their rows to a multiple of `CPU_ROW_QUANTUM` (a CPU GEMM picks its
+kernel by row count, and a float32 row's bits changed with it), so a request's logprobs
+are the same bits alone or beside others, and a seeded request's tokens cannot flip at a
+near-tie because of the company it keeps. (A re-prefill of emitted tokens, after a KV
+loss, still goes through prefill attention, whose sums differ from decode's in the last
+bits.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phalanx import LLM, SamplingParams
+from phalanx.kernels.invariant_linear import row_invariant_linear
+
+TARGET = "The quick brown fox jumps over the lazy dog"
+OTHERS = ["Hello there, my friend", "One two three four five six", "A B C",
+          "Lorem ipsum dolor sit amet, consectetur", "To be or not to be"]
+
+
+@pytest.mark.parametrize("shape", [(1024, 512), (96, 40), (128, 768)])
+def test_each_row_has_its_bits_in_any_company(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    n, k = shape
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(40, k, generator=g)
+    alone = torch.cat([row_invariant_linear(x[i:i + 1], w, b) for i in range(40)])
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 40):
+        assert torch.equal(row_invariant_linear(x[:m], w, b), alone[:m]), m
+    assert torch.equal(row_invariant_linear(x[:6].reshape(2, 3, k), w, b).reshape(6, n), alone[:6])
+    torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert row_invariant_linear(x[:0], w).shape == (0, n)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model, max_num_seqs=16, num_pages=512)
+
+
+def test_a_requests_logprobs_are_the_same_bits_alone_or_batched(llm):
+    target = SamplingParams(temperature=1.0, max_tokens=40, seed=5, logprobs=0, ignore_eos=True)
+    (alone,) = llm.generate([TARGET], target)
+    want = [(lp.token, lp.logprob) for lp in alone.outputs[0].logprobs]
+    for k in (1, 2, 3, 5):
+        company = [SamplingParams(temperature=1.0, max_tokens=40 - 7 * i, seed=9 + i, ignore_eos=True)
+                   for i in range(k)]
+        out = llm.generate([TARGET] + OTHERS[:k], [target] + company)[0]
+        assert [(lp.token, lp.logprob) for lp in out.outputs[0].logprobs] == want, k
