@@ -172,18 +172,20 @@ def prefill_attention_ref(
         attends to KV positions ``0..`` that position inclusive. GQA: query head
         ``h`` uses kv head ``h // (num_heads // num_kv_heads)``. Scores, softmax
         and the P@V product are float32. Rows not owned by any sequence are 0.
-        Each sequence is computed independently (batch invariant).
+        Each row is computed as :func:`decode_attention_ref` computes a sequence's
+        query at that position, so a token's attention has the same bits whether it
+        was prefilled or decoded (a re-prefill of emitted tokens after a KV loss
+        reproduces them: ARCHITECTURE §5), and whatever else shares the step.
     """
     out = torch.zeros_like(q)
     qsl = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     for s, seq_len in enumerate(seq_lens):
         start, end = qsl[s], qsl[s + 1]
-        if end == start:
-            continue
-        k = _gather_kv(k_cache, meta.block_tables[s], seq_len)
-        v = _gather_kv(v_cache, meta.block_tables[s], seq_len)
-        out[start:end] = _attend_one(q[start:end], k, v, scale)
+        table = meta.block_tables[s]
+        for row, length in zip(range(start, end), range(seq_len - (end - start) + 1, seq_len + 1)):
+            out[row:row + 1] = _attend_one(q[row:row + 1], _gather_kv(k_cache, table, length),
+                                           _gather_kv(v_cache, table, length), scale)
     return out
 
 

@@ -2,9 +2,9 @@
 CPU path's linears pad their rows to a multiple of `CPU_ROW_QUANTUM` (a CPU GEMM picks its
 kernel by row count, and a float32 row's bits changed with it), so a request's logprobs
 are the same bits alone or beside others, and a seeded request's tokens cannot flip at a
-near-tie because of the company it keeps. (A re-prefill of emitted tokens, after a KV
-loss, still goes through prefill attention, whose sums differ from decode's in the last
-bits.)"""
+near-tie because of the company it keeps. And prefill attention computes each row as
+decode does its query, so a re-prefill of emitted tokens (after a KV loss) reproduces
+their logprobs bit for bit."""
 
 from __future__ import annotations
 
@@ -48,3 +48,17 @@ def test_a_requests_logprobs_are_the_same_bits_alone_or_batched(llm):
                    for i in range(k)]
         out = llm.generate([TARGET] + OTHERS[:k], [target] + company)[0]
         assert [(lp.token, lp.logprob) for lp in out.outputs[0].logprobs] == want, k
+
+
+def test_a_reprefill_of_emitted_tokens_gives_the_decodes_bits(llm):
+    """After a KV loss a request is prefilled again from prompt + emitted tokens: each
+    emitted token's logprob under that prefill (`prompt_logprobs`) is the bits it had
+    when it was decoded, so the replay continues exactly."""
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=5, logprobs=0, ignore_eos=True)
+    (out,) = llm.generate([TARGET], params)
+    prompt, emitted = out.prompt_token_ids, out.outputs[0].token_ids
+    (again,) = llm.generate(prompt_token_ids=[prompt + emitted[:20]], sampling_params=SamplingParams(
+        temperature=1.0, max_tokens=1, prompt_logprobs=0))
+    decoded = [(lp.token, lp.logprob) for lp in out.outputs[0].logprobs[:20]]
+    prefilled = [(lp.token, lp.logprob) for lp in again.prompt_logprobs[len(prompt):]]
+    assert prefilled == decoded

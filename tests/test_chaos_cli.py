@@ -13,7 +13,8 @@ the batch it shares (the forward's float sums change with the batch's shape, e.g
 experts' GEMMs over every DP rank's tokens): it changed in 2 of the 5 disaggregated
 drills whose reports were read and twice in the one three-node drill (once before any
 fault), never in offline runs. Sampled tokens are exact only as far as the logits
-are: a batch-invariant forward is the real fix."""
+are; since then the CPU forward is batch-invariant (kernels/invariant_linear.py, prefill
+attention row by row as decode: tests/test_batch_invariance.py)."""
 
 from __future__ import annotations
 
