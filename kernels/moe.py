@@ -105,13 +105,15 @@ def fused_experts_ref(
 
     Returns:
         [T, H] in ``x.dtype``: ``out[t] = sum_slot w[t,slot] * w2[e] @ silu_and_mul(w13[e] @ x[t])``.
-        HF order: local experts in increasing index; per expert its (slot, token)
-        pairs in slot-major order, two ``F.linear``s, weight multiply, cast to
-        ``x.dtype`` and ``index_add_`` into a zero output.
+        Per local expert its (slot, token) pairs: two linears (rows padded:
+        kernels/invariant_linear.py), the weight multiply in ``x.dtype``; then each
+        token's slots summed in float32 in slot order (0 for a pair not held) and cast
+        to ``x.dtype``: the EP combine's sum (comm/dispatch.py) and the Triton kernels',
+        so a token's output has the same bits with its experts on one rank or spread
+        over an EP group (HF sums in expert order in ``x.dtype``: equal within rounding).
     """
-    out = torch.zeros_like(x)
     if x.shape[0] == 0:
-        return out
+        return torch.zeros_like(x)
     local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
     num_local = w13.shape[0]
     held = local_ids[local_ids >= 0]
@@ -119,13 +121,16 @@ def fused_experts_ref(
         raise ValueError(f"expert index {int(held.max())} out of range for {num_local} local experts")
     # [k, T] so torch.where yields (slot, token) pairs slot-major, like HF's expert_mask.
     ids_kt = local_ids.t()
+    pairs = x.new_zeros((local_ids.shape[1], x.shape[0], x.shape[1]))  # [k, T, H]
     for e in torch.unique(held).tolist():
         slot_idx, token_idx = torch.where(ids_kt == e)
         h = row_invariant_linear(x[token_idx], w13[e])
         h = row_invariant_linear(silu_and_mul(h), w2[e])
-        h = h * topk_weights[token_idx, slot_idx, None]
-        out.index_add_(0, token_idx, h.to(out.dtype))
-    return out
+        pairs[slot_idx, token_idx] = (h * topk_weights[token_idx, slot_idx, None]).to(x.dtype)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for slot in pairs:  # elementwise adds in slot order, as the EP combine's
+        acc += slot.float()
+    return acc.to(x.dtype)
 
 
 def fused_experts(

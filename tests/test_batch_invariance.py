@@ -62,3 +62,19 @@ def test_a_reprefill_of_emitted_tokens_gives_the_decodes_bits(llm):
     decoded = [(lp.token, lp.logprob) for lp in out.outputs[0].logprobs[:20]]
     prefilled = [(lp.token, lp.logprob) for lp in again.prompt_logprobs[len(prompt):]]
     assert prefilled == decoded
+
+
+@pytest.mark.slow
+def test_experts_on_one_rank_or_over_an_ep_group_give_the_same_bits(llm, tiny_model):
+    """A token's slots are summed in slot order, in float32, both by the experts'
+    reference on one rank and by the EP combine of a DP2 group (comm/dispatch.py): so a
+    re-prefill on a one-rank prefill group reproduces what a DP×EP decode group decoded."""
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=5, logprobs=0, ignore_eos=True)
+    (alone,) = llm.generate([TARGET], params)
+    group = LLM(tiny_model, max_num_seqs=16, num_pages=512, dp=2)
+    try:
+        spread = group.generate([TARGET, OTHERS[0]], [params, params])[0]
+    finally:
+        group.close()
+    assert [(lp.token, lp.logprob) for lp in spread.outputs[0].logprobs] == \
+        [(lp.token, lp.logprob) for lp in alone.outputs[0].logprobs]

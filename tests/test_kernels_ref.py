@@ -23,13 +23,13 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _same_as_hf(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """HF's experts' values: bit for bit in bf16; in float32 within rounding, since each
-    expert's GEMM runs on rows padded to a multiple of 4 (kernels/invariant_linear.py:
-    batch-invariant rows) where HF's runs on the expert's rows as they come."""
+    """HF's experts' values within rounding: each expert's GEMM runs on rows padded to a
+    multiple of 4 (kernels/invariant_linear.py) and a token's slots are summed in float32
+    in slot order (the EP combine's order), where HF sums in expert order in the dtype."""
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     else:
-        assert torch.equal(out, ref)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
 def _gen(seed: int) -> torch.Generator:
