@@ -54,6 +54,9 @@ def _add_load_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: the folder's safetensors; dummy: seeded random weights of "
                         "config.json's shapes (the folder needs no weights; benchmarks)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="GPU kernels whose row results do not depend on the batch: a seeded "
+                        "request's tokens equal alone, batched and after a recovery (slower)")
 
 
 def add_disagg_arguments(p: argparse.ArgumentParser) -> None:
@@ -213,7 +216,8 @@ def _generate(args: argparse.Namespace) -> int:
               device=args.device, collective_timeout_s=args.collective_timeout,
               max_recoveries=args.max_recoveries, recovery_window_s=args.recovery_window,
               replace_timeout_s=args.replace_timeout, quantization=args.quantization,
-              load_format=args.load_format, ep_exchange=args.ep_exchange, **layout_kwargs(args))
+              load_format=args.load_format, ep_exchange=args.ep_exchange,
+              batch_invariant=args.batch_invariant, **layout_kwargs(args))
     try:
         return _run_generate(llm, args, params)
     finally:

@@ -384,6 +384,9 @@ class EngineConfig:
     # "auto": the folder's safetensors; "dummy": seeded random weights of the folder's
     # config.json shapes, drawn on the device (models/random_weights.py; benchmarks).
     load_format: str = "auto"
+    # Kernels whose row results do not depend on the batch (kernels/batch_invariant.py):
+    # a seeded request's tokens equal alone, batched and after a re-prefill on a GPU too.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         limit = self.model.max_position_embeddings
@@ -398,8 +401,9 @@ class EngineConfig:
                  "cuda_graph_max_prefill", f"must be 0 or >= 16, got {self.cuda_graph_max_prefill}")
         _require(isinstance(self.overlap_steps, bool), "overlap_steps",
                  f"must be True or False, got {self.overlap_steps!r}")
-        _require(isinstance(self.warmup, bool), "warmup",
-                 f"must be True or False, got {self.warmup!r}")
+        for name in ("warmup", "batch_invariant"):
+            _require(isinstance(getattr(self, name), bool), name,
+                     f"must be True or False, got {getattr(self, name)!r}")
         _require(self.quantization in (None, "fp8"), "quantization",
                  f"{self.quantization!r} is not None or 'fp8'")
         _require(self.load_format in LOAD_FORMATS, "load_format",

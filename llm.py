@@ -53,11 +53,12 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
                   microbatch_options: Optional[Mapping] = None,
                   quantization: Optional[str] = None,
-                  load_format: str = "auto") -> EngineConfig:
+                  load_format: str = "auto", batch_invariant: bool = False) -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
     model). ValueError naming the argument for a folder that is not a model or a bad
     value. `load_format` "dummy": seeded random weights, the folder's safetensors (if
-    any) unread."""
+    any) unread. `batch_invariant`: kernels whose row results do not depend on the batch
+    (kernels/batch_invariant.py; a GPU's FP8 weights have none yet)."""
     path = _resolve_model(model)
     ep_width = EPWidthConfig.from_dict({"policy": ep_policy, "groups": ep_groups,
                                         "costs": ep_costs, **(ep_options or {})})
@@ -78,6 +79,10 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
         raise ValueError(f"model: {e}") from None
     if quantization == "fp8" or is_fp8_checkpoint(read_hf_config(path)):
         check_fp8_tp(model_cfg, tp)
+        if batch_invariant and device != "cpu":
+            raise ValueError("batch_invariant: FP8 weights have no batch-invariant GPU kernels yet "
+                             "(their linears quantize activations at prefill, not at decode); "
+                             "serve the bf16 weights, or FP8 without the mode")
     return EngineConfig(
         model_path=path, model=model_cfg,
         cache=CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -94,7 +99,7 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                                 ep_width=ep_width, microbatch=micro),
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
         cuda_graph_max_prefill=cuda_graph_max_prefill, quantization=quantization,
-        load_format=load_format)
+        load_format=load_format, batch_invariant=batch_invariant)
 
 
 def check_fp8_disagg(config: EngineConfig, layout) -> None:
@@ -136,7 +141,8 @@ class LLM:
                  ep_groups: int = 1, ep_costs: str = "",
                  ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
                  microbatch_options: Optional[Mapping] = None,
-                 quantization: Optional[str] = None, load_format: str = "auto") -> None:
+                 quantization: Optional[str] = None, load_format: str = "auto",
+                 batch_invariant: bool = False) -> None:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
@@ -159,7 +165,9 @@ class LLM:
         block-scaled FP8 on load (an FP8 checkpoint loads as FP8 anyway). `load_format`:
         "auto" (the folder's safetensors) or "dummy" (seeded random weights of the
         folder's config.json shapes; benchmarks). `cuda_graph_max_prefill`: prefill and
-        mixed steps of up to that many tokens replay CUDA graphs on one GPU (0: eager)."""
+        mixed steps of up to that many tokens replay CUDA graphs on one GPU (0: eager).
+        `batch_invariant`: a request's logits are the same bits in any batch and after a
+        re-prefill on a GPU too, at a cost in speed (kernels/batch_invariant.py)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
@@ -172,7 +180,7 @@ class LLM:
             ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes,
             ep_policy=ep_policy, ep_groups=ep_groups, ep_costs=ep_costs, ep_options=ep_options,
             microbatch=microbatch, microbatch_options=microbatch_options,
-            quantization=quantization, load_format=load_format)
+            quantization=quantization, load_format=load_format, batch_invariant=batch_invariant)
         self.engine: Optional[LLMEngine] = None
         self.cluster = None  # a multi-rank layout's client (actors.cluster.ClusterClient)
         self._start((prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size),

@@ -25,9 +25,12 @@ few-row part turned off, in the same process, tokens checked against the main ro
   tile's K/V copies stay in flight while a tile computes; the same tiles in the same
   order, so tokens equal.
 * ``attnwide``: decode attention with a program for every split of the block table
-  (`kernels.gpu.attention.GRID_POSITIONS = None`), as before the grid was capped; with
+  (`kernels.gpu.decode_plan.GRID_POSITIONS = None`), as before the grid was capped; with
   tables wider than 4096 positions (`decode_gpu.py --max-model-len`) the positions per
   split can differ too, so tokens agree within rounding.
+* ``invariant``: the batch-invariant mode (kernels/batch_invariant.py: every linear one
+  Triton GEMM, decode attention's fixed split plan); its cost in speed. Other kernels and
+  sums, so tokens agree within rounding. Every batch.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -44,7 +47,7 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnwide")
+             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnwide", "invariant")
 _SAVED: dict = {}
 
 
@@ -62,13 +65,13 @@ def _switch(name: str, on: bool) -> None:
         from phalanx.kernels.gpu import moe_decode
         moe_decode._CONFIG["N1"] = 32 if on else 64
     elif name in ("part128", "part32"):
-        from phalanx.kernels.gpu import attention
+        from phalanx.kernels.gpu import decode_plan
         if on:
-            real = _SAVED["part"] = attention._decode_partition
+            real = _SAVED["part"] = decode_plan._decode_partition
             want = int(name[4:])
-            attention._decode_partition = lambda s, *a: want if s == 1 else real(s, *a)
+            decode_plan._decode_partition = lambda s, *a: want if s == 1 else real(s, *a)
         else:
-            attention._decode_partition = _SAVED.pop("part")
+            decode_plan._decode_partition = _SAVED.pop("part")
     elif name == "attnreduce":
         from phalanx.kernels.gpu import attention
         if on:
@@ -77,22 +80,25 @@ def _switch(name: str, on: bool) -> None:
         else:
             attention.arrival_counts = _SAVED.pop("counts")
     elif name == "attn64":
-        from phalanx.kernels.gpu import attention
+        from phalanx.kernels.gpu import decode_plan
         if on:
-            _SAVED["bn"] = attention._decode_block_n
-            attention._decode_block_n = lambda s, d: 64 if d <= 128 else 32
+            _SAVED["bn"] = decode_plan._decode_block_n
+            decode_plan._decode_block_n = lambda s, d: 64 if d <= 128 else 32
         else:
-            attention._decode_block_n = _SAVED.pop("bn")
+            decode_plan._decode_block_n = _SAVED.pop("bn")
     elif name == "attnahead":
         from phalanx.kernels.gpu import attention
         attention.PAGE_PREFETCH = on
     elif name == "attnwide":
-        from phalanx.kernels.gpu import attention
+        from phalanx.kernels.gpu import decode_plan
         if on:
-            _SAVED["grid"] = attention.GRID_POSITIONS
-            attention.GRID_POSITIONS = None
+            _SAVED["grid"] = decode_plan.GRID_POSITIONS
+            decode_plan.GRID_POSITIONS = None
         else:
-            attention.GRID_POSITIONS = _SAVED.pop("grid")
+            decode_plan.GRID_POSITIONS = _SAVED.pop("grid")
+    elif name == "invariant":  # decode_gpu.make_engine takes the process's mode
+        from phalanx.kernels.batch_invariant import batch_invariant
+        batch_invariant(on)
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on
@@ -110,10 +116,12 @@ def _switch(name: str, on: bool) -> None:
 
 
 def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[dict],
-                  batches: list[int]) -> list[dict]:
+                  batches: list[int], prefill_row=None) -> list[dict]:
     """Rows ``decode-<name>`` for each baseline; ``build_engine()`` makes a new engine,
     ``decode_rows(engine, kind, batches)`` measures it. Tokens: `token_agreement` with
-    the main rows of the same batch."""
+    the main rows of the same batch. With ``prefill_row(engine, kind)``, the
+    ``invariant`` baseline adds its ``prefill-invariant`` row (``main_over_this`` against
+    the main prefill row)."""
     from decode_fp8 import token_agreement
 
     rows = []
@@ -125,6 +133,10 @@ def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[d
             engine = build_engine()
             got = decode_rows(engine, f"decode-{name}",
                               [b for b in batches if name != "cublas" or b <= _GEMV_MAX_M])
+            if prefill_row is not None and name == "invariant":
+                pf = prefill_row(engine, f"prefill-{name}")
+                main_pf = next(o for o in main_rows if o["kind"] == "prefill")
+                rows.append(dict(pf, main_over_this=main_pf["tok_s"] / pf["tok_s"]))
         finally:
             _switch(name, False)
             engine = None

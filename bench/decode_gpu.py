@@ -23,6 +23,7 @@ import torch
 from phalanx.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from phalanx.engine.llm_engine import LLMEngine
 from phalanx.engine.sampling_params import SamplingParams
+from phalanx.kernels.batch_invariant import batch_invariant_on
 
 from decode_hf import build_hf, hf_decode_tok_s, phalanx_model_from_hf  # bench/
 from multi_gpu_model import QWEN3_30B_A3B
@@ -78,7 +79,7 @@ def make_engine(cfg: ModelConfig, model, max_batch: int, max_model_len: int) -> 
                           enable_prefix_caching=False),  # repeated prompts recompute: same tokens
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=16384,
                                   max_model_len=max_model_len),
-        cuda_graph_max_batch=max_batch)
+        cuda_graph_max_batch=max_batch, batch_invariant=batch_invariant_on())
     return LLMEngine(config, model=model)
 
 
@@ -287,7 +288,7 @@ def print_table(rows: list[dict], ceil: dict, args, num_pages: int) -> None:
                   + ", ".join(f"{k}={v:.0f}" for k, v in r["kernels_us"].items()))
             print("\n".join(r.get("host_profile", [])))
         if "main_over_this" in r:
-            print(f"{r['kind']} batch {r['batch']}: tokens vs the main rows {r['agreement']}; "
+            print(f"{r['kind']} batch {r['batch']}: tokens vs the main rows {r.get('agreement', '-')}; "
                   f"main tok/s over this {r['main_over_this']:.3f}")
         elif "agreement" in r:
             print(f"{r['kind']} batch {r['batch']}: tokens vs the bf16 twin {r['agreement']}")
@@ -328,11 +329,14 @@ def main() -> None:
                        lambda b, c: decode_bytes(cfg, b, c), hf_rates)
     if args.compare_overlap:
         rows += compare_overlap(engine, batches, args, ceil, cfg, hf_rates, rows)
-    if not args.no_prefill:
-        pf = phalanx_prefill(engine, PREFILL_SEQS, PREFILL_LEN)
+    def prefill_row(eng: LLMEngine, kind: str) -> dict:
+        pf = phalanx_prefill(eng, PREFILL_SEQS, PREFILL_LEN)
         pf_floor = PREFILL_SEQS * PREFILL_LEN * ceil["matmul_flops_per_s"] / prefill_flops(cfg, PREFILL_SEQS, PREFILL_LEN)
-        rows.append(dict(kind="prefill", batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
-                         hf_tok_s=None, vs_hf=None))
+        return dict(kind=kind, batch=8, tok_s=pf, floor_tok_s=pf_floor, frac=pf / pf_floor,
+                    hf_tok_s=None, vs_hf=None)
+
+    if not args.no_prefill:
+        rows.append(prefill_row(engine, "prefill"))
     num_pages = engine.num_pages
     del engine  # the runs below build engines of their own
     gc.collect()
@@ -351,7 +355,7 @@ def main() -> None:
             lambda: make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches), args.max_model_len),
             lambda eng, kind, bs: decode_rows(eng, kind, bs, args, ceil["copy_bytes_per_s"],
                                               lambda b, c: decode_bytes(cfg, b, c), hf_rates),
-            rows, batches)
+            rows, batches, None if args.no_prefill else prefill_row)
     if args.quantization == "fp8":
         rows += fp8_rows(hf, cfg, batches, args, ceil, rows)
     for name in fp8_only:  # the FP8 rows again with one FP8 part switched

@@ -16,6 +16,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from ..config import EngineConfig
+from ..kernels.batch_invariant import batch_invariant
 from ..log import get_logger
 from ..models.loader import load_model
 from ..models.parallel import ExpertParallel, ModelComm
@@ -48,6 +49,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             keep_compiled_kernels()
+            batch_invariant(config.batch_invariant)  # before any graph is captured
         dtype = torch_dtype(config.torch_dtype_name)
         self.model = model if model is not None else load_model(
             config.model_path, config.model, shard, self.device, dtype, comm, ep,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import use_triton
+from .batch_invariant import batch_invariant_on
 
 __all__ = [
     "AttentionMetadata",
@@ -119,31 +120,38 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
     return kv[:, :seq_len]
 
 
+def _per_query_head(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[kvh, L, hd] -> float32 [H, L, hd], contiguous: query head h reads kv head
+    h // (H // kvh)."""
+    num_kv_heads = kv.shape[0]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    return kv.float().repeat_interleave(num_heads // num_kv_heads, dim=0)
+
+
 def _attend_one(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, expanded: bool = False
 ) -> torch.Tensor:
     """Causal attention of one sequence's trailing queries over its full KV.
 
-    q: [q_len, H, hd]; k, v: [kvh, L, hd] with L >= q_len. Query ``j`` sits at
-    position ``L - q_len + j`` and sees KV positions ``0..L - q_len + j``.
-    Everything in float32; returns [q_len, H, hd] in ``q.dtype``.
+    q: [q_len, H, hd]; k, v: [kvh, L, hd] with L >= q_len (``expanded``: already
+    `_per_query_head`'s [H, L, hd] float32, contiguous). Query ``j`` sits at position
+    ``L - q_len + j`` and sees KV positions ``0..L - q_len + j``. Everything in float32;
+    returns [q_len, H, hd] in ``q.dtype``.
     """
     q_len, num_heads, _ = q.shape
-    num_kv_heads, seq_len, _ = k.shape
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    seq_len = k.shape[1]
     if q_len > seq_len:
         raise ValueError(f"query length {q_len} exceeds seq_len {seq_len}")
-    group = num_heads // num_kv_heads
-    # Query head h reads kv head h // group.
-    kf = k.float().repeat_interleave(group, dim=0)
-    vf = v.float().repeat_interleave(group, dim=0)
+    kf = k if expanded else _per_query_head(k, num_heads)
+    vf = v if expanded else _per_query_head(v, num_heads)
     qf = q.float().transpose(0, 1)  # [H, q_len, hd]
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, q_len, L]
-    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-    kv_pos = torch.arange(seq_len, device=q.device)
-    mask = kv_pos[None, :] <= q_pos[:, None]  # [q_len, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if q_len > 1:  # one query (every caller here) sees every position: nothing to mask
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        kv_pos = torch.arange(seq_len, device=q.device)
+        mask = kv_pos[None, :] <= q_pos[:, None]  # [q_len, L]
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vf)  # [H, q_len, hd]
     return out.transpose(0, 1).to(q.dtype)
@@ -180,12 +188,18 @@ def prefill_attention_ref(
     out = torch.zeros_like(q)
     qsl = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
+    heads = q.shape[1]
     for s, seq_len in enumerate(seq_lens):
         start, end = qsl[s], qsl[s + 1]
-        table = meta.block_tables[s]
+        if start == end:
+            continue
+        # The sequence's K/V gathered once; each row takes a contiguous copy of its
+        # prefix, the operands decode's gather of that length gives (the same bits).
+        kf = _per_query_head(_gather_kv(k_cache, meta.block_tables[s], seq_len), heads)
+        vf = _per_query_head(_gather_kv(v_cache, meta.block_tables[s], seq_len), heads)
         for row, length in zip(range(start, end), range(seq_len - (end - start) + 1, seq_len + 1)):
-            out[row:row + 1] = _attend_one(q[row:row + 1], _gather_kv(k_cache, table, length),
-                                           _gather_kv(v_cache, table, length), scale)
+            out[row:row + 1] = _attend_one(q[row:row + 1], kf[:, :length].contiguous(),
+                                           vf[:, :length].contiguous(), scale, expanded=True)
     return out
 
 
@@ -207,10 +221,38 @@ def prefill_attention(
     :func:`~phalanx.kernels.backend.use_triton` says so.
     """
     if use_triton(q):
+        if batch_invariant_on():
+            from .gpu.invariant_prefill import INVARIANT_MAX_LEN, invariant_prefill_triton
+
+            if 0 < meta.max_seq_len <= INVARIANT_MAX_LEN:
+                return invariant_prefill_triton(q, k_cache, v_cache, meta, scale)
+            return _rows_as_decode(q, k_cache, v_cache, meta, scale)
         from .gpu.prefill_attention import prefill_attention_triton
 
         return prefill_attention_triton(q, k_cache, v_cache, meta, scale, k_new, v_new)
     return prefill_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
+def _rows_as_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Prefill attention in the batch-invariant mode past kernels/gpu/invariant_prefill.py's
+    lengths: each query row is a decode query of its own, over its sequence's block
+    table cut at the row's position (row ``i`` of
+    sequence ``s``: length ``seq_lens[s] - query_start_loc[s+1] + i + 1``), so it gets the
+    bits :func:`decode_attention` gives that position when decoded. Rows owned by no
+    sequence (a graph's padding) are 0. Tensor ops only (no host sync)."""
+    t = q.shape[0]
+    rows = torch.arange(t, device=q.device, dtype=meta.query_start_loc.dtype)
+    ends = meta.query_start_loc[1:]
+    seq = torch.searchsorted(ends, rows, right=True)  # the sequence owning each row
+    owned = seq < ends.shape[0]
+    seq = seq.clamp_(max=max(ends.shape[0] - 1, 0))
+    lens = (meta.seq_lens[seq] - ends[seq] + rows + 1).where(owned, 1).to(torch.int32)
+    width = meta.block_tables.shape[1]
+    if meta.max_seq_len > 0:  # the pages any row reads: a [rows, width] table stays small
+        width = min(width, -(-meta.max_seq_len // k_cache.shape[2]))
+    out = decode_attention(q, k_cache, v_cache, lens, meta.block_tables[seq, :width], scale)
+    return out.where(owned[:, None, None], 0)
 
 
 def decode_attention_ref(

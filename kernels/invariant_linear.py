@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .backend import use_triton
+from .batch_invariant import batch_invariant_on
+
 __all__ = ["row_invariant_linear", "CPU_ROW_QUANTUM"]
 
 CPU_ROW_QUANTUM = 4
@@ -22,9 +25,14 @@ CPU_ROW_QUANTUM = 4
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; on CPU, x's rows (leading dims flattened) padded
-    with zero rows to a multiple of `CPU_ROW_QUANTUM`. Other devices: ``F.linear`` (the
-    GPU kernels' row-invariance is their own: kernels/gpu/)."""
+    with zero rows to a multiple of `CPU_ROW_QUANTUM`. On a GPU in the batch-invariant
+    mode (kernels/batch_invariant.py) the Triton GEMM of kernels/gpu/invariant_gemm.py;
+    otherwise ``F.linear``."""
     if x.device.type != "cpu" or x.dim() < 2:
+        if batch_invariant_on() and use_triton(x) and x.dim() >= 2 and weight.dtype == x.dtype:
+            from .gpu.invariant_gemm import invariant_linear_triton
+
+            return invariant_linear_triton(x, weight, bias)
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]

@@ -15,7 +15,8 @@ there (bench/NOTES.md). Two Triton paths:
   dispatches to it above ``GEMV_MAX_M`` rows.
 
 Everything else (prefill, big batches, CPU tensors, odd dtypes or layouts) is ``F.linear``,
-on CPU through :func:`row_invariant_linear`.
+on CPU through :func:`row_invariant_linear`, which in the batch-invariant mode
+(kernels/batch_invariant.py) takes every GPU linear too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .batch_invariant import batch_invariant_on
 from .invariant_linear import row_invariant_linear
 
 __all__ = ["linear", "linear_ref", "project", "use_gemv", "use_skinny", "GEMV_FP8", "GEMV_MAX_M",
@@ -55,9 +57,10 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     True iff :func:`~phalanx.kernels.backend.use_triton` ``(x)``, ``x`` is 2-D with
     1..``SKINNY_MAX_M`` rows, ``weight`` is 2-D [N, K] with a contiguous last dim, and
-    x, weight (and bias, 1-D [N]) share one dtype among bf16 / fp16 / fp32.
+    x, weight (and bias, 1-D [N]) share one dtype among bf16 / fp16 / fp32; never in the
+    batch-invariant mode (kernels/batch_invariant.py), whose linears are one GEMM.
     """
-    if x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_M or x.dtype not in _DTYPES:
+    if batch_invariant_on() or x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_M or x.dtype not in _DTYPES:
         return False
     if weight.dim() != 2 or weight.dtype != x.dtype or weight.shape[1] != x.shape[1] or weight.stride(1) != 1:
         return False
@@ -72,8 +75,8 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     1..``GEMV_MAX_M`` rows, and one weight row (K rounded up to a power of two) within a
     program's 64 KiB tile. With ``scales``, the weight is FP8 codes with float32 scales
     [N, ceil(K/128)] (kernels/fp8.py), taken only when `GEMV_FP8` is on, and the rest of
-    the conditions are the same."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
+    the conditions are the same. Never in the batch-invariant mode."""
+    if batch_invariant_on() or x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M:
         return False
     if scales is None:
         return _gemv_row_fits(x, x.element_size()) and use_skinny(x, weight, bias)

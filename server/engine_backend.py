@@ -61,7 +61,7 @@ class EngineBackend(ThreadedBackend):
                        cuda_graph_max_prefill: int = 512,
                        gpu_memory_utilization: float = 0.9,
                        quantization: Optional[str] = None,
-                       load_format: str = "auto") -> "EngineBackend":
+                       load_format: str = "auto", batch_invariant: bool = False) -> "EngineBackend":
         """A backend for a Hugging Face model folder (None: the tiny default model),
         configured like `phalanx.LLM` with tp = dp = 1. Raises ValueError for a folder
         that is not a model."""
@@ -73,7 +73,7 @@ class EngineBackend(ThreadedBackend):
             device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
             cuda_graph_max_prefill=cuda_graph_max_prefill,
             gpu_memory_utilization=gpu_memory_utilization, quantization=quantization,
-            load_format=load_format)
+            load_format=load_format, batch_invariant=batch_invariant)
         return cls(config, model_name=model_name)
 
     # -- ThreadedBackend -------------------------------------------------------------

@@ -76,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
             load_format=args.load_format, ray_address=args.address,
             cuda_graph_max_prefill=args.cuda_graph_max_prefill, dtype=args.dtype,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=args.enforce_eager)
+            enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant)
         _restore(previous)
         _say(_capacity_line(_first_stats(backend), time.monotonic() - started))
         heap = freeze_start_up_heap()

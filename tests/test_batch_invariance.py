@@ -40,6 +40,11 @@ def llm(tiny_model):
 
 
 def test_a_requests_logprobs_are_the_same_bits_alone_or_batched(llm):
+    assert_alone_equals_batched(llm)
+
+
+def assert_alone_equals_batched(llm) -> None:
+    """A seeded request's (token, logprob) pairs alone equal them beside 1, 2, 3, 5 others."""
     target = SamplingParams(temperature=1.0, max_tokens=40, seed=5, logprobs=0, ignore_eos=True)
     (alone,) = llm.generate([TARGET], target)
     want = [(lp.token, lp.logprob) for lp in alone.outputs[0].logprobs]
@@ -51,6 +56,10 @@ def test_a_requests_logprobs_are_the_same_bits_alone_or_batched(llm):
 
 
 def test_a_reprefill_of_emitted_tokens_gives_the_decodes_bits(llm):
+    assert_reprefill_equals_decode(llm)
+
+
+def assert_reprefill_equals_decode(llm) -> None:
     """After a KV loss a request is prefilled again from prompt + emitted tokens: each
     emitted token's logprob under that prefill (`prompt_logprobs`) is the bits it had
     when it was decoded, so the replay continues exactly."""
@@ -78,3 +87,17 @@ def test_experts_on_one_rank_or_over_an_ep_group_give_the_same_bits(llm, tiny_mo
         group.close()
     assert [(lp.token, lp.logprob) for lp in spread.outputs[0].logprobs] == \
         [(lp.token, lp.logprob) for lp in alone.outputs[0].logprobs]
+
+
+def test_the_mode_is_a_checked_option(tiny_model):
+    """`batch_invariant` is a bool; on a GPU, FP8 weights are refused with it (their
+    linears quantize activations at prefill and not at decode), on CPU taken (the
+    reference dequantizes, the same for every row)."""
+    from phalanx.llm import engine_config
+
+    assert engine_config(tiny_model, batch_invariant=True).batch_invariant
+    with pytest.raises(ValueError, match="batch_invariant"):
+        engine_config(tiny_model, device="cuda", quantization="fp8", batch_invariant=True)
+    assert engine_config(tiny_model, quantization="fp8", batch_invariant=True).batch_invariant
+    with pytest.raises(ValueError, match="batch_invariant"):
+        engine_config(tiny_model, batch_invariant="yes")

@@ -53,6 +53,58 @@ def test_seeded_sampling_gpu_alone_and_in_batch(tiny_model):
     assert batch[-1].outputs[0].token_ids == alone
 
 
+def test_batch_invariant_mode_on_gpu(tiny_model):
+    """With `batch_invariant` a GPU engine gives a seeded request the same logprob bits
+    alone and batched, and a re-prefill of its emitted tokens the decoded bits
+    (kernels/batch_invariant.py; without it both differ: bench/probes/gpu_invariance.py)."""
+    from test_batch_invariance import assert_alone_equals_batched, assert_reprefill_equals_decode
+
+    llm = LLM(tiny_model, device="cuda", dtype="bfloat16", max_num_seqs=16, num_pages=512,
+              batch_invariant=True)
+    try:
+        assert_alone_equals_batched(llm)
+        assert_reprefill_equals_decode(llm)
+    finally:
+        llm.close()
+    from phalanx.kernels.batch_invariant import batch_invariant_on
+
+    assert batch_invariant_on()  # the engine's mode stays the process's until another engine sets it
+    LLM(tiny_model, device="cuda", dtype="bfloat16", num_pages=64).close()
+    assert not batch_invariant_on()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_invariant_prefill_rows_have_the_decode_bits_on_gpu(dtype):
+    """kernels/gpu/invariant_prefill.py's row blocks give each row the bits of decode
+    attention at its position (the row-by-row form), at the model's head shapes."""
+    from phalanx.kernels import attention
+    from phalanx.kernels.attention import AttentionMetadata
+    from phalanx.kernels.batch_invariant import batch_invariant
+    from phalanx.kernels.gpu.invariant_prefill import invariant_prefill_triton
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    dev, page, hd, nq, nkv = torch.device("cuda"), 16, 128, 32, 4
+    specs = [(300, 0), (1, 700), (129, 520), (17, 3)]  # (new tokens, cached prefix)
+    per_seq = max(-(-(n + c) // page) for n, c in specs)
+    pages = len(specs) * per_seq
+    kc = torch.randn(pages, nkv, page, hd, generator=g, device=dev).to(dtype)
+    vc = torch.randn(pages, nkv, page, hd, generator=g, device=dev).to(dtype)
+    tables = torch.randperm(pages, generator=g, device=dev).view(len(specs), per_seq).int()
+    starts = [0]
+    for n, _ in specs:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n + c for n, c in specs], dtype=torch.int32, device=dev),
+        block_tables=tables, slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=dev),
+        max_query_len=max(n for n, _ in specs), max_seq_len=max(n + c for n, c in specs))
+    q = torch.randn(starts[-1], nq, hd, generator=g, device=dev).to(dtype)
+    with batch_invariant(True):
+        blocks = invariant_prefill_triton(q, kc, vc, meta, hd ** -0.5)
+        rows = attention._rows_as_decode(q, kc, vc, meta, hd ** -0.5)
+    assert torch.equal(blocks, rows), (blocks.float() - rows.float()).abs().max()
+
+
 def test_kv_pool_sized_from_free_memory(tiny_model):
     llm = LLM(tiny_model, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5)
     free, total = torch.cuda.mem_get_info()

@@ -166,6 +166,7 @@ def check_decode_attention(g: torch.Generator) -> float:
 
     from phalanx.kernels.gpu import arrivals
     from phalanx.kernels.gpu import attention as gpu_attention
+    from phalanx.kernels.gpu import decode_plan
     from phalanx.kernels.gpu.attention import decode_attention_triton
 
     errs = []
@@ -187,8 +188,8 @@ def check_decode_attention(g: torch.Generator) -> float:
         # A grid of 2 splits, narrower than the table: a sequence past 2 x 16 positions
         # is cut in 2 chunks of whole tiles instead; merged by the last to arrive or by
         # the reduce launch, the same bits; shorter ones keep the 16-position splits.
-        with mock.patch.object(gpu_attention, "GRID_POSITIONS", 32), \
-                mock.patch.object(gpu_attention, "_GRID_PROGRAMS", 1):
+        with mock.patch.object(decode_plan, "GRID_POSITIONS", 32), \
+                mock.patch.object(decode_plan, "_GRID_PROGRAMS", 1):
             chunked = decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16)
             with mock.patch.object(gpu_attention, "arrival_counts", lambda *a, **k: None):
                 chunked_reduced = decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=16)
@@ -206,8 +207,8 @@ def check_decode_attention(g: torch.Generator) -> float:
                                          config=dict(tiles, prefetch=False))
         assert torch.equal(ahead, inline)
         for grid in (64,):  # two chunks a (seq, head) past 64 positions
-            with mock.patch.object(gpu_attention, "GRID_POSITIONS", grid), \
-                    mock.patch.object(gpu_attention, "_GRID_PROGRAMS", 1):
+            with mock.patch.object(decode_plan, "GRID_POSITIONS", grid), \
+                    mock.patch.object(decode_plan, "_GRID_PROGRAMS", 1):
                 chunks = [decode_attention_triton(q, kc, vc, seq_lens, tables, hd**-0.5, partition=32,
                                                   config=dict(tiles, prefetch=pf)) for pf in (True, False)]
             assert torch.equal(chunks[0], chunks[1])

@@ -30,6 +30,7 @@ from cuda_timing import median_ms  # noqa: E402  (bench/)
 
 from phalanx.kernels.attention import decode_attention_ref  # noqa: E402
 from phalanx.kernels.gpu import attention  # noqa: E402
+from phalanx.kernels.gpu import decode_plan  # noqa: E402
 
 NQ, NKV, HD, PAGE, WIDTH = 32, 4, 128, 16, 4096
 # BLOCK_N, warps, (stages, page ids a tile ahead): without the prefetch 4 stages compile to
@@ -75,8 +76,8 @@ def batch_rows(b: int, ctx: int, rate: float, g: torch.Generator, sweep: bool = 
     sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
     scale = HD ** -0.5
     ref = decode_attention_ref(q.float(), kc.float(), vc.float(), sl, tables, scale)
-    default_bn = attention._decode_block_n(b, HD)
-    default = attention._decode_partition(b, NKV, NQ, HD, width, default_bn)
+    default_bn = decode_plan._decode_block_n(b, HD)
+    default = decode_plan._decode_partition(b, NKV, NQ, HD, width, default_bn)
     default_pipe = (3, True) if attention.PAGE_PREFETCH else (2, False)
     floor_us = 2 * b * ctx * NKV * HD * 2 / rate * 1e6
     rows = []

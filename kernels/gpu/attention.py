@@ -17,13 +17,13 @@ sequence's end return at once, so the launches can be captured in CUDA graphs.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from ..batch_invariant import batch_invariant_on
 from .arrivals import arrival_counts
+from .decode_plan import decode_plan
 from .pdl import gdc_launch_dependents, gdc_wait, pdl_enabled, pdl_launch
 
 __all__ = ["decode_attention_triton", "dot_precision"]
@@ -44,6 +44,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 def _attend_tile(
     q, m_i, l_i, acc, kc_base, vc_base, page, pos, kv_mask, valid, d, dm,
     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+    INVARIANT: tl.constexpr = False, BLOCK_N: tl.constexpr = 16,
 ):
     """One online-softmax step over the KV positions ``pos`` [BLOCK_N].
 
@@ -53,7 +54,11 @@ def _attend_tile(
     [1, BLOCK_N], the positions each row may see (a subset of kv_mask); m_i, l_i: [M]
     float32 running max (log2 units) and sum; acc: [M, BLOCK_D] float32. Without
     HAS_MASK every loaded position is visible to every row (``valid`` is ignored).
-    Returns the updated (m_i, l_i, acc).
+    INVARIANT (the batch-invariant mode; BLOCK_N = len(pos)): no step whose order
+    follows the tile's register layout, so a row's bits do not depend on the tile's
+    other rows or row count: ``p``'s row sum as an MMA with a ones matrix (the sum of
+    the ``p`` the P@V product uses) and the rescaled accumulator as that MMA's
+    accumulator. Returns the updated (m_i, l_i, acc).
     """
     off = (pos % PAGE).to(tl.int64)
     lm = kv_mask[:, None] & dm[None, :]
@@ -66,9 +71,15 @@ def _attend_tile(
     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_sub)
     p = tl.exp2(qk - m_sub[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(vc_base + page[:, None] * s_vp + off[:, None] * s_vt + d[None, :], mask=lm, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    if INVARIANT:
+        pv = p.to(v.dtype)
+        ones = tl.full([BLOCK_N, 16], 1.0, v.dtype)
+        l_i = l_i * alpha + tl.max(tl.dot(pv, ones, input_precision=PREC), axis=1)
+        acc = tl.dot(pv, v, acc=acc * alpha[:, None], input_precision=PREC)
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
 
 
@@ -86,7 +97,7 @@ def _tile_pages(bt_row, n0, end, PAGE, BLOCK_N: tl.constexpr):
 @triton.jit
 def _attend_range(q, m_i, l_i, acc, kc_base, vc_base, bt_row, pages, start, end, d, dm,
                   s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, BLOCK_N: tl.constexpr,
-                  PREC: tl.constexpr, PREFETCH: tl.constexpr):
+                  PREC: tl.constexpr, PREFETCH: tl.constexpr, INVARIANT: tl.constexpr):
     """Online softmax over KV positions [start, end) of one sequence (its block table row
     ``bt_row``) in tiles of BLOCK_N; returns the updated (m_i, l_i, acc).
 
@@ -107,7 +118,8 @@ def _attend_range(q, m_i, l_i, acc, kc_base, vc_base, bt_row, pages, start, end,
             page = tl.load(bt_row + pos // PAGE, mask=kv_mask, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, kc_base, vc_base, page,
                                      pos, kv_mask, kv_mask[None, :], d, dm,
-                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True, PREC)
+                                     s_kp, s_kt, s_vp, s_vt, PAGE, scale_log2, True, PREC,
+                                     INVARIANT, BLOCK_N)
     return m_i, l_i, acc
 
 
@@ -119,7 +131,7 @@ def _decode_split_kernel(
     scale_log2, G, HD, PAGE, PART, NGRID,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DIRECT: tl.constexpr, MERGE: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER: tl.constexpr, PREFETCH: tl.constexpr,
+    TRIGGER: tl.constexpr, PREFETCH: tl.constexpr, INVARIANT: tl.constexpr,
 ):
     # Program (split, kv_head, seq): the G query heads of kv_head over KV positions
     # [split*C, min((split+1)*C, seq_len)), C = `_split_chunk` (PART, unless the sequence
@@ -162,7 +174,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i, l_i, acc = _attend_range(q, m_i, l_i, acc, kc_ptr + kvh * s_kh, vc_ptr + kvh * s_vh,
                                   bt_row, pages, start, end, d, dm, s_kp, s_kt, s_vp, s_vt,
-                                  PAGE, scale_log2, BLOCK_N, PREC, PREFETCH)
+                                  PAGE, scale_log2, BLOCK_N, PREC, PREFETCH, INVARIANT)
     o = acc / l_i[:, None]
     om = gm[:, None] & dm[None, :]
     if DIRECT:
@@ -262,66 +274,6 @@ def _decode_reduce_kernel(
 PAGE_PREFETCH = False
 
 
-def _decode_block_n(num_seqs: int, head_dim: int) -> int:
-    """KV positions per tile of the split kernel: 32 past 64 sequences, else 64 (32 for
-    head dims past 128). One H100, ctx 1k: alone (bench/probes/decode_attention_tiles.py)
-    128 sequences take 103 µs with 32 against 122 with 64, 64 sequences 61 against 66;
-    in the decode step (decode_gpu.py --baselines attn64, 24 layers) 128 sequences gain
-    3.4%, 64 lose 0.6% (so they keep 64)."""
-    return 32 if num_seqs > 64 or head_dim > 128 else 64
-
-
-def _decode_partition(num_seqs: int, num_kv_heads: int, num_heads: int, head_dim: int,
-                      bound: int, block_n: int) -> int:
-    """Positions per split (a multiple of block_n).
-
-    Aims at enough (split, kv_head, seq) programs to fill ~132 SMs for a ~1k context:
-    few sequences -> short partitions; up to 64 sequences never past 256 positions, since
-    splitting a 1k context four ways beat one program per (kv_head, seq) even at 64
-    sequences. From a sweep on one H200 (graph replay, ctx 1k, 256-page tables;
-    bench/NOTES.md): B=1 best at 64 (7.4 µs vs 8.1 at 128), B=4 at 64, B=16 at 256, B=64
-    at 256 (49.7 vs 54.5 at 1024). Past 64 sequences up to 2048 (one H100, 32-position
-    tiles, 128 sequences: 103 µs at 2048, 110 at 512). Longer contexts only add programs,
-    up to the grid's splits (`_decode_grid_splits`, at most 256: the merge walks a
-    sequence's splits one after another), past which a sequence's splits grow instead.
-    Grown if the float32 partial buffer [S, H, grid splits, D] would pass
-    128 MiB (huge block tables).
-    """
-    want = triton.next_power_of_2(num_seqs * num_kv_heads * 4)
-    part = max(64, min(256, want)) if num_seqs <= 64 else min(2048, want)
-    part = max(part, block_n)
-    if GRID_POSITIONS is None:  # at most 256 splits of the table (else: of the grid)
-        part = max(part, triton.next_power_of_2(triton.cdiv(bound, _MAX_SPLITS)))
-    while num_seqs * num_heads * _decode_grid_splits(triton.cdiv(bound, part), part, num_seqs, num_kv_heads) \
-            * head_dim * 4 > (128 << 20):
-        part *= 2
-    return part
-
-
-# The split kernel's grid covers at most this many positions of the block table with
-# PART-position splits (and at least `_GRID_PROGRAMS` programs): a longer sequence's
-# positions are cut in that many larger chunks instead (`_split_chunk`), so a wide table
-# (a server's max_model_len, the model's 40960 unless set) adds no programs that find no
-# positions and return, nor a longer partition (batch 1 kept 64 positions a split). One
-# H100, ctx 1k, 24 layers, tables of 40960 positions: decode steps 1.017-1.026x the
-# program-per-split grid's at batch 16-128 (attention at batch 64 1,502 against 1,859 µs
-# a step), as fast as with 4096-wide tables (batch 1: 548-555 tok/s against 552-554;
-# 528 with the 256-position splits the table's width forced before); at 4096 the same
-# grid, tokens and speed.
-# None: a program for every PART-position split of the table (at most 256).
-GRID_POSITIONS: int | None = 4096
-_GRID_PROGRAMS = 2048
-_MAX_SPLITS = 256  # a sequence's splits at most (the merge walks them one after another)
-
-
-def _decode_grid_splits(n_split: int, part: int, num_seqs: int, num_kv_heads: int) -> int:
-    """The grid's split dimension for a table of `n_split` splits of `part` positions."""
-    if GRID_POSITIONS is None:
-        return n_split
-    wanted = max(GRID_POSITIONS // part, triton.cdiv(_GRID_PROGRAMS, num_seqs * num_kv_heads))
-    return max(1, min(n_split, wanted, _MAX_SPLITS))
-
-
 def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: float,
                             partition: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Split-K paged decode attention; see ``decode_attention_ref``.
@@ -330,7 +282,9 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
     int32 [S, max_pages]. ``partition`` (positions per split, a multiple of the KV tile)
     overrides the heuristic (tests use it to force several splits); ``config`` the split
     kernel's tile (keys BLOCK_N, warps, stages, prefetch: page ids a tile ahead;
-    bench/probes/decode_attention_tiles.py).
+    bench/probes/decode_attention_tiles.py). Tile and splits: kernels/gpu/decode_plan.py
+    (in the batch-invariant mode, unless ``partition`` or ``config`` is given, its fixed
+    plan, and the tile's INVARIANT steps).
     """
     S, H, D = q.shape
     _, KVH, page, _ = k_cache.shape
@@ -340,12 +294,9 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
     G = H // KVH
     cfg = config or {}
     prefetch = cfg.get("prefetch", PAGE_PREFETCH)
-    block_n = cfg.get("BLOCK_N", _decode_block_n(S, D))
     bound = max(1, block_tables.shape[1] * page)
-    part = partition or _decode_partition(S, KVH, H, D, bound, block_n)
-    if part % block_n:
-        block_n = math.gcd(part, block_n)
-    n_split = _decode_grid_splits(triton.cdiv(bound, part), part, S, KVH)
+    invariant = batch_invariant_on() and partition is None and config is None
+    block_n, part, n_split = decode_plan(S, KVH, H, D, bound, partition, cfg.get("BLOCK_N"), invariant)
     direct = n_split == 1
     # the last split of a (seq, kv head) merges, unless counters would have to be made
     # inside a graph capture: then a second launch does (arrivals.py)
@@ -367,7 +318,7 @@ def decode_attention_triton(q, k_cache, v_cache, seq_lens, block_tables, scale: 
         out.stride(0), out.stride(1), scale * _LOG2E, G, D, page, part, n_split,
         BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, MERGE=merge, PREC=dot_precision(q.dtype),
-        TRIGGER=(direct or merge) and pdl_enabled(q.device), PREFETCH=prefetch,
+        TRIGGER=(direct or merge) and pdl_enabled(q.device), PREFETCH=prefetch, INVARIANT=invariant,
         num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 3 if prefetch else 2),
         **pdl_launch(q.device, "attention"),
     )

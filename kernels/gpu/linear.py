@@ -54,6 +54,21 @@ _ROW_BYTES_FEW = 1024  # ... and when they are few: deeper tiles keep bytes in f
 
 
 @triton.jit
+def row_tiles(x_rows, w_rows, k, mm, nm, k_hi, EVEN_K: tl.constexpr):
+    """The x tile [M, BLOCK_K] and weight tile [N, BLOCK_K] at columns ``k`` of the row
+    pointers ``x_rows`` [M, 1] / ``w_rows`` [N, 1] (rows masked by ``mm`` / ``nm``,
+    columns from ``k_hi`` on by a mask unless EVEN_K: whole BLOCK_K steps)."""
+    if EVEN_K:
+        a = tl.load(x_rows + k[None, :], mask=mm[:, None], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=nm[:, None], other=0.0)
+    else:
+        km = (k < k_hi)[None, :]
+        a = tl.load(x_rows + k[None, :], mask=mm[:, None] & km, other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km, other=0.0)
+    return a, w
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, K, K_CHUNK, sx_m, sw_n, so_s, so_m,
@@ -75,14 +90,7 @@ def _skinny_kernel(
     k_hi = tl.minimum(k_lo + K_CHUNK, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + rk
-        if EVEN_K:  # every chunk is whole BLOCK_K steps: only the row masks remain
-            a = tl.load(x_rows + k[None, :], mask=mm[:, None], other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=nm[:, None], other=0.0)
-        else:
-            km = (k < k_hi)[None, :]
-            a = tl.load(x_rows + k[None, :], mask=mm[:, None] & km, other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=nm[:, None] & km, other=0.0)
+        a, w = row_tiles(x_rows, w_rows, k0 + rk, mm, nm, k_hi, EVEN_K)
         acc = tl.dot(a, tl.trans(w), acc=acc, input_precision=PREC)  # [BLOCK_N, BLOCK_K] tile
     omask = mm[:, None] & nm[None, :]
     if PARTIAL:

@@ -1,0 +1,125 @@
+"""The batch-invariant mode's Triton kernels (kernels/batch_invariant.py) on CPU under
+Triton's interpreter, as tests/test_kernels_triton.py runs its checks (a subprocess with
+``TRITON_INTERPRET=1``): the GEMM against ``F.linear``, decode attention under the mode's
+fixed plan against the reference and against itself in other batches and table widths,
+and prefill attention computed row by row as decode queries: each prefilled row has the
+bits the decode kernel gives that position. (Whether a row's bits survive other row
+tiles is the MMA's property, checked on a GPU by bench/probes/gpu_invariance.py: the
+interpreter's ``tl.dot`` is numpy's, whose order follows the tile.)"""
+
+from __future__ import annotations
+
+import torch
+from interpreter_checks import reference_test, rel_err, results_fixture, run_kernel_checks
+from test_kernels_triton import _paged_cache, _prefill_meta
+
+TOL = 1e-4
+
+
+def check_invariant_gemm(g: torch.Generator) -> float:
+    import torch.nn.functional as F
+
+    from phalanx.kernels.gpu.invariant_gemm import invariant_config, invariant_linear_triton
+
+    errs = []
+    # rows across every BLOCK_M class; K whole blocks, a ragged tail and below a block
+    for m, n, k in [(1, 40, 64), (5, 33, 100), (40, 70, 48), (130, 20, 96), (300, 8, 16)]:
+        x, w, b = (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g),
+                   torch.randn(n, generator=g))
+        errs.append(rel_err(invariant_linear_triton(x, w, b), F.linear(x, w, b)))
+        errs.append(rel_err(invariant_linear_triton(x, w), F.linear(x, w)))
+        assert invariant_config(m, n, k, 4)["BLOCK_K"] == invariant_config(1, n, k, 4)["BLOCK_K"]
+    x3, w = torch.randn(2, 3, 24, generator=g), torch.randn(10, 24, generator=g)
+    errs.append(rel_err(invariant_linear_triton(x3, w), F.linear(x3, w)))
+    assert invariant_linear_triton(x3[:0], w).shape == (0, 3, 10)
+    assert torch.equal(invariant_linear_triton(torch.randn(2, 0), torch.randn(3, 0), torch.ones(3)),
+                       torch.ones(2, 3))
+    return max(errs)
+
+
+def check_decode_attention_plan(g: torch.Generator) -> float:
+    """In the mode a sequence's output is the same bits in any batch and table width."""
+    from phalanx.kernels.attention import decode_attention, decode_attention_ref
+    from phalanx.kernels.batch_invariant import batch_invariant
+
+    ps, hd, nq, nkv = 16, 32, 8, 2
+    lens = [1, 15, 16, 17, 300, 600]  # 600: three 256-position splits
+    kc, vc, tables = _paged_cache(g, lens, ps, nkv, hd)
+    q = torch.randn(len(lens), nq, hd, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    with batch_invariant(True):
+        out = decode_attention(q, kc, vc, seq_lens, tables, hd**-0.5)
+        wide = torch.cat([tables, torch.full((len(lens), 40), 10**6, dtype=torch.int32)], 1)
+        for s in range(len(lens)):
+            alone = decode_attention(q[s:s + 1], kc, vc, seq_lens[s:s + 1], wide[s:s + 1], hd**-0.5)
+            assert torch.equal(alone, out[s:s + 1]), s
+    return rel_err(out, decode_attention_ref(q, kc, vc, seq_lens, tables, hd**-0.5))
+
+
+def check_prefill_rows_as_decode(g: torch.Generator) -> float:
+    """In the mode each prefilled row is the decode kernel's result at its position."""
+    from phalanx.kernels.attention import decode_attention, prefill_attention, prefill_attention_ref
+    from phalanx.kernels.batch_invariant import batch_invariant
+
+    ps, hd, nq, nkv = 4, 16, 4, 2
+    specs = [(1, 0), (5, 3), (0, 2), (30, 270)]  # (new tokens, cached prefix); 300: two splits
+    kc, vc, tables = _paged_cache(g, [n + c for n, c in specs], ps, nkv, hd)
+    meta, T = _prefill_meta(specs, tables, spare_rows=2)
+    q = torch.randn(T, nq, hd, generator=g)
+    with batch_invariant(True):
+        out = prefill_attention(q, kc, vc, meta, hd**-0.5)
+        assert torch.equal(out[-2:], torch.zeros_like(out[-2:])), "unowned rows not zero"
+        row = 0
+        for s, (n, ctx) in enumerate(specs):
+            for j in range(n):
+                one = decode_attention(q[row:row + 1], kc, vc, torch.tensor([ctx + j + 1], dtype=torch.int32),
+                                       tables[s:s + 1], hd**-0.5)
+                assert torch.equal(one, out[row:row + 1]), (s, j)
+                row += 1
+    return rel_err(out, prefill_attention_ref(q, kc, vc, meta, hd**-0.5))
+
+
+def check_invariant_prefill_blocks(g: torch.Generator) -> float:
+    """The block kernel (kernels/gpu/invariant_prefill.py) against the row-by-row form
+    (each row a decode query) and the reference, every GQA group size and row block.
+    Close, not equal: the interpreter's ``tl.dot`` is numpy's, whose BLAS picks its
+    kernel by row count for a transposed operand (q @ k.T), so a row's bits follow the
+    tile's rows here; a GPU's MMA does not (tests/test_gpu.py asserts equal bits)."""
+    from phalanx.kernels import attention
+    from phalanx.kernels.attention import prefill_attention_ref
+    from phalanx.kernels.batch_invariant import batch_invariant
+    from phalanx.kernels.gpu.invariant_prefill import invariant_prefill_triton
+
+    errs = []
+    for ps, hd, nq, nkv in [(4, 16, 4, 2), (16, 32, 8, 1), (8, 16, 6, 6)]:
+        specs = [(1, 0), (37, 3), (0, 2), (70, 250), (2, 511)]  # rows across 256-position splits
+        kc, vc, tables = _paged_cache(g, [n + c for n, c in specs], ps, nkv, hd)
+        meta, T = _prefill_meta(specs, tables, spare_rows=3)
+        q = torch.randn(T, nq, hd, generator=g)
+        with batch_invariant(True):
+            blocks = invariant_prefill_triton(q, kc, vc, meta, hd**-0.5)
+            rows = attention._rows_as_decode(q, kc, vc, meta, hd**-0.5)
+        assert torch.equal(blocks[-3:], torch.zeros_like(blocks[-3:])), "unowned rows not zero"
+        errs += [rel_err(blocks, rows), rel_err(blocks, prefill_attention_ref(q, kc, vc, meta, hd**-0.5))]
+    return max(errs)
+
+
+def check_mode_turns_off_the_batch_dependent_paths(g: torch.Generator) -> float:
+    from phalanx.kernels.batch_invariant import batch_invariant, batch_invariant_on
+    from phalanx.kernels.linear import use_gemv, use_skinny
+
+    x, w = torch.randn(1, 64, generator=g), torch.randn(32, 64, generator=g)
+    assert use_gemv(x, w) and use_skinny(x, w)
+    with batch_invariant(True):
+        assert batch_invariant_on() and not use_gemv(x, w) and not use_skinny(x, w)
+    assert not batch_invariant_on()
+    return 0.0
+
+
+if __name__ == "__main__":
+    run_kernel_checks(globals())
+
+# ---------------------------------------------------------------- pytest side
+
+interpreter_results = results_fixture(__file__)
+test_triton_kernel_matches_reference = reference_test(globals(), TOL)
