@@ -101,3 +101,16 @@ def test_the_mode_is_a_checked_option(tiny_model):
     assert engine_config(tiny_model, quantization="fp8", batch_invariant=True).batch_invariant
     with pytest.raises(ValueError, match="batch_invariant"):
         engine_config(tiny_model, batch_invariant="yes")
+
+
+def test_the_flag_reaches_the_engine_config(tiny_model):
+    """`phalanx serve --batch-invariant` (and `generate`'s) down to the engine's config."""
+    from phalanx.cli import build_parser
+    from phalanx.server.engine_backend import EngineBackend
+
+    for command in ("serve", "generate"):
+        extra = ["hi"] if command == "generate" else []
+        args = build_parser().parse_args([command, "--model", tiny_model, "--batch-invariant", *extra])
+        assert args.batch_invariant is True
+        assert build_parser().parse_args([command, "--model", tiny_model, *extra]).batch_invariant is False
+    assert EngineBackend.from_model_dir(tiny_model, batch_invariant=True).config.batch_invariant
