@@ -237,17 +237,12 @@ def _rows_as_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Prefill attention in the batch-invariant mode past kernels/gpu/invariant_prefill.py's
     lengths: each query row is a decode query of its own, over its sequence's block
-    table cut at the row's position (row ``i`` of
-    sequence ``s``: length ``seq_lens[s] - query_start_loc[s+1] + i + 1``), so it gets the
-    bits :func:`decode_attention` gives that position when decoded. Rows owned by no
-    sequence (a graph's padding) are 0. Tensor ops only (no host sync)."""
-    t = q.shape[0]
-    rows = torch.arange(t, device=q.device, dtype=meta.query_start_loc.dtype)
-    ends = meta.query_start_loc[1:]
-    seq = torch.searchsorted(ends, rows, right=True)  # the sequence owning each row
-    owned = seq < ends.shape[0]
-    seq = seq.clamp_(max=max(ends.shape[0] - 1, 0))
-    lens = (meta.seq_lens[seq] - ends[seq] + rows + 1).where(owned, 1).to(torch.int32)
+    table cut at the row's position (`row_lengths`), so it gets the bits
+    :func:`decode_attention` gives that position when decoded. Rows owned by no sequence
+    (a graph's padding) are 0. Tensor ops only (no host sync)."""
+    from .gpu.invariant_prefill import row_lengths
+
+    seq, owned, lens = row_lengths(meta, q.shape[0])
     width = meta.block_tables.shape[1]
     if meta.max_seq_len > 0:  # the pages any row reads: a [rows, width] table stays small
         width = min(width, -(-meta.max_seq_len // k_cache.shape[2]))

@@ -31,7 +31,7 @@ import triton.language as tl
 from .attention import _LOG2E, _attend_tile, _decode_reduce_kernel, dot_precision
 from .decode_plan import INVARIANT_PART, _invariant_plan
 
-__all__ = ["invariant_prefill_triton", "INVARIANT_MAX_LEN"]
+__all__ = ["invariant_prefill_triton", "row_lengths", "INVARIANT_MAX_LEN"]
 
 INVARIANT_MAX_LEN = INVARIANT_PART * 256  # rows past this: row by row (kernels/attention.py)
 _TILE_ROWS = 64  # (query row, head) pairs per program
@@ -98,6 +98,20 @@ def _prefill_split_kernel(
     tl.store(part_lse_ptr + row64 * sl_t + heads * sl_h + split, m_i + tl.log2(l_i), mask=reach)
 
 
+def row_lengths(meta, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(seq, owned, lens) of a step's ``t`` query rows: the sequence owning each row
+    (clamped to a real one), whether one does (a graph's padding rows do not), and the
+    row's KV length as a decode query (row ``i`` of sequence ``s``: ``seq_lens[s] -
+    query_start_loc[s+1] + i + 1``; 1 for unowned rows). Tensor ops only (no host sync)."""
+    rows = torch.arange(t, device=meta.query_start_loc.device, dtype=meta.query_start_loc.dtype)
+    ends = meta.query_start_loc[1:]
+    seq = torch.searchsorted(ends, rows, right=True)
+    owned = seq < ends.shape[0]
+    seq = seq.clamp_(max=max(ends.shape[0] - 1, 0))
+    lens = (meta.seq_lens[seq] - ends[seq] + rows + 1).where(owned, 1).to(torch.int32)
+    return seq, owned, lens
+
+
 def invariant_prefill_triton(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     """Varlen causal attention (``prefill_attention_ref``'s contract) whose every row has
     the bits ``decode_attention_triton`` in the batch-invariant mode gives a query at that
@@ -127,12 +141,7 @@ def invariant_prefill_triton(q, k_cache, v_cache, meta, scale: float) -> torch.T
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         scale * _LOG2E, G, D, page, part, qb,
         RM=rm, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, PREC=prec, num_warps=4, num_stages=2)
-    rows = torch.arange(T, device=q.device, dtype=meta.query_start_loc.dtype)
-    ends = meta.query_start_loc[1:]
-    seq = torch.searchsorted(ends, rows, right=True)
-    owned = seq < S
-    seq = seq.clamp_(max=S - 1)
-    lens = (meta.seq_lens[seq] - ends[seq] + rows + 1).where(owned, 1).to(torch.int32)
+    _, owned, lens = row_lengths(meta, T)
     _decode_reduce_kernel[(KVH, T)](
         part_o, part_lse, lens, out,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
