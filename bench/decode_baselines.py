@@ -31,6 +31,11 @@ few-row part turned off, in the same process, tokens checked against the main ro
 * ``invariant``: the batch-invariant mode (kernels/batch_invariant.py: every linear one
   Triton GEMM, decode attention's fixed split plan); its cost in speed. Other kernels and
   sums, so tokens agree within rounding. Every batch.
+* ``invfold`` / ``invpdl``: the mode with the residual add + RMSNorm folded into its GEMM
+  at a few rows (``invariant_gemm.FOLD_MAX_M`` 16; the same bits as the norm kernel, so
+  tokens equal ``invariant``'s) / with the GEMM launched under PDL ("gemm",
+  kernels/gpu/pdl.py; the same arithmetic). Both off by default until measured each alone
+  (together they ran batch 1 at 0.55x the mode's speed on one H100). Every batch.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -47,18 +52,18 @@ import torch
 from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
-             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnwide", "invariant")
+             "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnwide", "invariant",
+             "invfold", "invpdl")
 _SAVED: dict = {}
 
 
 def _switch(name: str, on: bool) -> None:
     from phalanx.kernels import linear
-    from phalanx.kernels.gpu.pdl import set_pdl
 
     if name == "nopdl":
-        set_pdl(not on)
+        _pdl(on, lambda now: frozenset())
     elif name == "pdlgemv":
-        set_pdl({"gemv"} if on else True)
+        _pdl(on, lambda now: frozenset({"gemv"}))
     elif name == "cublas":
         linear.GEMV_MAX_M = 0 if on else _GEMV_MAX_M
     elif name == "moe32":
@@ -99,6 +104,17 @@ def _switch(name: str, on: bool) -> None:
     elif name == "invariant":  # decode_gpu.make_engine takes the process's mode
         from phalanx.kernels.batch_invariant import batch_invariant
         batch_invariant(on)
+    elif name in ("invfold", "invpdl"):
+        from phalanx.kernels.batch_invariant import batch_invariant
+        from phalanx.kernels.gpu import invariant_gemm
+        batch_invariant(on)
+        if name == "invfold":
+            if on:
+                _SAVED["fold"], invariant_gemm.FOLD_MAX_M = invariant_gemm.FOLD_MAX_M, 16
+            else:
+                invariant_gemm.FOLD_MAX_M = _SAVED.pop("fold")
+        else:
+            _pdl(on, lambda now: now | {"gemm"})
     elif name == "routefold":
         from phalanx.kernels import norm_linear
         norm_linear.ROUTE_FOLD = on
@@ -113,6 +129,16 @@ def _switch(name: str, on: bool) -> None:
                 dot[key] = value
             else:
                 dot[key] = _SAVED.pop(key)
+
+
+def _pdl(on: bool, chosen) -> None:
+    """Turn PDL's kernel set to ``chosen(current)`` (on) or back (off)."""
+    from phalanx.kernels.gpu.pdl import set_pdl
+    if on:
+        _SAVED["pdl"] = set_pdl(True)
+        set_pdl(chosen(_SAVED["pdl"]))
+    else:
+        set_pdl(_SAVED.pop("pdl"))
 
 
 def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[dict],
@@ -133,7 +159,7 @@ def baseline_rows(names: list[str], build_engine, decode_rows, main_rows: list[d
             engine = build_engine()
             got = decode_rows(engine, f"decode-{name}",
                               [b for b in batches if name != "cublas" or b <= _GEMV_MAX_M])
-            if prefill_row is not None and name == "invariant":
+            if prefill_row is not None and name.startswith("inv"):
                 pf = prefill_row(engine, f"prefill-{name}")
                 main_pf = next(o for o in main_rows if o["kind"] == "prefill")
                 rows.append(dict(pf, main_over_this=main_pf["tok_s"] / pf["tok_s"]))

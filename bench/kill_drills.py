@@ -3,13 +3,15 @@ every stream must equal the fault-free run; measures detection, recovery and sta
 
     python bench/kill_drills.py [--layouts disagg,dp2,tp2] [--drills 20] [--streams 16]
                                 [--max-tokens 96] [--seed 0] [--device cuda] [--address A]
-                                [--router-hold N]
+                                [--router-hold N] [--dtype bfloat16 --batch-invariant]
 
 Per layout, one server stack in this process (`start_local`: the driver thread, router
 and request records of `phalanx serve`, no HTTP) on the tiny model, CPU, local Ray (with
 `--device cuda`: one GPU per rank, float32, NCCL with phalanx's deadlines; `--address`:
 join that Ray cluster, e.g. one started with more GPUs declared than the machine has, so
-that ranks share them); then
+that ranks share them; `--batch-invariant` and/or `--dtype bfloat16`: the GPU's
+batch-invariant kernels, the serving dtype, every stream compared with a fault-free
+single-rank run on the GPU in the same mode and dtype instead of the CPU's); then
 `--drills` drills, each a random plan: (a) a kill while serving and one to three more
 while the group re-forms, (b) two ranks at once, (c) a prefill and a decode rank at
 once, (d) a decode rank while the prefill instance re-forms (disaggregated only). Rank
@@ -17,7 +19,8 @@ processes are SIGKILLed from outside, pids from Ray's
 state. Each drill streams `--streams` requests (half greedy, half seeded sampling at
 temperature 0.8), and every stream must equal the fault-free single-rank run.
 
-Reported per layout: drills passed, kills, detection (death -> the client fenced the
+Reported per layout: the layout's own fault-free pass (streams identical to the single
+rank's), drills passed, kills, detection (death -> the client fenced the
 group: every survivor is then out of its collective or killed), recovery (a drill's last
 death -> the first token after the re-formation that followed it), per-stream stall
 p50/p99 (the longest gap between two chunks of a stream), re-formations. Prints a table last and writes JSON to $OUT/kill_drills.json
@@ -49,13 +52,19 @@ LAYOUTS = {"disagg": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "dp2tp2": dict(dp
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, page_size=4, num_pages=600)
 
 
-def workload(model: str, n: int, max_tokens: int, rng: random.Random):
-    """The streamed requests and their fault-free texts (the single-rank engine)."""
+def workload(model: str, n: int, max_tokens: int, rng: random.Random, reference: dict):
+    """The streamed requests and their fault-free texts (the single-rank engine, built
+    with `reference`'s keywords: device, dtype, batch_invariant)."""
     requests = streamed_requests(n, read_model_config(model).vocab_size, max_tokens, rng)
-    offline = LLM(model, **ENGINE)
+    offline = LLM(model, **ENGINE, **reference)
     outs = offline.generate(prompt_token_ids=[r[0] for r in requests],
                             sampling_params=[SamplingParams(**body) for _, body in requests])
-    return requests, [offline.decode(o.outputs[0].token_ids) for o in outs]
+    texts = [offline.decode(o.outputs[0].token_ids) for o in outs]
+    del offline, outs
+    if reference.get("device", "cpu") != "cpu":
+        import torch
+        torch.cuda.empty_cache()  # the ranks' processes share this GPU
+    return requests, texts
 
 
 def plan(layout: str, rng: random.Random) -> tuple[str, list[Kill]]:
@@ -104,6 +113,12 @@ async def run_layout(model: str, name: str, drills: int, requests, refs, seed: i
                          **LAYOUTS[name], **ENGINE, **placement)
     rows = []
     try:
+        # The layout's own fault-free pass first: a stream that differs here differs by
+        # the layout (its sums), not by a kill.
+        base = await run_drill(client, requests, refs, [], seed=0)
+        fault_free = base.identical if not base.errors else -len(base.errors)
+        print(f"  {name} fault-free: {base.identical}/{len(requests)} identical to the single rank",
+              flush=True)
         for d in range(drills):
             kind, steps = plan(name, rng)
             t0 = time.time()
@@ -123,7 +138,8 @@ async def run_layout(model: str, name: str, drills: int, requests, refs, seed: i
     stalls = [s for r in rows for s in r["stalls"]]
     detect = [x for r in rows for x in r["detect_s"] if x == x]
     resumed = [x for r in rows for x in r["recover_s"] if x == x]
-    return {"layout": name, "drills": len(rows), "passed": sum(r["ok"] for r in rows),
+    return {"layout": name, "fault_free_identical": fault_free, "drills": len(rows),
+            "passed": sum(r["ok"] for r in rows),
             "kills": sum(r["kills"] for r in rows), "reformations": restarts,
             "detect_p50_s": percentile(detect, 50), "detect_p99_s": percentile(detect, 99),
             "recovery_p50_s": percentile(resumed, 50), "recovery_p99_s": percentile(resumed, 99),
@@ -140,6 +156,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (ranks in float32: the "
                     "streams are compared with the CPU's)")
+    ap.add_argument("--dtype", default=None, help="the ranks' dtype on cuda (default float32, "
+                    "compared with the CPU; another, with the GPU's own single rank)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the batch-invariant kernels (kernels/batch_invariant.py); on cuda the "
+                         "fault-free reference is then a single-rank run on the GPU in this mode")
     ap.add_argument("--address", default=None, help="join this Ray cluster")
     ap.add_argument("--router-hold", type=int, default=None,
                     help="phalanx serve's --router-hold (default: max_num_seqs + 1); small "
@@ -149,12 +170,22 @@ def main() -> int:
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         ap.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+    on_gpu = args.device != "cpu"
+    if args.dtype is not None and not on_gpu:
+        ap.error("--dtype is for --device cuda (the CPU ranks run the model's dtype)")
     model = str(default_model_dir())
-    requests, refs = workload(model, args.streams, args.max_tokens, random.Random(args.seed))
     placement = {"device": args.device, "ray_address": args.address,
-                 "router_hold": args.router_hold}
-    if args.device != "cpu":
-        placement["dtype"] = "float32"
+                 "router_hold": args.router_hold, "batch_invariant": args.batch_invariant}
+    if on_gpu:
+        placement["dtype"] = args.dtype or "float32"
+    # On a GPU in the mode or another dtype than float32 the reference is the GPU's own
+    # fault-free single rank (without the mode, expect streams to differ: its rows change
+    # with their batch); float32 without it is compared with the CPU's.
+    gpu_reference = on_gpu and (args.batch_invariant or placement["dtype"] != "float32")
+    reference = ({"device": args.device, "dtype": placement["dtype"],
+                  "batch_invariant": args.batch_invariant} if gpu_reference else {})
+    requests, refs = workload(model, args.streams, args.max_tokens, random.Random(args.seed),
+                              reference)
     results = [asyncio.run(run_layout(model, name, args.drills, requests, refs, args.seed + i,
                                       placement))
                for i, name in enumerate(names)]
@@ -163,14 +194,16 @@ def main() -> int:
         json.dump({"meta": {"python": platform.python_version(), "cpus": os.cpu_count(),
                             "args": vars(args)}, "layouts": results}, f, indent=1)
     print(f"\nwrote {out}")
-    print("| layout | drills passed | kills | re-formations | detection p50/p99 s "
-          "| recovery p50/p99 s | stall p50/p99 s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layout | fault-free identical | drills passed | kills | re-formations "
+          "| detection p50/p99 s | recovery p50/p99 s | stall p50/p99 s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['layout']} | {r['passed']}/{r['drills']} | {r['kills']} | {r['reformations']} "
+        print(f"| {r['layout']} | {r['fault_free_identical']}/{args.streams} | {r['passed']}/{r['drills']} "
+              f"| {r['kills']} | {r['reformations']} "
               f"| {r['detect_p50_s']} / {r['detect_p99_s']} | {r['recovery_p50_s']} / "
               f"{r['recovery_p99_s']} | {r['stall_p50_s']} / {r['stall_p99_s']} |")
-    return 0 if all(r["passed"] == r["drills"] for r in results) else 1
+    return 0 if all(r["passed"] == r["drills"] and r["fault_free_identical"] == args.streams
+                    for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ attention is computed row by row as decode's). On GPU it is a mode, off by defau
 (`EngineConfig.batch_invariant`, ``phalanx serve --batch-invariant``), because its
 kernels give up speed: with it on
 
-* every linear is the Triton GEMM of kernels/gpu/invariant_gemm.py (no cuBLAS, no GEMV,
-  no norm folded into a GEMV);
+* every linear is the Triton GEMM of kernels/gpu/invariant_gemm.py (no cuBLAS, no GEMV);
+  it can take the residual add + RMSNorm in front of a projection at a few rows, each
+  row's statistics computed as the norm kernel computes them (the same bits as the norm
+  kernel and the GEMM one after the other; off until measured, ``FOLD_MAX_M``);
 * decode attention splits a sequence's positions by its length alone (fixed tile and
   split size, the merge always taken), and prefill attention computes each query row as
   that kernel computes a decode query at the row's position (kernels/attention.py);

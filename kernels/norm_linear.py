@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .backend import use_triton
+from .batch_invariant import batch_invariant_on
 from .invariant_linear import row_invariant_linear
 from .linear import project, use_gemv
 from .moe import route
@@ -52,6 +54,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 
         return gemv_triton(x, weight, bias, norm=(residual, norm_weight, eps), want_normed=want_normed,
                            scales=scales)
+    if _invariant_folds(x, residual, norm_weight, weight, bias, scales):
+        from .gpu.invariant_gemm import invariant_norm_linear_triton
+
+        return invariant_norm_linear_triton(x, residual, norm_weight, eps, weight, bias, want_normed)
     if residual is None:
         normed, new_residual = rms_norm(x, norm_weight, eps), x
     else:
@@ -115,6 +121,20 @@ def _folds(x, residual, norm_weight, weight, bias, scales, cache, head_dim, q_no
     from .gpu.qkv_rope import qkv_rope_fits
 
     return qkv_rope_fits(weight.shape[0], weight.shape[1], head_dim, weight.element_size())
+
+
+def _invariant_folds(x, residual, norm_weight, weight, bias, scales) -> bool:
+    """Whether the batch-invariant mode's GEMM takes the norm (a few rows, one dtype, no
+    FP8 codes): its norm has the bits of the mode's norm kernel at any row count."""
+    if not (batch_invariant_on() and scales is None and x.dim() == 2 and use_triton(x)):
+        return False
+    from .gpu.invariant_gemm import FOLD_MAX_M
+
+    return (1 <= x.shape[0] <= FOLD_MAX_M and weight.dim() == 2 and weight.dtype == x.dtype
+            and weight.shape[1] == x.shape[1] and norm_weight.dtype == x.dtype
+            and norm_weight.shape == (x.shape[1],)
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == (weight.shape[0],)))
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype)))
 
 
 def _gemv_takes(x, residual, norm_weight, weight, bias, scales) -> bool:

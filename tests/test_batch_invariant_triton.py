@@ -37,6 +37,46 @@ def check_invariant_gemm(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_norm_folded_into_gemm(g: torch.Generator) -> float:
+    """The GEMM with the norm in front (a few rows, one launch) gives the norm kernel's
+    normed rows and residual bit for bit, and their projection; the mode's norm_linear
+    takes it at a few rows, the norm kernel and the GEMM past them."""
+    from phalanx.kernels.backend import force_triton
+    from phalanx.kernels.batch_invariant import batch_invariant
+    from phalanx.kernels.gpu import invariant_gemm
+    from phalanx.kernels.gpu.invariant_gemm import invariant_linear_triton, invariant_norm_linear_triton
+    from phalanx.kernels.gpu.norm import add_rms_norm_triton, rms_norm_triton
+    from phalanx.kernels.norm_linear import norm_linear, norm_linear_ref
+
+    errs = []
+    for m, n, k, has_res, has_bias in [(1, 40, 64, True, False), (3, 33, 100, False, True),
+                                       (16, 70, 300, True, True)]:
+        x, w, nw = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(k, generator=g)
+        res = torch.randn(m, k, generator=g) if has_res else None
+        b = torch.randn(n, generator=g) if has_bias else None
+        y, normed, new_res = invariant_norm_linear_triton(x, res, nw, 1e-6, w, b, want_normed=True)
+        ref_normed, ref_res = (rms_norm_triton(x, nw, 1e-6), x) if res is None else add_rms_norm_triton(
+            x, res, nw, 1e-6)
+        assert torch.equal(normed, ref_normed) and torch.equal(new_res, ref_res)
+        assert torch.equal(y, invariant_linear_triton(ref_normed, w, b)), (m, n, k)
+        errs.append(rel_err(y, norm_linear_ref(x, res, nw, 1e-6, w, b)[0]))
+        assert invariant_norm_linear_triton(x, res, nw, 1e-6, w, b)[1] is None
+    x, res, nw, w = (torch.randn(2, 64, generator=g), torch.randn(2, 64, generator=g),
+                     torch.randn(64, generator=g), torch.randn(24, 64, generator=g))
+    invariant_gemm.FOLD_MAX_M, default = 16, invariant_gemm.FOLD_MAX_M  # off by default
+    try:
+        with force_triton(True), batch_invariant(True):
+            y, normed, new_res = norm_linear(x, res, nw, 1e-6, w, want_normed=True)
+            assert torch.equal(y, invariant_norm_linear_triton(x, res, nw, 1e-6, w)[0])
+            many = torch.randn(40, 64, generator=g)  # past FOLD_MAX_M rows: the norm kernel, then the GEMM
+            y, normed, new_res = norm_linear(many, many, nw, 1e-6, w, want_normed=True)
+            assert torch.equal(normed, add_rms_norm_triton(many, many, nw, 1e-6)[0])
+            assert torch.equal(y, invariant_linear_triton(normed, w))
+    finally:
+        invariant_gemm.FOLD_MAX_M = default
+    return max(errs)
+
+
 def check_decode_attention_plan(g: torch.Generator) -> float:
     """In the mode a sequence's output is the same bits in any batch and table width."""
     from phalanx.kernels.attention import decode_attention, decode_attention_ref

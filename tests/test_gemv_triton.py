@@ -308,12 +308,12 @@ def test_pdl_switches():
     """PDL is per kernel name, off for CPU tensors whatever the switch, and unknown names
     are refused; the launch keywords carry Triton's launch_pdl only when on."""
     pytest.importorskip("triton")
-    from phalanx.kernels.gpu.pdl import PDL_KERNELS, pdl_enabled, pdl_launch, set_pdl
+    from phalanx.kernels.gpu.pdl import PDL_DEFAULT, PDL_KERNELS, pdl_enabled, pdl_launch, set_pdl
 
     cpu = torch.device("cpu")
     old = set_pdl(True)
     try:
-        assert old == PDL_KERNELS and not pdl_enabled(cpu, "gemv")
+        assert old == PDL_DEFAULT and "gemm" not in PDL_DEFAULT and not pdl_enabled(cpu, "gemv")
         assert pdl_launch(cpu, "rope") == {"PDL": False}
         assert set_pdl({"gemv"}) == PDL_KERNELS
         assert set_pdl(False) == frozenset({"gemv"})

@@ -105,6 +105,40 @@ def test_invariant_prefill_rows_have_the_decode_bits_on_gpu(dtype):
     assert torch.equal(blocks, rows), (blocks.float() - rows.float()).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_invariant_norm_and_linears_keep_a_rows_bits_on_gpu(dtype, monkeypatch):
+    """In the mode a row's normed values, residual and projections have the same bits
+    among 1..2048 rows: the norm folded into the GEMM at a few rows (one launch) equals
+    the norm kernel in front of it at many, at the model's shapes."""
+    from phalanx.kernels.batch_invariant import batch_invariant
+    from phalanx.kernels.gpu import invariant_gemm
+    from phalanx.kernels.linear import project
+    from phalanx.kernels.norm import add_rms_norm
+    from phalanx.kernels.norm_linear import norm_linear
+
+    monkeypatch.setattr(invariant_gemm, "FOLD_MAX_M", 16)  # the fold on, off by default
+    g = torch.Generator(device="cuda").manual_seed(11)
+    dev = torch.device("cuda")
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dtype)
+
+    x, res, xo = randn(2048, 2048), randn(2048, 2048), randn(2048, 4096)
+    nw = (1 + randn(2048, scale=0.1))
+    qkv, router, o = randn(5120, 2048, scale=0.02), randn(128, 2048, scale=0.02), randn(2048, 4096, scale=0.02)
+    with batch_invariant(True):
+        full = {name: norm_linear(x, res, nw, 1e-6, w, want_normed=True) for name, w in
+                (("qkv", qkv), ("router", router))}
+        full_o, full_norm = project(xo, o), add_rms_norm(x, res, nw, 1e-6)
+        for m in (1, 2, 5, 16, 17, 64, 300):
+            for name, w in (("qkv", qkv), ("router", router)):
+                part = norm_linear(x[:m], res[:m], nw, 1e-6, w, want_normed=True)
+                for what, a, b in zip(("y", "normed", "residual"), part, full[name]):
+                    assert torch.equal(a, b[:m]), (name, what, m)
+            assert torch.equal(project(xo[:m], o), full_o[:m]), m
+            assert all(torch.equal(a, b[:m]) for a, b in zip(add_rms_norm(x[:m], res[:m], nw, 1e-6), full_norm))
+
+
 def test_kv_pool_sized_from_free_memory(tiny_model):
     llm = LLM(tiny_model, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5)
     free, total = torch.cuda.mem_get_info()

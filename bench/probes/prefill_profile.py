@@ -2,7 +2,7 @@
 floor; measured 0.52-0.54), on one GPU, Qwen3-30B-A3B shape, random bf16 weights.
 
     python bench/probes/prefill_profile.py [--layers 8] [--seqs 8] [--length 2048] [--reps 3]
-                                           [--quantization fp8]
+                                           [--quantization fp8] [--batch-invariant]
     python bench/probes/prefill_profile.py --dry-run     # CPU, tiny dims: checks the code
 
 Engine as bench/decode_gpu.py builds it (`make_engine`; random weights from
@@ -41,7 +41,8 @@ NAME_GROUPS = [  # (group, exact names of the Triton kernels in it)
     ("moe down", ("_down_kernel", "_fp8_down_kernel")),
     ("moe other", ("_count_kernel", "_align_kernel", "_combine_kernel", "_route_kernel")),
     ("gemm fp8", ("_fp8_linear_kernel",)), ("fp8 quant", ("_quant_kernel",)),
-    ("attention prefill", ("_prefill_kernel",)), ("gemm skinny", ("_skinny_kernel", "_splitk_reduce_kernel")),
+    ("attention prefill", ("_prefill_kernel", "_prefill_split_kernel", "_decode_reduce_kernel")),
+    ("gemm invariant", ("_gemm_kernel",)), ("gemm skinny", ("_skinny_kernel", "_splitk_reduce_kernel")),
     ("norm/rope/act/kv", ("_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel", "_write_kv_kernel"))]
 GEMM_HINTS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm")
 
@@ -84,6 +85,8 @@ def build(args):
         from decode_fp8 import quantize_in_place
         quantize_in_place(model)
     if not args.dry_run:
+        from phalanx.kernels.batch_invariant import batch_invariant
+        batch_invariant(args.batch_invariant)  # make_engine takes the process's mode
         return cfg, decode_gpu.make_engine(cfg, model, args.seqs, decode_gpu.MAX_MODEL_LEN)
     conf = mgm.engine_config(cfg, "cpu", "float32", args.seqs, mgm.pages_for(args.seqs, args.length), True)
     return cfg, LLMEngine(conf, model=model)
@@ -116,6 +119,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the projections and experts as block-scaled FP8 (bench/decode_fp8.py); "
                          "groups' floors stay at the bf16 matmul rate")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the batch-invariant mode's kernels (kernels/batch_invariant.py; GPU only)")
     args = ap.parse_args()
     if args.dry_run:  # tiny defaults: 2 layers, 2x64
         args.layers, args.seqs, args.length = [int(getattr(args, a)) if f"--{a}" in sys.argv else d

@@ -11,6 +11,15 @@ split-K; ``BLOCK_K`` follows (K, dtype) only. The row and column tiles (``BLOCK_
 probe: rows of BLOCK_M 16, 32, 64 and 128 tiles, mma.sync and wgmma alike, have equal
 bits in bf16, float32 and tf32), so a row gets the same bits among any rows.
 
+With the norm (:func:`invariant_norm_linear_triton`, up to ``FOLD_MAX_M`` rows): the
+residual add + RMSNorm in front of the projection runs in the same launch (a decode
+step's norm is otherwise a launch of its own, a few µs for a few KB). A row's statistics
+are computed as kernels/gpu/norm.py's kernel computes them: the row loaded whole as its
+[BLOCK_H] tile with its warps (``norm_warps``), so the reduction takes the same register
+layout and order (checked on sm_90 in the TTGIR; tests/test_gpu.py asserts the bits); the
+normed tile is then rounded as that kernel rounds. PDL (kernels/gpu/pdl.py, "gemm"):
+every program waits at its start, then lets the next launch begin.
+
 Contract: ``torch.nn.functional.linear`` on a 2-D ``x`` [M, K] and a ``weight`` [N, K]
 with a contiguous last dim, ``bias`` [N] or None; output [M, N] in ``x.dtype``; the bias
 added in float32 before the single rounding. No host sync (CUDA-graph capturable).
@@ -26,25 +35,66 @@ import triton.language as tl
 
 from .attention import dot_precision
 from .linear import row_tiles
+from .norm import norm_warps, row_rstd
+from .pdl import gdc_launch_dependents, gdc_wait, pdl_launch
 
-__all__ = ["invariant_linear_triton", "invariant_config"]
+__all__ = ["invariant_linear_triton", "invariant_norm_linear_triton", "invariant_config", "FOLD_MAX_M"]
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    # out[m, n] = round(sum over K blocks kb = 0, 1, ... of dot(x[m, kb], w[n, kb]) (+ bias[n])).
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, res_ptr, xn_ptr, M, N, K, sx_m, sw_n,
+                 so_m, sr_m, eps, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+                 HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr, PDL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_H: tl.constexpr, PREC: tl.constexpr):
+    # out[m, n] = round(sum over K blocks kb = 0, 1, ... of dot(a[m, kb], w[n, kb]) (+ bias[n])),
+    # a = x, or with NORM the normed rows of x (+ residual) with the bits of the norm
+    # kernel's (kernels/gpu/norm.py; BLOCK_H = its row tile); programs of column tile 0
+    # store those rows' new residual and (WRITE_NORMED) normed values.
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mm, nm = rm < M, rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx_m
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * sw_n
+    if PDL:  # kernels/gpu/pdl.py: every program waits before its first read of x
+        gdc_wait()
+        gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a, w = row_tiles(x_rows, w_rows, k0 + rk, mm, nm, K, EVEN_K)
-        acc = tl.dot(a, tl.trans(w), acc=acc, input_precision=PREC)
+    if NORM:
+        r_rows = r_ptr + rm.to(tl.int64)[:, None] * sr_m
+        o_rows = rm.to(tl.int64)[:, None] * K
+        first = ((rm * 0 + tl.program_id(1)) == 0)[:, None]  # column tile 0 stores
+        inv = tl.zeros([BLOCK_M], tl.float32)
+        cols = tl.arange(0, BLOCK_H)
+        for i in range(0, tl.minimum(BLOCK_M, M - tl.program_id(0) * BLOCK_M)):
+            # each row's statistics as the norm kernel computes them (gpu/norm.py): the
+            # same row tile, the same reduction, the same warps
+            row = (tl.program_id(0) * BLOCK_M + i).to(tl.int64)
+            xi = tl.load(x_ptr + row * sx_m + cols, mask=cols < K, other=0.0)
+            if HAS_RES:
+                xi = (xi.to(tl.float32) + tl.load(r_ptr + row * sr_m + cols, mask=cols < K,
+                                                  other=0.0).to(tl.float32)).to(xi.dtype)
+            inv = tl.where(tl.arange(0, BLOCK_M) == i, row_rstd(xi, K, eps), inv)
+        for k0 in range(0, K, BLOCK_K):
+            km = k0 + rk < K
+            xm = mm[:, None] & km[None, :]
+            h = tl.load(x_rows + k0 + rk[None, :], mask=xm, other=0.0)
+            if HAS_RES:
+                h = (h.to(tl.float32) + tl.load(r_rows + k0 + rk[None, :], mask=xm, other=0.0).to(
+                    tl.float32)).to(h.dtype)
+                tl.store(res_ptr + o_rows + k0 + rk[None, :], h, mask=xm & first)
+            normed = (h.to(tl.float32) * inv[:, None]).to(h.dtype)
+            g = tl.load(nw_ptr + k0 + rk, mask=km, other=0.0).to(tl.float32)
+            a = (g[None, :] * normed.to(tl.float32)).to(h.dtype)
+            if WRITE_NORMED:
+                tl.store(xn_ptr + o_rows + k0 + rk[None, :], a, mask=xm & first)
+            w = tl.load(w_rows + k0 + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc=acc, input_precision=PREC)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            a, w = row_tiles(x_rows, w_rows, k0 + rk, mm, nm, K, EVEN_K)
+            acc = tl.dot(a, tl.trans(w), acc=acc, input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -78,24 +128,67 @@ def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     bits independent of the others. ``cfg`` overrides :func:`invariant_config`'s
     BLOCK_M / BLOCK_N / warps / stages (tests: a row's bits under other tiles)."""
     lead, K = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(math.prod(lead), K)
+    out = _launch(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, bias, None, cfg)[0]
+    return out.reshape(*lead, weight.shape[0])
+
+
+def invariant_norm_linear_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                 eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                                 want_normed: bool = False, cfg: dict | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`phalanx.kernels.norm_linear.norm_linear_ref`'s ``(y, normed, new_residual)``
+    for x [M, K] in one launch (FOLD_MAX_M rows at most are worth it: every column tile
+    redoes the rows' statistics): the normed rows and residual have the bits of
+    kernels/gpu/norm.py's kernel, ``y`` those of this GEMM on them. ``normed`` is None
+    unless ``want_normed``; the caller checks that ``norm_weight`` [K] and ``residual``
+    match x's dtype and shape (kernels/norm_linear.py)."""
+    if x.shape[-1] == 0:
+        raise ValueError("a norm over rows of width 0")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    y, normed, res_out = _launch(x, weight, bias, (residual, norm_weight, eps, want_normed), cfg)
+    return y, normed, res_out if residual is not None else x
+
+
+# Most rows for which norm_linear folds the norm into the GEMM in the mode (each column
+# tile redoes the rows' statistics). 0, off: on one H100 the first measurement, with the
+# GEMM's PDL ("gemm", kernels/gpu/pdl.py) on too, ran batch-1 decode at 238 tok/s against
+# 430 with neither (24 layers; bench/NOTES.md); bench/probes/invariant_fold.py times the
+# parts and `decode_gpu.py --baselines invfold,invpdl` each alone. Its bits equal the
+# unfolded form's (tests/test_gpu.py sets it to 16).
+FOLD_MAX_M = 0
+
+
+def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: tuple | None,
+            cfg: dict | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    M, K = rows.shape
     N = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != K or (bias is not None and bias.shape != (N,)):
-        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+        raise ValueError(f"shapes x {tuple(rows.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)}")
-    rows = x.reshape(math.prod(lead), K)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    M = rows.shape[0]
+    residual, nw, eps, want_normed = norm if norm is not None else (None, rows, 0.0, False)
     out = rows.new_empty((M, N))
-    if M and N and K == 0:
+    res_out = rows.new_empty((M, K)) if residual is not None else None
+    normed = rows.new_empty((M, K)) if want_normed else None
+    if M and N and K == 0 and norm is None:
         out.zero_() if bias is None else out.copy_(bias.expand(M, N))
-    elif M and N:
+    elif M and N and K:
         c = invariant_config(M, N, K, weight.element_size())
         c.update({key: v for key, v in (cfg or {}).items() if key != "BLOCK_K"})
+        if norm is not None:  # the norm kernel's warps: its row reduction's layout
+            c["warps"] = norm_warps(K)
+        r = residual if residual is not None else rows
         grid = (triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(N, c["BLOCK_N"]))
-        _gemm_kernel[grid](rows, weight, bias if bias is not None else weight, out, M, N, K,
-                           rows.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                           EVEN_K=K % c["BLOCK_K"] == 0, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-                           BLOCK_K=c["BLOCK_K"], PREC=dot_precision(x.dtype), num_warps=c["warps"],
-                           num_stages=c["stages"])
-    return out.reshape(*lead, N)
+        _gemm_kernel[grid](rows, weight, bias if bias is not None else weight, out, r, nw,
+                           res_out if res_out is not None else out, normed if normed is not None else out,
+                           M, N, K, rows.stride(0), weight.stride(0), out.stride(0), r.stride(0),
+                           float(eps), HAS_BIAS=bias is not None, EVEN_K=K % c["BLOCK_K"] == 0,
+                           NORM=norm is not None, HAS_RES=residual is not None,
+                           WRITE_NORMED=normed is not None, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+                           BLOCK_K=c["BLOCK_K"], BLOCK_H=triton.next_power_of_2(K) if norm else 16,
+                           PREC=dot_precision(rows.dtype), num_warps=c["warps"],
+                           num_stages=c["stages"], **pdl_launch(rows.device, "gemm"))
+    return out, normed, res_out

@@ -15,7 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton"]
+__all__ = ["rms_norm_triton", "add_rms_norm_triton", "silu_and_mul_triton", "row_rstd", "norm_warps"]
+
+
+@triton.jit
+def row_rstd(x, H, eps):
+    """``rsqrt(mean(x^2) + eps)`` of one row ``x`` [BLOCK_H] (zeros past H), float32. The
+    sum's order follows x's register layout: a kernel that repeats a row's norm (the
+    batch-invariant GEMM's fold, kernels/gpu/invariant_gemm.py) loads the row as
+    ``_rms_norm_kernel`` does, with `norm_warps` warps, to get these bits."""
+    h = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(h * h, axis=0) / H + eps)
 
 
 @triton.jit
@@ -38,9 +48,7 @@ def _rms_norm_kernel(
         r = tl.load(r_ptr + a * sra + b * srb + cols, mask=m, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
         tl.store(res_out_ptr + row * H + cols, x, mask=m)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / H
-    normed = (h * tl.rsqrt(var + eps)).to(in_ty)  # HF: round before the weight multiply
+    normed = (x.to(tl.float32) * row_rstd(x, H, eps)).to(in_ty)  # HF: round before the weight multiply
     w = tl.load(w_ptr + cols, mask=m, other=0.0)
     y = w.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * H + cols, y.to(out_ptr.dtype.element_ty), mask=m)
@@ -69,13 +77,18 @@ def _launch_norm(x, residual, weight, eps):
     r3 = _as_rows(residual) if residual is not None else x3
     n_rows = x3.shape[0] * x3.shape[1]
     block_h = triton.next_power_of_2(H)
-    num_warps = 1 if block_h <= 256 else (4 if block_h <= 2048 else 8)
     _rms_norm_kernel[(n_rows,)](
         x3, r3, weight, out, res_out if res_out is not None else out,
         x3.shape[1], H, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), float(eps),
-        HAS_RES=residual is not None, BLOCK_H=block_h, num_warps=num_warps,
+        HAS_RES=residual is not None, BLOCK_H=block_h, num_warps=norm_warps(H),
     )
     return out, res_out
+
+
+def norm_warps(H: int) -> int:
+    """Warps of a row's program: by the row's width alone."""
+    block_h = triton.next_power_of_2(H)
+    return 1 if block_h <= 256 else (4 if block_h <= 2048 else 8)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

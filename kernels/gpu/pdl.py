@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-__all__ = ["PDL_KERNELS", "pdl_enabled", "pdl_launch", "set_pdl", "gdc_wait", "gdc_launch_dependents"]
+__all__ = ["PDL_KERNELS", "PDL_DEFAULT", "pdl_enabled", "pdl_launch", "set_pdl", "gdc_wait", "gdc_launch_dependents"]
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -41,14 +41,20 @@ except ImportError:  # an older triton: no PDL, kernels never reach these names
     gdc_launch_dependents = gdc_wait = None
 
 # The kernels of a decode layer that take part, by name. "gemv": the projections (weights
-# read before the wait); the others wait at their start, then let the next launch begin.
-PDL_KERNELS = frozenset({"gemv", "rope", "attention", "route", "moe"})
-_enabled: frozenset[str] = PDL_KERNELS
+# read before the wait); the others wait at their start, then let the next launch begin
+# ("gemm": the batch-invariant mode's linears, kernels/gpu/invariant_gemm.py).
+PDL_KERNELS = frozenset({"gemv", "gemm", "rope", "attention", "route", "moe"})
+# The kernels on at start: all but "gemm", off until measured on its own (one H100,
+# batch-1 decode in the batch-invariant mode with it and the GEMM's folded norm together:
+# 238 tok/s against 430 with neither; bench/decode_gpu.py --baselines invpdl,invfold).
+PDL_DEFAULT = PDL_KERNELS - {"gemm"}
+_enabled: frozenset[str] = PDL_DEFAULT
 
 
 def set_pdl(kernels: bool | frozenset[str] | set[str]) -> frozenset[str]:
     """Which kernels use PDL: True (all of ``PDL_KERNELS``), False (none) or a set of
-    names (A/B runs; set before capturing graphs). Returns the previous set."""
+    names (A/B runs; set before capturing graphs; ``PDL_DEFAULT`` at start). Returns the
+    previous set."""
     global _enabled
     old = _enabled
     chosen = PDL_KERNELS if kernels is True else frozenset() if kernels is False else frozenset(kernels)
