@@ -66,11 +66,22 @@ def _switch(name: str, on: bool) -> None:
         _pdl(on, lambda now: frozenset({"gemv"}))
     elif name == "cublas":
         linear.GEMV_MAX_M = 0 if on else _GEMV_MAX_M
-    elif name == "moe32":
-        from phalanx.kernels.gpu import moe_decode
-        moe_decode._CONFIG["N1"] = 32 if on else 64
-    elif name in ("part128", "part32"):
-        from phalanx.kernels.gpu import decode_plan
+    elif name.startswith(("part", "attn")):
+        _switch_attention(name, on)
+    elif name.startswith("inv"):
+        _switch_invariant(name, on)
+    elif name == "routefold":
+        from phalanx.kernels import norm_linear
+        norm_linear.ROUTE_FOLD = on
+    elif name.startswith("moe"):
+        _switch_moe(name, on)
+
+
+def _switch_attention(name: str, on: bool) -> None:
+    """part128 / part32, attnreduce, attn64, attnahead, attnwide."""
+    from phalanx.kernels.gpu import attention, decode_plan
+
+    if name in ("part128", "part32"):
         if on:
             real = _SAVED["part"] = decode_plan._decode_partition
             want = int(name[4:])
@@ -78,57 +89,58 @@ def _switch(name: str, on: bool) -> None:
         else:
             decode_plan._decode_partition = _SAVED.pop("part")
     elif name == "attnreduce":
-        from phalanx.kernels.gpu import attention
         if on:
             _SAVED["counts"] = attention.arrival_counts
             attention.arrival_counts = lambda *a, **k: None
         else:
             attention.arrival_counts = _SAVED.pop("counts")
     elif name == "attn64":
-        from phalanx.kernels.gpu import decode_plan
         if on:
             _SAVED["bn"] = decode_plan._decode_block_n
             decode_plan._decode_block_n = lambda s, d: 64 if d <= 128 else 32
         else:
             decode_plan._decode_block_n = _SAVED.pop("bn")
     elif name == "attnahead":
-        from phalanx.kernels.gpu import attention
         attention.PAGE_PREFETCH = on
     elif name == "attnwide":
-        from phalanx.kernels.gpu import decode_plan
         if on:
             _SAVED["grid"] = decode_plan.GRID_POSITIONS
             decode_plan.GRID_POSITIONS = None
         else:
             decode_plan.GRID_POSITIONS = _SAVED.pop("grid")
-    elif name == "invariant":  # decode_gpu.make_engine takes the process's mode
-        from phalanx.kernels.batch_invariant import batch_invariant
-        batch_invariant(on)
-    elif name in ("invfold", "invpdl"):
-        from phalanx.kernels.batch_invariant import batch_invariant
-        from phalanx.kernels.gpu import invariant_gemm
-        batch_invariant(on)
-        if name == "invfold":
-            if on:
-                _SAVED["fold"], invariant_gemm.FOLD_MAX_M = invariant_gemm.FOLD_MAX_M, 16
-            else:
-                invariant_gemm.FOLD_MAX_M = _SAVED.pop("fold")
+
+
+def _switch_invariant(name: str, on: bool) -> None:
+    """invariant, invfold, invpdl (decode_gpu.make_engine takes the process's mode)."""
+    from phalanx.kernels.batch_invariant import batch_invariant
+    from phalanx.kernels.gpu import invariant_gemm
+
+    batch_invariant(on)
+    if name == "invfold":
+        if on:
+            _SAVED["fold"], invariant_gemm.FOLD_MAX_M = invariant_gemm.FOLD_MAX_M, 16
         else:
-            _pdl(on, lambda now: now | {"gemm"})
-    elif name == "routefold":
-        from phalanx.kernels import norm_linear
-        norm_linear.ROUTE_FOLD = on
-    elif name == "moew8" or name.startswith("moes"):
-        from phalanx.kernels.gpu import moe_decode
-        dot = moe_decode._CONFIG
-        keys = ("warps",) if name == "moew8" else ("stages", "stages1")
-        value = 8 if name == "moew8" else int(name[4:])
-        for key in keys:
-            if on:
-                _SAVED[key] = dot[key]
-                dot[key] = value
-            else:
-                dot[key] = _SAVED.pop(key)
+            invariant_gemm.FOLD_MAX_M = _SAVED.pop("fold")
+    elif name == "invpdl":
+        _pdl(on, lambda now: now | {"gemm"})
+
+
+def _switch_moe(name: str, on: bool) -> None:
+    """moe32, moew8, moes<N>: the small MoE path's tiles, warps or stages."""
+    from phalanx.kernels.gpu import moe_decode
+
+    dot = moe_decode._CONFIG
+    if name == "moe32":
+        dot["N1"] = 32 if on else 64
+        return
+    keys = ("warps",) if name == "moew8" else ("stages", "stages1")
+    value = 8 if name == "moew8" else int(name[4:])
+    for key in keys:
+        if on:
+            _SAVED[key] = dot[key]
+            dot[key] = value
+        else:
+            dot[key] = _SAVED.pop(key)
 
 
 def _pdl(on: bool, chosen) -> None:
