@@ -387,6 +387,11 @@ class EngineConfig:
     # Kernels whose row results do not depend on the batch (kernels/batch_invariant.py):
     # a seeded request's tokens equal alone, batched and after a re-prefill on a GPU too.
     batch_invariant: bool = False
+    # Row-parallel sums cut in this many chunks at every TP width (models/row_parallel.py):
+    # a row's bits are then the same at every TP width dividing it (a prefill TP group's
+    # KV equals a TP1 decode rank's). 0: the layout's widest TP (actors/cluster_builder.py),
+    # 1 for one engine alone; FP8 weights take 1.
+    tp_invariant_width: int = 0
 
     def __post_init__(self) -> None:
         limit = self.model.max_position_embeddings
@@ -404,6 +409,9 @@ class EngineConfig:
         for name in ("warmup", "batch_invariant"):
             _require(isinstance(getattr(self, name), bool), name,
                      f"must be True or False, got {getattr(self, name)!r}")
+        w = self.tp_invariant_width
+        _require(isinstance(w, int) and w >= 0 and not w & (w - 1), "tp_invariant_width",
+                 f"must be 0 or a power of two, got {w!r}")
         _require(self.quantization in (None, "fp8"), "quantization",
                  f"{self.quantization!r} is not None or 'fp8'")
         _require(self.load_format in LOAD_FORMATS, "load_format",

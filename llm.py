@@ -21,6 +21,7 @@ from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
 from .models.checkpoint import Checkpoint, read_hf_config
 from .models.fp8_weights import check_fp8_tp, is_fp8_checkpoint
+from .models.row_parallel import check_leaves, row_parallel_dims
 from .models.loader import read_model_config
 from .policies.ep_width import ep_width_policy_names
 from .policies.microbatch import microbatch_policy_names
@@ -53,12 +54,14 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                   ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
                   microbatch_options: Optional[Mapping] = None,
                   quantization: Optional[str] = None,
-                  load_format: str = "auto", batch_invariant: bool = False) -> EngineConfig:
+                  load_format: str = "auto", batch_invariant: bool = False,
+                  tp_invariant_width: int = 0) -> EngineConfig:
     """The engine configuration for a Hugging Face model folder (None: the tiny default
     model). ValueError naming the argument for a folder that is not a model or a bad
     value. `load_format` "dummy": seeded random weights, the folder's safetensors (if
     any) unread. `batch_invariant`: kernels whose row results do not depend on the batch
-    (kernels/batch_invariant.py; a GPU's FP8 weights have none yet)."""
+    (kernels/batch_invariant.py; a GPU's FP8 weights have none yet). `tp_invariant_width`:
+    `EngineConfig`'s (models/row_parallel.py; 0: the layout's widest TP)."""
     path = _resolve_model(model)
     ep_width = EPWidthConfig.from_dict({"policy": ep_policy, "groups": ep_groups,
                                         "costs": ep_costs, **(ep_options or {})})
@@ -83,6 +86,14 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
             raise ValueError("batch_invariant: FP8 weights have no batch-invariant GPU kernels yet "
                              "(their linears quantize activations at prefill, not at decode); "
                              "serve the bf16 weights, or FP8 without the mode")
+        if tp_invariant_width > 1:
+            raise ValueError("tp_invariant_width: FP8 weights have no TP-invariant sums; give 0 or 1")
+        tp_invariant_width = 1
+    elif tp_invariant_width:
+        try:
+            check_leaves(tp_invariant_width, tp, row_parallel_dims(model_cfg))
+        except ValueError as e:
+            raise ValueError(f"tp_invariant_width: {e}") from None
     return EngineConfig(
         model_path=path, model=model_cfg,
         cache=CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -99,7 +110,8 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
                                 ep_width=ep_width, microbatch=micro),
         device=device, dtype=dtype, seed=seed, enforce_eager=enforce_eager,
         cuda_graph_max_prefill=cuda_graph_max_prefill, quantization=quantization,
-        load_format=load_format, batch_invariant=batch_invariant)
+        load_format=load_format, batch_invariant=batch_invariant,
+        tp_invariant_width=tp_invariant_width)
 
 
 def check_fp8_disagg(config: EngineConfig, layout) -> None:
@@ -142,7 +154,7 @@ class LLM:
                  ep_options: Optional[Mapping] = None, microbatch: str = "adaptive",
                  microbatch_options: Optional[Mapping] = None,
                  quantization: Optional[str] = None, load_format: str = "auto",
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, tp_invariant_width: int = 0) -> None:
         """`tp`/`dp`: one colocated group. Any of `prefill_tp`, `decode_dp`, `decode_tp`,
         `prefill_instances`: the disaggregated layout (prefill TP instances stream KV to
         a decode DP×EP group; `page_size` is the decode side's, `prefill_page_size` the
@@ -167,7 +179,9 @@ class LLM:
         folder's config.json shapes; benchmarks). `cuda_graph_max_prefill`: prefill and
         mixed steps of up to that many tokens replay CUDA graphs on one GPU (0: eager).
         `batch_invariant`: a request's logits are the same bits in any batch and after a
-        re-prefill on a GPU too, at a cost in speed (kernels/batch_invariant.py)."""
+        re-prefill on a GPU too, at a cost in speed (kernels/batch_invariant.py).
+        `tp_invariant_width`: row-parallel sums with the same bits at every TP width
+        dividing it (models/row_parallel.py; 0: the layout's widest TP, 1 alone)."""
         self.config = engine_config(
             model, tp=tp, dp=dp, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
@@ -180,7 +194,8 @@ class LLM:
             ep_exchange=ep_exchange, kv_in_place_min_bytes=kv_in_place_min_bytes,
             ep_policy=ep_policy, ep_groups=ep_groups, ep_costs=ep_costs, ep_options=ep_options,
             microbatch=microbatch, microbatch_options=microbatch_options,
-            quantization=quantization, load_format=load_format, batch_invariant=batch_invariant)
+            quantization=quantization, load_format=load_format, batch_invariant=batch_invariant,
+            tp_invariant_width=tp_invariant_width)
         self.engine: Optional[LLMEngine] = None
         self.cluster = None  # a multi-rank layout's client (actors.cluster.ClusterClient)
         self._start((prefill_tp, decode_dp, decode_tp, prefill_instances, prefill_page_size),

@@ -11,6 +11,7 @@ from .cluster import ClusterClient
 from .disagg_client import DisaggClient
 from .ep_calibration import calibrate
 from .group_client import GroupClient
+from ..models.row_parallel import layout_width
 
 __all__ = ["build_cluster"]
 
@@ -23,6 +24,9 @@ def build_cluster(config: EngineConfig, disagg: Optional[DisaggConfig] = None,
     `ray_address`); blocks until every rank has loaded its shard, and for the
     `cost_model` EP-width policy without a cost-table file, until the tables are
     measured on its ranks (`ep_calibration`)."""
+    if config.tp_invariant_width == 0:  # auto: every group's sums as the widest group's
+        widths = (config.parallel.tp,) if disagg is None else (disagg.prefill_tp, disagg.decode_tp)
+        config = dataclasses.replace(config, tp_invariant_width=layout_width(config.model, widths))
     deadline = config.parallel.collective_timeout_s
     groups, dp = config.parallel.ep_width.groups, (config.parallel.dp if disagg is None
                                                     else disagg.decode_dp)

@@ -36,6 +36,11 @@ few-row part turned off, in the same process, tokens checked against the main ro
   tokens equal ``invariant``'s) / with the GEMM launched under PDL ("gemm",
   kernels/gpu/pdl.py; the same arithmetic). Both off by default until measured each alone
   (together they ran batch 1 at 0.55x the mode's speed on one H100). Every batch.
+* ``invw2`` / ``invw8``: the mode with the row-parallel sums of a layout whose widest TP
+  group is 2 / 8 (``tp_invariant_width``, models/row_parallel.py): this one-rank engine's o
+  projection sums K in 2 / 8 chunks added as a tree in its GEMM's launch; the cost a TP1
+  decode rank pays for a TP2 / TP8 prefill side's bits. Other sums, so tokens agree with
+  ``invariant``'s within rounding. Every batch.
 * ``routefold``: the routing folded into the router's GEMV at batch 1
   (`kernels.norm_linear.ROUTE_FOLD` on; off by default until measured); ties aside, the
   top-k ids are the route kernel's, so tokens equal.
@@ -53,8 +58,14 @@ from phalanx.kernels.linear import GEMV_MAX_M as _GEMV_MAX_M
 
 BASELINES = ("nopdl", "pdlgemv", "cublas", "moe32", "part128", "part32", "moew8", "moes2", "moes3",
              "moes4", "moes5", "moes6", "routefold", "attnreduce", "attn64", "attnahead", "attnwide", "invariant",
-             "invfold", "invpdl")
+             "invfold", "invpdl", "invw2", "invw8")
 _SAVED: dict = {}
+_WIDTH = [1]
+
+
+def baseline_width() -> int:
+    """The ``tp_invariant_width`` of the model the switched-on baseline builds."""
+    return _WIDTH[0]
 
 
 def _switch(name: str, on: bool) -> None:
@@ -111,7 +122,7 @@ def _switch_attention(name: str, on: bool) -> None:
 
 
 def _switch_invariant(name: str, on: bool) -> None:
-    """invariant, invfold, invpdl (decode_gpu.make_engine takes the process's mode)."""
+    """invariant, invfold, invpdl, invw<N> (decode_gpu.make_engine takes the process's mode)."""
     from phalanx.kernels.batch_invariant import batch_invariant
     from phalanx.kernels.gpu import invariant_gemm
 
@@ -123,6 +134,8 @@ def _switch_invariant(name: str, on: bool) -> None:
             invariant_gemm.FOLD_MAX_M = _SAVED.pop("fold")
     elif name == "invpdl":
         _pdl(on, lambda now: now | {"gemm"})
+    elif name.startswith("invw"):
+        _WIDTH[0] = int(name[4:]) if on else 1
 
 
 def _switch_moe(name: str, on: bool) -> None:

@@ -349,10 +349,11 @@ def main() -> None:
         raise SystemExit(f"--baselines {','.join(fp8_only)} needs --quantization fp8")
     names = [n for n in names if n not in fp8_only]
     if names:
-        from decode_baselines import baseline_rows
+        from decode_baselines import baseline_rows, baseline_width
         rows += baseline_rows(
             names,
-            lambda: make_engine(cfg, phalanx_model_from_hf(hf, cfg), max(batches), args.max_model_len),
+            lambda: make_engine(cfg, phalanx_model_from_hf(hf, cfg, baseline_width()), max(batches),
+                                args.max_model_len),
             lambda eng, kind, bs: decode_rows(eng, kind, bs, args, ceil["copy_bytes_per_s"],
                                               lambda b, c: decode_bytes(cfg, b, c), hf_rates),
             rows, batches, None if args.no_prefill else prefill_row)

@@ -33,8 +33,9 @@ def build_hf(hf_cfg: dict):
     return model.eval()
 
 
-def phalanx_model_from_hf(hf, cfg: ModelConfig):
-    """A phalanx `CausalLM` whose weights are views of the transformers model's."""
+def phalanx_model_from_hf(hf, cfg: ModelConfig, tp_invariant_width: int = 1):
+    """A phalanx `CausalLM` whose weights are views of the transformers model's
+    (`tp_invariant_width`: its row-parallel sums', models/row_parallel.py)."""
     from torch import nn
     from phalanx.kernels.rope import RotaryEmbedding
     from phalanx.models.qwen3_moe import CausalLM
@@ -43,7 +44,7 @@ def phalanx_model_from_hf(hf, cfg: ModelConfig):
         return nn.Parameter(t, requires_grad=False)
 
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, tp_invariant_width=tp_invariant_width)
     model.embed_tokens = param(hf.model.embed_tokens.weight)
     model.lm_head = param(hf.lm_head.weight)
     model.norm = param(hf.model.norm.weight)

@@ -17,7 +17,9 @@ while the group re-forms, (b) two ranks at once, (c) a prefill and a decode rank
 once, (d) a decode rank while the prefill instance re-forms (disaggregated only). Rank
 processes are SIGKILLed from outside, pids from Ray's
 state. Each drill streams `--streams` requests (half greedy, half seeded sampling at
-temperature 0.8), and every stream must equal the fault-free single-rank run.
+temperature 0.8), and every stream must equal the fault-free single-rank run (of the
+layout's `tp_invariant_width`, models/row_parallel.py: its widest TP group's, e.g. 2 for
+`tp2` and `disagg-tp2`).
 
 Reported per layout: the layout's own fault-free pass (streams identical to the single
 rank's), drills passed, kills, detection (death -> the client fenced the
@@ -41,10 +43,14 @@ import time
 from phalanx import LLM, SamplingParams
 from phalanx.chaos.drill import Kill, percentile, run_drill, streamed_requests
 from phalanx.models.loader import read_model_config
+from phalanx.models.row_parallel import layout_width
 from phalanx.models.tiny import default_model_dir
 from phalanx.server import start_local
 
 LAYOUTS = {"disagg": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "dp2tp2": dict(dp=2, tp=2),
+           # a TP2 prefill instance: the decode side's re-prefills meet its sums' bits
+           # (models/row_parallel.py), so the reference is a single rank of width 2
+           "disagg-tp2": dict(prefill_tp=2, decode_dp=2),
            # two DP×EP groups of one rank: a death in one leaves the other serving
            "dp2g2": dict(dp=2, ep_groups=2),
            # every step split in two, decode micro-batches on the peer channels' two lanes
@@ -52,11 +58,17 @@ LAYOUTS = {"disagg": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "dp2tp2": dict(dp
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, page_size=4, num_pages=600)
 
 
-def workload(model: str, n: int, max_tokens: int, rng: random.Random, reference: dict):
-    """The streamed requests and their fault-free texts (the single-rank engine, built
-    with `reference`'s keywords: device, dtype, batch_invariant)."""
-    requests = streamed_requests(n, read_model_config(model).vocab_size, max_tokens, rng)
-    offline = LLM(model, **ENGINE, **reference)
+def invariant_width(model: str, name: str) -> int:
+    """The layout's automatic `tp_invariant_width` (its widest TP group's)."""
+    layout = LAYOUTS[name]
+    widths = [layout.get(k, 1) for k in ("tp", "prefill_tp", "decode_tp")]
+    return layout_width(read_model_config(model), widths)
+
+
+def fault_free_texts(model: str, requests, reference: dict, width: int) -> list[str]:
+    """The requests' fault-free texts: the single-rank engine, built with `reference`'s
+    keywords (device, dtype, batch_invariant) and the layout's `width`."""
+    offline = LLM(model, **ENGINE, **reference, tp_invariant_width=width)
     outs = offline.generate(prompt_token_ids=[r[0] for r in requests],
                             sampling_params=[SamplingParams(**body) for _, body in requests])
     texts = [offline.decode(o.outputs[0].token_ids) for o in outs]
@@ -64,16 +76,17 @@ def workload(model: str, n: int, max_tokens: int, rng: random.Random, reference:
     if reference.get("device", "cpu") != "cpu":
         import torch
         torch.cuda.empty_cache()  # the ranks' processes share this GPU
-    return requests, texts
+    return texts
 
 
 def plan(layout: str, rng: random.Random) -> tuple[str, list[Kill]]:
-    kinds = ["a", "b"] + (["c", "d"] if layout == "disagg" else [])
+    disagg = layout.startswith("disagg")
+    kinds = ["a", "b"] + (["c", "d"] if disagg else [])
     kind = rng.choice(kinds)
     if kind == "a":
         return "a", [Kill()] + [Kill(during_formation=True)] * rng.randint(1, 3)
     if kind == "b":
-        role = {"disagg": "decode"}.get(layout, "group")
+        role = "decode" if disagg else "group"
         return "b", [Kill(role=(role, role))]
     if kind == "c":
         return "c", [Kill(role=("prefill", "decode"))]
@@ -184,10 +197,12 @@ def main() -> int:
     gpu_reference = on_gpu and (args.batch_invariant or placement["dtype"] != "float32")
     reference = ({"device": args.device, "dtype": placement["dtype"],
                   "batch_invariant": args.batch_invariant} if gpu_reference else {})
-    requests, refs = workload(model, args.streams, args.max_tokens, random.Random(args.seed),
-                              reference)
-    results = [asyncio.run(run_layout(model, name, args.drills, requests, refs, args.seed + i,
-                                      placement))
+    requests = streamed_requests(args.streams, read_model_config(model).vocab_size,
+                                 args.max_tokens, random.Random(args.seed))
+    refs = {w: fault_free_texts(model, requests, reference, w)
+            for w in sorted({invariant_width(model, n) for n in names})}
+    results = [asyncio.run(run_layout(model, name, args.drills, requests,
+                                      refs[invariant_width(model, name)], args.seed + i, placement))
                for i, name in enumerate(names)]
     out = os.path.join(os.environ.get("OUT", "."), "kill_drills.json")
     with open(out, "w") as f:

@@ -53,7 +53,8 @@ class LLMEngine:
         dtype = torch_dtype(config.torch_dtype_name)
         self.model = model if model is not None else load_model(
             config.model_path, config.model, shard, self.device, dtype, comm, ep,
-            quantize=config.quantization == "fp8", load_format=config.load_format)
+            quantize=config.quantization == "fp8", load_format=config.load_format,
+            tp_invariant_width=config.tp_invariant_width or 1)
         cache = config.cache
         self.num_pages = cache.num_pages or num_pages_for_memory(self.model, cache, dtype, self.device)
         self.pool = BlockPool(self.num_pages, cache.page_size, cache.enable_prefix_caching)

@@ -16,6 +16,9 @@ __all__ = [
     "route_ref",
     "fused_experts",
     "fused_experts_ref",
+    "fused_expert_pairs",
+    "expert_pairs_ref",
+    "sum_slots",
     "make_expert_map",
 ]
 
@@ -119,18 +122,52 @@ def fused_experts_ref(
     held = local_ids[local_ids >= 0]
     if held.numel() > 0 and int(held.max()) >= num_local:
         raise ValueError(f"expert index {int(held.max())} out of range for {num_local} local experts")
+    return sum_slots(expert_pairs_ref(x, topk_weights, local_ids, w13, w2), x.dtype)
+
+
+def expert_pairs_ref(x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor,
+                     w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Each (token, slot) pair's weighted expert output, [T, k, H] in ``x.dtype``; 0 where
+    ``local_ids`` [T, k] is -1 (not held)."""
     # [k, T] so torch.where yields (slot, token) pairs slot-major, like HF's expert_mask.
     ids_kt = local_ids.t()
-    pairs = x.new_zeros((local_ids.shape[1], x.shape[0], x.shape[1]))  # [k, T, H]
-    for e in torch.unique(held).tolist():
+    pairs = x.new_zeros((x.shape[0], local_ids.shape[1], x.shape[1]))
+    for e in torch.unique(local_ids[local_ids >= 0]).tolist():
         slot_idx, token_idx = torch.where(ids_kt == e)
         h = row_invariant_linear(x[token_idx], w13[e])
         h = row_invariant_linear(silu_and_mul(h), w2[e])
-        pairs[slot_idx, token_idx] = (h * topk_weights[token_idx, slot_idx, None]).to(x.dtype)
-    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for slot in pairs:  # elementwise adds in slot order, as the EP combine's
-        acc += slot.float()
-    return acc.to(x.dtype)
+        pairs[token_idx, slot_idx] = (h * topk_weights[token_idx, slot_idx, None]).to(x.dtype)
+    return pairs
+
+
+def sum_slots(pairs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``pairs`` [T, k, H] summed over the slots in slot order in float32 (elementwise
+    adds, no cross-row reduction: the EP combine's and the Triton combine's order), then
+    cast to ``dtype``."""
+    acc = torch.zeros((pairs.shape[0], pairs.shape[2]), dtype=torch.float32, device=pairs.device)
+    for j in range(pairs.shape[1]):
+        acc += pairs[:, j].float()
+    return acc.to(dtype)
+
+
+def fused_expert_pairs(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, expert_map: torch.Tensor | None = None,
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`fused_experts` before its combine: each (token, slot) pair's weighted output
+    [T, k, H] in ``x.dtype``, 0 for a pair whose expert is not held here;
+    ``sum_slots(pairs, x.dtype)`` is :func:`fused_experts`'s result, bit for bit."""
+    if use_triton(x):
+        if scales is not None:
+            raise ValueError("FP8 experts have no per-pair output on the GPU")
+        from .gpu.moe import fused_experts_triton
+
+        return fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map, pairs=True)
+    if scales is not None:
+        w13, w2 = dequantize(w13, scales[0], x.dtype), dequantize(w2, scales[1], x.dtype)
+    local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
+    if x.shape[0] and int(local_ids.max()) >= w13.shape[0]:
+        raise ValueError(f"expert index {int(local_ids.max())} out of range for {w13.shape[0]} local experts")
+    return expert_pairs_ref(x, topk_weights, local_ids, w13, w2)
 
 
 def fused_experts(

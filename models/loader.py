@@ -38,18 +38,20 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
 def load_model(path: str | os.PathLike, cfg: ModelConfig, shard: ModelShard,
                device: torch.device, dtype: torch.dtype,
                comm: Optional[ModelComm] = None, ep: Optional[ExpertParallel] = None,
-               quantize: bool = False, load_format: str = "auto") -> CausalLM:
+               quantize: bool = False, load_format: str = "auto",
+               tp_invariant_width: int = 1) -> CausalLM:
     """Build the shard's modules and fill them from the checkpoint (only the shard is
     read); `quantize`: projections to FP8 on load (an FP8 checkpoint is FP8 anyway).
     `load_format` "dummy": seeded random weights drawn on `device` (models/random_weights.py;
-    the folder needs only config.json), the modules built there too."""
+    the folder needs only config.json), the modules built there too.
+    `tp_invariant_width`: CausalLM's (models/row_parallel.py)."""
     dummy = load_format == "dummy"
     ckpt = RandomWeights(path, seed=0, device=device) if dummy else Checkpoint(path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device if dummy else "cpu"):
-            model = CausalLM(cfg, shard, comm, ep)
+            model = CausalLM(cfg, shard, comm, ep, tp_invariant_width)
     finally:
         torch.set_default_dtype(prev)
     load_weights(model, ckpt, quantize)

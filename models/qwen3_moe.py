@@ -4,8 +4,9 @@ One class covers the family: Qwen3-MoE (q/k RMSNorm, sparse MoE with softmax top
 routing), Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert), and the dense
 Qwen3 / Llama models (no experts). A model instance holds one rank's shard
 (`ModelShard`); with `tp_size > 1` the caller supplies a `ModelComm` whose all-reduce
-joins row-parallel partial sums (attention output, dense MLP, MoE) and whose all-gather
-joins vocab-parallel logits. With an `ExpertParallel` (DP×EP decode layout) the MoE
+joins row-parallel partial sums (attention output, dense MLP, MoE; `RowParallel`, whose
+sums can keep their bits at every TP width) and whose all-gather joins vocab-parallel
+logits. With an `ExpertParallel` (DP×EP decode layout) the MoE
 layers dispatch tokens to the ranks owning their experts instead.
 
 Tokens are flattened: every forward takes `[T]` token ids and positions of all the
@@ -30,6 +31,7 @@ from ..kernels.norm import add_rms_norm
 from ..kernels.norm_linear import norm_linear, norm_qkv_rope, norm_route
 from ..kernels.rope import RotaryEmbedding
 from .parallel import ExpertParallel, LocalComm, ModelComm
+from .row_parallel import RowParallel, check_leaves, row_parallel_dims
 from .shard import ModelShard
 from .stages import Stages, interleave, run_to_end
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V pools, [pages, kv_heads, page_size, head_dim]
@@ -49,8 +51,9 @@ def _fp8_scales(module: nn.Module, *weights: str) -> None:
 class Attention(nn.Module):
     """GQA self-attention for this rank's heads: qkv (column-cut), o (row-cut)."""
 
-    def __init__(self, cfg: ModelConfig, shard: ModelShard) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, rows: RowParallel) -> None:
         super().__init__()
+        self.rows = rows
         self.num_heads = len(shard.q_heads(cfg))
         self.num_kv_heads = len(shard.kv_heads(cfg))
         self.head_dim = cfg.head_dim
@@ -75,15 +78,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor,
                 eps: float, positions: torch.Tensor, rope: RotaryEmbedding, cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this rank's partial attention output, the new residual) of the layer's input:
-        the residual add and input norm, qkv, rope and the KV write, attention, o."""
+        """(the attention output summed over the TP group, the new residual) of the
+        layer's input: the residual add and input norm, qkv, rope and the KV write,
+        attention, o."""
         t = x.shape[0]
         if meta.is_decode_only:
             q, residual = norm_qkv_rope(x, residual, norm_weight, eps, self.qkv_proj, self.qkv_bias,
                                         self.qkv_proj_scale, rope, positions, self.q_norm, self.k_norm,
                                         cache, meta.slot_mapping, (self.num_heads, self.num_kv_heads))
             out = decode_attention(q, cache[0], cache[1], meta.seq_lens, meta.block_tables, self.scale)
-            return project(out.reshape(t, -1), self.o_proj, None, self.o_proj_scale), residual
+            return self.rows.project(out.reshape(t, -1), self.o_proj, self.o_proj_scale), residual
         qkv, residual = self.project(x, residual, norm_weight, eps)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -97,31 +101,33 @@ class Attention(nn.Module):
                                         keep_k=True)
         rows = (k_rot, v) if k_rot.dtype == cache[0].dtype else (None, None)
         out = prefill_attention(q, cache[0], cache[1], meta, self.scale, *rows)
-        return project(out.reshape(t, q_size), self.o_proj, None, self.o_proj_scale), residual
+        return self.rows.project(out.reshape(t, q_size), self.o_proj, self.o_proj_scale), residual
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP: gate/up column-cut, down row-cut."""
+    """SwiGLU MLP: gate/up column-cut, down row-cut; its output summed over the TP group."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, rows: RowParallel) -> None:
         super().__init__()
+        self.rows = rows
         self.gate_up_proj = _empty(2 * intermediate, hidden)
         self.down_proj = _empty(hidden, intermediate)
         _fp8_scales(self, "gate_up_proj", "down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = silu_and_mul(project(x, self.gate_up_proj, None, self.gate_up_proj_scale))
-        return project(h, self.down_proj, None, self.down_proj_scale)
+        return self.rows.project(h, self.down_proj, self.down_proj_scale)
 
 
 class SparseMoE(nn.Module):
     """Softmax top-k router over all experts; this rank computes only its own experts
     (`expert_map`), so partial outputs of the ranks sum to the full block output."""
 
-    def __init__(self, cfg: ModelConfig, shard: ModelShard, comm: ModelComm,
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, rows: RowParallel,
                  ep: Optional[ExpertParallel]) -> None:
         super().__init__()
-        self.comm = comm
+        self.rows = rows
+        self.comm = rows.comm
         self.ep = ep
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
@@ -137,7 +143,7 @@ class SparseMoE(nn.Module):
         self.shared_gate: Optional[nn.Parameter] = None
         if cfg.shared_expert_intermediate_size:
             width = cfg.shared_expert_intermediate_size // shard.tp_size
-            self.shared = DenseMLP(cfg.hidden_size, width)
+            self.shared = DenseMLP(cfg.hidden_size, width, rows)
             self.shared_gate = _empty(1, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,12 +158,13 @@ class SparseMoE(nn.Module):
             routing = route(project(x, self.gate), self.top_k, self.renormalize, x.dtype)
         weights, ids = routing
         if self.ep is None:
-            out = fused_experts(x, weights, ids, self.w13, self.w2, self.expert_map, self._scales())
-        else:
-            out = yield from self._dispatch(x, weights, ids)
+            out = self.rows.experts(x, weights, ids, self.w13, self.w2, self.expert_map,
+                                    self._scales())
+        else:  # each token's chunk from one TP rank, zeros from the others
+            out = self.rows.reduce((yield from self._dispatch(x, weights, ids)))
         if self.shared is not None:
             out = out + torch.sigmoid(row_invariant_linear(x, self.shared_gate)) * self.shared(x)
-        return self.comm.all_reduce_tp(out)
+        return out
 
     def _dispatch(self, x: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor) -> Stages[torch.Tensor]:
@@ -191,19 +198,18 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ModelShard, layer: int, comm: ModelComm,
+    def __init__(self, cfg: ModelConfig, shard: ModelShard, layer: int, rows: RowParallel,
                  ep: Optional[ExpertParallel]) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.comm = comm
         self.input_norm = _empty(cfg.hidden_size)
         self.post_attention_norm = _empty(cfg.hidden_size)
-        self.attn = Attention(cfg, shard)
+        self.attn = Attention(cfg, shard, rows)
         self.mlp: nn.Module
         if cfg.is_moe_layer(layer):
-            self.mlp = SparseMoE(cfg, shard, comm, ep)
+            self.mlp = SparseMoE(cfg, shard, rows, ep)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // shard.tp_size)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size // shard.tp_size, rows)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
                 rope: RotaryEmbedding, cache: KVCache,
@@ -215,7 +221,6 @@ class DecoderLayer(nn.Module):
                meta: AttentionMetadata) -> Stages[tuple[torch.Tensor, torch.Tensor]]:
         """`forward` as a stage generator (a MoE layer yields while exchanging)."""
         x, residual = self.attn(x, residual, self.input_norm, self.eps, positions, rope, cache, meta)
-        x = self.comm.all_reduce_tp(x)
         if isinstance(self.mlp, SparseMoE):
             # The post-attention norm in front of the router's projection and routing; the
             # experts read the normed rows it returns.
@@ -223,26 +228,31 @@ class DecoderLayer(nn.Module):
                                               self.mlp.gate, self.mlp.top_k, self.mlp.renormalize)
             return (yield from self.mlp.stages(x, routing)), residual
         x, residual = add_rms_norm(x, residual, self.post_attention_norm, self.eps)
-        return self.comm.all_reduce_tp(self.mlp(x)), residual
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head of one rank's shard."""
 
     def __init__(self, cfg: ModelConfig, shard: ModelShard = ModelShard(),
-                 comm: Optional[ModelComm] = None, ep: Optional[ExpertParallel] = None) -> None:
+                 comm: Optional[ModelComm] = None, ep: Optional[ExpertParallel] = None,
+                 tp_invariant_width: int = 1) -> None:
+        """`tp_invariant_width`: the row-parallel sums' leaves (models/row_parallel.py;
+        1: the plain all-reduce)."""
         super().__init__()
         shard.validate(cfg)
         comm = comm or LocalComm()
         if comm.tp_size != shard.tp_size or comm.tp_rank != shard.tp_rank:
             raise ValueError(f"comm is TP rank {comm.tp_rank} of {comm.tp_size}, shard "
                              f"{shard.tp_rank} of {shard.tp_size}")
+        check_leaves(tp_invariant_width, shard.tp_size, row_parallel_dims(cfg))
+        rows = RowParallel(comm, tp_invariant_width)
         self.cfg = cfg
         self.shard = shard
         self.comm = comm
         self.vocab = shard.vocab(cfg)  # this rank's rows of the embedding and LM head
         self.embed_tokens = _empty(len(self.vocab), cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, i, comm, ep)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, i, rows, ep)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = _empty(cfg.hidden_size)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else _empty(len(self.vocab), cfg.hidden_size)

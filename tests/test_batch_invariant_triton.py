@@ -77,6 +77,57 @@ def check_norm_folded_into_gemm(g: torch.Generator) -> float:
     return max(errs)
 
 
+def check_gemm_leaf_tree(g: torch.Generator) -> float:
+    """``leaves``: K in equal chunks added as a balanced tree in one launch, the bits of
+    each chunk's own launch (float32 out) summed pairwise, and of a TP2 rank's subtree
+    launches (models/row_parallel.py); float32 and float16, whole and ragged K blocks."""
+    import torch.nn.functional as F
+
+    from phalanx.kernels.gpu.invariant_gemm import invariant_linear_triton
+    from phalanx.models.row_parallel import pairwise_sum
+
+    errs = []
+    for dtype in (torch.float32, torch.float16):
+        for m, n, k, leaves in [(3, 40, 256, 2), (5, 33, 512, 4), (17, 24, 1024, 8), (2, 16, 96, 2)]:
+            x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+            tree = invariant_linear_triton(x, w, leaves=leaves)
+            c = k // leaves
+            parts = [invariant_linear_triton(x[:, i * c:(i + 1) * c], w[:, i * c:(i + 1) * c],
+                                             out_dtype=torch.float32) for i in range(leaves)]
+            assert torch.equal(tree, pairwise_sum(parts).to(dtype)), (dtype, m, n, k, leaves)
+            halves = [invariant_linear_triton(x[:, r * k // 2:(r + 1) * k // 2], w[:, r * k // 2:(r + 1) * k // 2],
+                                              out_dtype=torch.float32, leaves=leaves // 2) for r in range(2)]
+            assert torch.equal(tree, (halves[0] + halves[1]).to(dtype)), (dtype, m, n, k, leaves)
+            if dtype == torch.float32:  # float16's rounding is the float16 GEMM's, not this tree's
+                errs.append(rel_err(tree, F.linear(x, w)))
+    try:
+        invariant_linear_triton(torch.randn(2, 96), torch.randn(3, 96), leaves=3)
+    except ValueError as e:
+        assert "leaves=3" in str(e)
+    else:
+        raise AssertionError("leaves=3 taken")
+    return max(errs)
+
+
+def check_expert_pairs_summed_are_the_combine(g: torch.Generator) -> float:
+    """The Triton experts' per-pair output (``pairs=True``: zeros where the expert is
+    elsewhere) of two ranks' halves, added and summed in slot order, is one rank's
+    combined output bit for bit."""
+    from phalanx.kernels.gpu.moe import fused_experts_triton
+    from phalanx.kernels.moe import make_expert_map, sum_slots
+
+    E, H, I, T, k = 8, 32, 16, 12, 3
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 4, torch.randn(E, H, I, generator=g) / 4
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    whole = fused_experts_triton(x, weights, ids, w13, w2, path="general")
+    pairs = sum(fused_experts_triton(x, weights, ids, w13[list(r)], w2[list(r)], make_expert_map(E, r),
+                                     pairs=True) for r in (tuple(range(0, E, 2)), tuple(range(1, E, 2))))
+    assert torch.equal(sum_slots(pairs, x.dtype), whole)
+    return 0.0
+
+
 def check_decode_attention_plan(g: torch.Generator) -> float:
     """In the mode a sequence's output is the same bits in any batch and table width."""
     from phalanx.kernels.attention import decode_attention, decode_attention_ref

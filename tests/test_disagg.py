@@ -145,6 +145,29 @@ def test_decode_rank_killed_mid_all_to_all(tiny_model, oracle, sampled):
         llm.close()
 
 
+def test_prefill_tp2_keeps_the_single_engines_bits_through_a_decode_kill(tiny_model, oracle):
+    """The layout's row-parallel sums are cut at its widest TP (2; models/row_parallel.py),
+    so a request prefilled by the TP2 instance and decoded at TP1, or prefilled again from
+    its emitted tokens after a decode rank dies mid all-to-all, has the bits of a single
+    engine of that width: every logprob equal, not only the tokens."""
+    prompts, _ = oracle
+    cases, params = sampled_cases(prompts[4:], 2 * MAX_NEW)
+    want = generate_reported(LLM(tiny_model, max_num_seqs=8, num_pages=200, tp_invariant_width=2),
+                             cases, params)
+    llm = LLM(tiny_model, prefill_tp=2, decode_dp=2, page_size=4, **KW)
+    try:
+        ray.get(llm.cluster.decode.actors[1].arm_fault.remote("moe_dispatch", 25))
+        got = generate_reported(llm, cases, params)
+        assert llm.cluster.stats()["decode_recoveries"] == 1
+    finally:
+        llm.close()
+    for (tokens, logprobs, prompt), (w_tokens, w_logprobs, w_prompt), p in zip(got, want, params):
+        assert tokens == w_tokens, p
+        assert [lp.logprob for lp in logprobs] == [lp.logprob for lp in w_logprobs], p
+        if p.prompt_logprobs is not None:
+            assert [lp.logprob for lp in prompt[1:]] == [lp.logprob for lp in w_prompt[1:]], p
+
+
 def _check_in_place_transfers(llm, prompts, expected) -> None:
     """With an in-place threshold of one page (the tiny model's pages are 512 B per layer
     and kind), prefill TP 1 -> decode DP 2 moves each step's whole pages pool to pool:

@@ -42,11 +42,44 @@ __all__ = ["invariant_linear_triton", "invariant_norm_linear_triton", "invariant
 
 
 @triton.jit
+def _leaf_tree(x_rows, w_rows, rk, mm, nm, LEAF_K, EVEN_K: tl.constexpr, LEAVES: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    # sum over leaves l of the dot chain over K in [l * LEAF_K, (l + 1) * LEAF_K), the
+    # leaves added as a balanced binary tree in leaf order (models/row_parallel.py);
+    # lvl<i> holds the finished left subtree of 2**i leaves waiting for its right one.
+    tl.static_assert(LEAVES <= 8)
+    lvl0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    lvl1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    lvl2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for leaf in tl.static_range(LEAVES):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        lo = leaf * LEAF_K
+        for k0 in range(lo, lo + LEAF_K, BLOCK_K):
+            a, w = row_tiles(x_rows, w_rows, k0 + rk, mm, nm, lo + LEAF_K, EVEN_K)
+            acc = tl.dot(a, tl.trans(w), acc=acc, input_precision=PREC)
+        if leaf % 2 == 0:
+            lvl0 = acc
+        else:
+            acc = lvl0 + acc
+            if leaf % 4 == 1:
+                lvl1 = acc
+            else:
+                acc = lvl1 + acc
+                if leaf % 8 == 3:
+                    lvl2 = acc
+                else:
+                    acc = lvl2 + acc
+        total = acc
+    return total
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, res_ptr, xn_ptr, M, N, K, sx_m, sw_n,
                  so_m, sr_m, eps, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
                  HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr, PDL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_H: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_H: tl.constexpr, PREC: tl.constexpr, LEAVES: tl.constexpr):
     # out[m, n] = round(sum over K blocks kb = 0, 1, ... of dot(a[m, kb], w[n, kb]) (+ bias[n])),
     # a = x, or with NORM the normed rows of x (+ residual) with the bits of the norm
     # kernel's (kernels/gpu/norm.py; BLOCK_H = its row tile); programs of column tile 0
@@ -91,10 +124,13 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, r_ptr, nw_ptr, res_ptr, xn_ptr, M
                 tl.store(xn_ptr + o_rows + k0 + rk[None, :], a, mask=xm & first)
             w = tl.load(w_rows + k0 + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc=acc, input_precision=PREC)
-    else:
+    elif LEAVES == 1:
         for k0 in range(0, K, BLOCK_K):
             a, w = row_tiles(x_rows, w_rows, k0 + rk, mm, nm, K, EVEN_K)
             acc = tl.dot(a, tl.trans(w), acc=acc, input_precision=PREC)
+    else:
+        acc = _leaf_tree(x_rows, w_rows, rk, mm, nm, K // LEAVES, EVEN_K, LEAVES, BLOCK_M, BLOCK_N,
+                         BLOCK_K, PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * so_m + rn[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -123,13 +159,18 @@ def invariant_config(M: int, N: int, K: int, elem_size: int) -> dict:
 
 
 def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            *, cfg: dict | None = None) -> torch.Tensor:
+                            *, cfg: dict | None = None, out_dtype: torch.dtype | None = None,
+                            leaves: int = 1) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` [..., K] (leading dims flattened), each row's
     bits independent of the others. ``cfg`` overrides :func:`invariant_config`'s
-    BLOCK_M / BLOCK_N / warps / stages (tests: a row's bits under other tiles)."""
+    BLOCK_M / BLOCK_N / warps / stages (tests: a row's bits under other tiles);
+    ``out_dtype`` (float32: the sums unrounded) defaults to x's. ``leaves`` (1, 2, 4 or
+    8, dividing K): K summed in that many equal chunks added as a balanced binary tree
+    (models/row_parallel.py), each chunk's chain with the K block of a chunk's width."""
     lead, K = x.shape[:-1], x.shape[-1]
     rows = x.reshape(math.prod(lead), K)
-    out = _launch(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, bias, None, cfg)[0]
+    out = _launch(rows if rows.stride(-1) == 1 else rows.contiguous(), weight, bias, None, cfg,
+                  out_dtype, leaves)[0]
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -162,21 +203,26 @@ FOLD_MAX_M = 0
 
 
 def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: tuple | None,
-            cfg: dict | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            cfg: dict | None, out_dtype: torch.dtype | None = None, leaves: int = 1
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     M, K = rows.shape
     N = weight.shape[0]
+    if leaves not in (1, 2, 4, 8) or K % leaves or (leaves > 1 and norm is not None):
+        raise ValueError(f"leaves={leaves} for K={K} (1, 2, 4 or 8 dividing K; no norm)")
     if weight.dim() != 2 or weight.shape[1] != K or (bias is not None and bias.shape != (N,)):
         raise ValueError(f"shapes x {tuple(rows.shape)}, weight {tuple(weight.shape)}, "
                          f"bias {None if bias is None else tuple(bias.shape)}")
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     residual, nw, eps, want_normed = norm if norm is not None else (None, rows, 0.0, False)
-    out = rows.new_empty((M, N))
+    out = rows.new_empty((M, N), dtype=out_dtype or rows.dtype)
     res_out = rows.new_empty((M, K)) if residual is not None else None
     normed = rows.new_empty((M, K)) if want_normed else None
     if M and N and K == 0 and norm is None:
         out.zero_() if bias is None else out.copy_(bias.expand(M, N))
     elif M and N and K:
-        c = invariant_config(M, N, K, weight.element_size())
+        c = invariant_config(M, N, K // leaves, weight.element_size())
+        if leaves > 1:  # the tree's pending subtrees are tiles too
+            c["BLOCK_N"] = min(c["BLOCK_N"], 64)
         c.update({key: v for key, v in (cfg or {}).items() if key != "BLOCK_K"})
         if norm is not None:  # the norm kernel's warps: its row reduction's layout
             c["warps"] = norm_warps(K)
@@ -185,10 +231,10 @@ def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         _gemm_kernel[grid](rows, weight, bias if bias is not None else weight, out, r, nw,
                            res_out if res_out is not None else out, normed if normed is not None else out,
                            M, N, K, rows.stride(0), weight.stride(0), out.stride(0), r.stride(0),
-                           float(eps), HAS_BIAS=bias is not None, EVEN_K=K % c["BLOCK_K"] == 0,
+                           float(eps), HAS_BIAS=bias is not None, EVEN_K=K // leaves % c["BLOCK_K"] == 0,
                            NORM=norm is not None, HAS_RES=residual is not None,
                            WRITE_NORMED=normed is not None, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
                            BLOCK_K=c["BLOCK_K"], BLOCK_H=triton.next_power_of_2(K) if norm else 16,
-                           PREC=dot_precision(rows.dtype), num_warps=c["warps"],
+                           PREC=dot_precision(rows.dtype), LEAVES=leaves, num_warps=c["warps"],
                            num_stages=c["stages"], **pdl_launch(rows.device, "gemm"))
     return out, normed, res_out

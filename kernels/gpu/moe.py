@@ -272,17 +272,20 @@ def _config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
 
 
 def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
-                         path: str | None = None) -> torch.Tensor:
+                         path: str | None = None, pairs: bool = False) -> torch.Tensor:
     """SwiGLU experts with weighted top-k combine; see ``fused_experts_ref``.
 
     x [T, H]; topk_weights [T, k]; topk_ids int [T, k] global ids; w13 [E, 2I, H];
     w2 [E, H, I]; expert_map optional int [E_global] (-1 = not local). Returns [T, H].
     path: None (auto: "small" iff T * k <= SMALL_MAX_PAIRS, decided from shapes only),
-    "small" (moe_decode) or "general" (sorted grouped GEMMs).
+    "small" (moe_decode) or "general" (sorted grouped GEMMs). ``pairs``: the general
+    path's per-pair outputs [T, k, H] instead (0 for a pair not held), no combine.
     """
     T, hid = x.shape
     if T == 0:
-        return x.new_zeros((0, hid))
+        return x.new_zeros((0, topk_ids.shape[1], hid) if pairs else (0, hid))
+    if pairs:
+        path = "general"
     if path is None:
         path = "small" if T * topk_ids.shape[1] <= SMALL_MAX_PAIRS else "general"
     if path == "small":
@@ -309,7 +312,7 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
         BLOCK_M=bm, BLOCK_N=cfg["N1"], BLOCK_K=cfg["K1"], PREC=dot_precision(x.dtype),
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
-    pair_out = x.new_empty((P, hid))
+    pair_out = x.new_zeros((P, hid)) if pairs else x.new_empty((P, hid))
     weights = topk_weights.reshape(-1).contiguous()
     _down_kernel[(max_blocks, triton.cdiv(hid, cfg["N2"]))](
         inter, w2, pair_out, sorted_ids, block_expert, weights,
@@ -317,6 +320,8 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
         BLOCK_M=bm, BLOCK_N=cfg["N2"], BLOCK_K=cfg["K2"], PREC=dot_precision(x.dtype),
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
+    if pairs:
+        return pair_out.view(T, k_top, hid)
     block = min(1024, triton.next_power_of_2(hid))
     _combine_kernel[(T, triton.cdiv(hid, block))](pair_out, ids, out, hid, k_top, E, BLOCK=block,
                                                         num_warps=4)
