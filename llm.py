@@ -80,20 +80,14 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
             Checkpoint(path).close()  # the weights are there (read when the ranks load)
     except FileNotFoundError as e:
         raise ValueError(f"model: {e}") from None
-    if quantization == "fp8" or is_fp8_checkpoint(read_hf_config(path)):
+    fp8 = quantization == "fp8" or is_fp8_checkpoint(read_hf_config(path))
+    if fp8:
         check_fp8_tp(model_cfg, tp)
         if batch_invariant and device != "cpu":
             raise ValueError("batch_invariant: FP8 weights have no batch-invariant GPU kernels yet "
                              "(their linears quantize activations at prefill, not at decode); "
                              "serve the bf16 weights, or FP8 without the mode")
-        if tp_invariant_width > 1:
-            raise ValueError("tp_invariant_width: FP8 weights have no TP-invariant sums; give 0 or 1")
-        tp_invariant_width = 1
-    elif tp_invariant_width:
-        try:
-            check_leaves(tp_invariant_width, tp, row_parallel_dims(model_cfg))
-        except ValueError as e:
-            raise ValueError(f"tp_invariant_width: {e}") from None
+    tp_invariant_width = _checked_width(model_cfg, tp, tp_invariant_width, fp8)
     return EngineConfig(
         model_path=path, model=model_cfg,
         cache=CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -112,6 +106,20 @@ def engine_config(model: Optional[str | os.PathLike] = None, *, tp: int = 1, dp:
         cuda_graph_max_prefill=cuda_graph_max_prefill, quantization=quantization,
         load_format=load_format, batch_invariant=batch_invariant,
         tp_invariant_width=tp_invariant_width)
+
+
+def _checked_width(model_cfg, tp: int, width: int, fp8: bool) -> int:
+    """`tp_invariant_width` as the config keeps it (FP8 weights: 1), or ValueError naming it."""
+    if fp8:
+        if width > 1:
+            raise ValueError("tp_invariant_width: FP8 weights have no TP-invariant sums; give 0 or 1")
+        return 1
+    if width:
+        try:
+            check_leaves(width, tp, row_parallel_dims(model_cfg))
+        except ValueError as e:
+            raise ValueError(f"tp_invariant_width: {e}") from None
+    return width
 
 
 def check_fp8_disagg(config: EngineConfig, layout) -> None:
