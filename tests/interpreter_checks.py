@@ -75,8 +75,10 @@ def seeded(name: str, fn: Callable) -> dict:
 def run_kernel_checks(namespace: dict) -> None:
     """The script side of a kernel-check module: its ``check_*(generator)`` functions on
     the Triton path (`seeded`), results printed; exits."""
+    import interpreter_dot
     from phalanx.kernels.backend import force_triton
 
+    interpreter_dot.install()
     force_triton(True)
     print_results(run_checks(namespace, seeded))
     sys.exit(0)

@@ -46,6 +46,7 @@ def check_norm_folded_into_gemm(g: torch.Generator) -> float:
     from phalanx.kernels.gpu import invariant_gemm
     from phalanx.kernels.gpu.invariant_gemm import invariant_linear_triton, invariant_norm_linear_triton
     from phalanx.kernels.gpu.norm import add_rms_norm_triton, rms_norm_triton
+    from phalanx.kernels.invariant_linear import row_invariant_linear
     from phalanx.kernels.norm_linear import norm_linear, norm_linear_ref
 
     errs = []
@@ -71,7 +72,7 @@ def check_norm_folded_into_gemm(g: torch.Generator) -> float:
             many = torch.randn(40, 64, generator=g)  # past FOLD_MAX_M rows: the norm kernel, then the GEMM
             y, normed, new_res = norm_linear(many, many, nw, 1e-6, w, want_normed=True)
             assert torch.equal(normed, add_rms_norm_triton(many, many, nw, 1e-6)[0])
-            assert torch.equal(y, invariant_linear_triton(normed, w))
+            assert torch.equal(y, row_invariant_linear(normed, w))  # the mode's GEMM (F.linear on CPU)
     finally:
         invariant_gemm.FOLD_MAX_M = default
     return max(errs)
@@ -125,6 +126,26 @@ def check_expert_pairs_summed_are_the_combine(g: torch.Generator) -> float:
     pairs = sum(fused_experts_triton(x, weights, ids, w13[list(r)], w2[list(r)], make_expert_map(E, r),
                                      pairs=True) for r in (tuple(range(0, E, 2)), tuple(range(1, E, 2))))
     assert torch.equal(sum_slots(pairs, x.dtype), whole)
+    return 0.0
+
+
+def check_slot_sum_in_one_launch(g: torch.Generator) -> float:
+    """``sum_slots_triton`` (the combine kernel, every pair local) has the torch slot
+    sum's bits: float32 adds in slot order, one cast; strided pairs too."""
+    from phalanx.kernels.backend import force_triton
+    from phalanx.kernels.gpu.moe import sum_slots_triton
+    from phalanx.kernels.moe import sum_slots
+
+    with force_triton(False):  # the torch adds as the reference
+        for dtype, out_dtype in ((torch.float32, torch.float32), (torch.float16, torch.float16),
+                                 (torch.float32, torch.float16)):
+            pairs = (torch.randn(7, 4, 40, generator=g) * 3).to(dtype)
+            want = sum_slots(pairs, out_dtype)
+            assert torch.equal(sum_slots_triton(pairs, out_dtype), want), (dtype, out_dtype)
+            strided = torch.randn(7, 4, 80, generator=g).to(dtype)[:, :, ::2]
+            assert torch.equal(sum_slots_triton(strided, out_dtype), sum_slots(strided, out_dtype))
+            if out_dtype == torch.float32:  # the control: another slot order, other bits
+                assert not torch.equal(sum_slots_triton(pairs.flip(1), out_dtype), want)
     return 0.0
 
 
