@@ -144,6 +144,10 @@ def sum_slots(pairs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``pairs`` [T, k, H] summed over the slots in slot order in float32 (elementwise
     adds, no cross-row reduction: the EP combine's and the Triton combine's order), then
     cast to ``dtype``."""
+    if pairs.shape[0] and use_triton(pairs):
+        from .gpu.moe import sum_slots_triton
+
+        return sum_slots_triton(pairs, dtype)
     acc = torch.zeros((pairs.shape[0], pairs.shape[2]), dtype=torch.float32, device=pairs.device)
     for j in range(pairs.shape[1]):
         acc += pairs[:, j].float()

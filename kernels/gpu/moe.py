@@ -292,7 +292,6 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
         return moe_decode.fused_experts_small_triton(x, topk_weights, topk_ids, w13, w2, expert_map)
     if path != "general":
         raise ValueError(f"path must be None, 'small' or 'general', got {path!r}")
-    out = x.new_empty((T, hid))  # contiguous: _combine_kernel writes rows of HID
     E, two_i, _ = w13.shape
     inter_dim = two_i // 2
     k_top = topk_ids.shape[1]
@@ -322,7 +321,24 @@ def fused_experts_triton(x, topk_weights, topk_ids, w13, w2, expert_map=None, *,
     )
     if pairs:
         return pair_out.view(T, k_top, hid)
+    return combine_pairs(pair_out, ids, T, k_top, E, x.dtype)
+
+
+def combine_pairs(pair_out, ids, T: int, k_top: int, E: int, dtype: torch.dtype) -> torch.Tensor:
+    """``_combine_kernel`` over ``pair_out`` [T * k, H]: a new [T, H] of ``dtype``."""
+    hid = pair_out.shape[-1]
+    out = pair_out.new_empty((T, hid), dtype=dtype)  # contiguous: the kernel writes rows of HID
     block = min(1024, triton.next_power_of_2(hid))
     _combine_kernel[(T, triton.cdiv(hid, block))](pair_out, ids, out, hid, k_top, E, BLOCK=block,
                                                         num_warps=4)
     return out
+
+
+def sum_slots_triton(pairs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.moe.sum_slots`` in one launch: every pair counts (ids all local), slot
+    order, float32 accumulator, one cast; the same bits as the torch adds."""
+    T, k_top, _ = pairs.shape
+    pairs = pairs.reshape(T * k_top, -1)
+    pairs = pairs if pairs.stride(-1) == 1 and pairs.stride(0) == pairs.shape[1] else pairs.contiguous()
+    ids = torch.zeros(T * k_top, dtype=torch.int32, device=pairs.device)
+    return combine_pairs(pairs, ids, T, k_top, 1, dtype)

@@ -7,7 +7,7 @@ its weight tiles dequantized the same way.
 Contract: :func:`phalanx.kernels.moe.fused_experts` with ``w13_scale`` / ``w2_scale``
 (the reference dequantizes the stacks, `kernels/fp8.py`). Same steps as the bf16 path
 (align, gate_up with SwiGLU, down scaled by the routing weight, deterministic combine:
-`moe._align` and `moe._combine_kernel` are shared); the GEMMs read ``w13 [E, 2I, H]`` and
+`moe._align` and `moe.combine_pairs` are shared); the GEMMs read ``w13 [E, 2I, H]`` and
 ``w2 [E, H, I]`` as ``float8_e4m3fn`` codes with per-row scales ``[E, rows, ceil(K/128)]``
 over K blocks of 128. Two modes, chosen from the rows per expert:
 
@@ -34,7 +34,7 @@ from .attention import dot_precision
 from .fp8_linear import fp8_block_dot, scales_ahead
 from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
 from . import moe_decode, moe_fp8_decode
-from .moe import SMALL_MAX_PAIRS, _align, _combine_kernel, block_pairs
+from .moe import SMALL_MAX_PAIRS, _align, block_pairs, combine_pairs
 
 __all__ = ["fused_experts_fp8_triton"]
 
@@ -262,8 +262,4 @@ def fused_experts_fp8_triton(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_s
         num_warps=cfg.get("warps2", cfg["warps"]), num_stages=cfg.get("stages2", cfg["stages"]),
         **_even(cfg, inter_dim, hid, cfg["N2"], w2, w2_scale),
     )
-    out = x.new_empty((T, hid))
-    block = min(1024, triton.next_power_of_2(hid))
-    _combine_kernel[(T, triton.cdiv(hid, block))](pair_out, ids, out, hid, k_top, E, BLOCK=block,
-                                                  num_warps=4)
-    return out
+    return combine_pairs(pair_out, ids, T, k_top, E, x.dtype)

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .fp8_linear import scales_ahead
 from .fp8_quant import FP8_MAX, GROUP, quantize_group_tile, quantize_groups_triton
-from .moe import _align, _combine_kernel, block_pairs
+from .moe import _align, block_pairs, combine_pairs
 
 __all__ = ["fused_experts_fp8_decode_triton", "decode_config"]
 
@@ -173,8 +173,4 @@ def fused_experts_fp8_decode_triton(x, topk_weights, topk_ids, w13, w13_scale, w
         w2_scale.stride(0), w2_scale.stride(1), pair_out.stride(0),
         BLOCK_N=cfg["N2"], **launch,
     )
-    out = x.new_empty((T, hid))
-    block = min(1024, triton.next_power_of_2(hid))
-    _combine_kernel[(T, triton.cdiv(hid, block))](pair_out, ids, out, hid, k_top, E, BLOCK=block,
-                                                  num_warps=4)
-    return out
+    return combine_pairs(pair_out, ids, T, k_top, E, x.dtype)
