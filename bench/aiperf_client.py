@@ -43,7 +43,7 @@ def aiperf_python(root: Path = ROOT, install_timeout_s: float = 900.0) -> Path:
     try:
         subprocess.run([sys.executable, "-m", "venv", str(partial)], check=True,
                        capture_output=True, timeout=120)
-        done = subprocess.run([str(partial / "bin" / "python"), "-m", "pip", "install", "-q",
+        done = subprocess.run([str(partial / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile",
                                f"aiperf=={AIPERF_VERSION}"], capture_output=True, text=True,
                               timeout=install_timeout_s)
         if done.returncode != 0:
