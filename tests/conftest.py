@@ -44,6 +44,20 @@ SLOW_MODULES = frozenset({
 })
 
 
+def pytest_collection_finish(session):
+    """The background jobs of the selected tests' modules start (`background_jobs`)."""
+    import background_jobs
+
+    files = [str(item.path) for item in session.items]
+    background_jobs.start(list(dict.fromkeys(files)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import background_jobs
+
+    background_jobs.stop()
+
+
 def pytest_collection_modifyitems(config, items):
     slow = pytest.mark.slow
     for item in items:

@@ -5,21 +5,24 @@ imported it already, cannot switch): the module, run as a script, prints one lin
 
 The interpreter runs on one core, so the pytest side starts one script per core (up to
 `MAX_WORKERS`) over a shared claims folder (``--claims DIR``): each script runs the checks
-it claims first (a file created exclusively per check) and the results are merged."""
+it claims first (a file created exclusively per check) and the results are merged. The
+scripts start in the background once collection is done (`background_jobs`), so they
+run on the cores the tests before them leave idle."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import zlib
 from collections.abc import Callable
 
 import pytest
+
+import background_jobs
 
 
 def checks_in(namespace: dict) -> list[str]:
@@ -86,7 +89,10 @@ def run_kernel_checks(namespace: dict) -> None:
 
 def results_fixture(path: str):
     """A module-scoped fixture ``interpreter_results``: the module at `path` run once
-    under the interpreter (`run_module`)."""
+    under the interpreter (`run_module`), in the background ahead of the module's tests
+    (`background_jobs`)."""
+    if importlib.util.find_spec("triton") is not None:
+        background_jobs.ahead(path, path, _launcher(path, None))
 
     @pytest.fixture(scope="module", name="interpreter_results")
     def interpreter_results() -> dict:
@@ -107,40 +113,46 @@ def _workers() -> int:
     return max(1, min(MAX_WORKERS, cores or 1))
 
 
-def run_module(path: str, timeout_s: float = 600, workers: int | None = None) -> dict:
-    """The pytest side: run the module at `path` under the interpreter, `workers` scripts
-    (default one per core) over a claims folder; the merged results. Checks that time
-    their own waits pass ``workers=1``."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def _launcher(path: str, workers: int | None) -> background_jobs.Launcher:
+    """Launches the module at `path` under the interpreter: `workers` scripts (default one
+    per core) over a claims folder in the job's own folder."""
+
+    def launch_checks(background: bool) -> background_jobs.Job:
+        def commands(folder: str) -> list[list[str]]:
+            claims = os.path.join(folder, "claims")
+            os.mkdir(claims)
+            return [[sys.executable, path, "--claims", claims]] * (workers or _workers())
+
+        return background_jobs.launch(commands, background=background,
+                                      env=dict(os.environ, TRITON_INTERPRET="1"))
+
+    return launch_checks
+
+
+def _merged_results(job: background_jobs.Job, timeout_s: float) -> dict:
     results: dict = {}
     deadline = time.monotonic() + timeout_s
-    with tempfile.TemporaryDirectory(prefix="phalanx-checks-") as claims, \
-            tempfile.TemporaryDirectory(prefix="phalanx-checks-out-") as logs:
-        procs = []  # (process, its stdout file, its stderr file): files, so no pipe fills up
-        try:
-            for i in range(workers or _workers()):
-                out, err = (open(os.path.join(logs, f"{i}.{kind}"), "w+") for kind in ("out", "err"))
-                procs.append((subprocess.Popen([sys.executable, path, "--claims", claims], env=env,
-                                               stdout=out, stderr=err), out, err))
-            for proc, out, err in procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                out.seek(0)
-                err.seek(0)
-                text = out.read()
-                lines = [ln for ln in text.splitlines() if ln.startswith("RESULTS ")]
-                if proc.returncode != 0 or not lines:
-                    pytest.fail(f"check script failed (rc {proc.returncode}):\n{text[-4000:]}\n"
-                                f"{err.read()[-4000:]}")
-                results.update(json.loads(lines[-1][len("RESULTS "):]))
-        finally:
-            for proc, out, err in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                out.close()
-                err.close()
+    for i, proc in enumerate(job.procs):
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        text, err = job.output(i)
+        lines = [ln for ln in text.splitlines() if ln.startswith("RESULTS ")]
+        if proc.returncode != 0 or not lines:
+            pytest.fail(f"check script failed (rc {proc.returncode}):\n{text[-4000:]}\n{err[-4000:]}")
+        results.update(json.loads(lines[-1][len("RESULTS "):]))
     return results
+
+
+def run_module(path: str, timeout_s: float = 600, workers: int | None = None) -> dict:
+    """The pytest side: the merged results of the module at `path` run under the
+    interpreter, taken from the background run `results_fixture` registered when there
+    is one, else run now. Checks that time their own waits pass ``workers=1`` (and are
+    never run in the background)."""
+    pytest.importorskip("triton")
+    job = background_jobs.take(path) or _launcher(path, workers)(False)
+    try:
+        return _merged_results(job, timeout_s)
+    finally:
+        job.close()
 
 
 def rel_err(out, ref) -> float:

@@ -5,33 +5,49 @@ loop keeps copies in flight, and page ids a tile ahead let decode attention's lo
 prefill attention's prefix loop keep the next tile's K/V in flight (the inline page
 lookup does not).
 
-The probe runs in a subprocess: the stand-in driver is process-wide state, and Triton's
-interpreter (other tests) must not be on.
+The probe runs in a subprocess (the stand-in driver is process-wide state, and Triton's
+interpreter, which other tests use, must not be on), started in the background ahead of
+this module's tests (`background_jobs`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import background_jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SM90_SHARED = 232448
 
 
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("sm90") / "kernel_resources.json"
+def _launch_probe(background: bool) -> background_jobs.Job:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(out.parent / "triton")  # compile for real, not from a cache
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "probes", "kernel_resources.py"),
-                           "--batches", "1,64", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())["rows"]
+
+    def commands(folder: str) -> list[list[str]]:
+        env["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")  # compile for real, not from a cache
+        return [[sys.executable, os.path.join(ROOT, "bench", "probes", "kernel_resources.py"),
+                 "--batches", "1,64", "--out", os.path.join(folder, "kernel_resources.json")]]
+
+    return background_jobs.launch(commands, background=background, env=env)
+
+
+background_jobs.ahead(__file__, __file__, _launch_probe)
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    job = background_jobs.take(__file__) or _launch_probe(False)
+    try:
+        job.wait(timeout_s=600)
+        assert job.procs[0].returncode == 0, job.output(0)[1][-3000:]
+        with open(os.path.join(job.folder, "kernel_resources.json")) as f:
+            return json.load(f)["rows"]
+    finally:
+        job.close()
 
 
 def test_every_decode_kernel_compiles_for_sm90_without_spills(rows):
