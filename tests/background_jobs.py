@@ -3,13 +3,14 @@ leaves idle.
 
 A few module fixtures spend minutes in subprocesses whose results depend on nothing but
 the checkout (the Triton interpreter's kernel checks, the offline sm_90 compiles, AIPerf's
-venv). A module registers such a job at import (`ahead`); once collection is done,
-`start` runs the selected modules' jobs one after another, in the order their tests come,
-on a thread of the pytest process, each job's processes in a session of their own at the
-lowest priority (nice 19, SCHED_IDLE where the kernel has it, the session's autogroup at
-nice 19), so that a test's own processes (ranks with deadlines among them) keep their
-cores. The fixture then `take`s its job: done or under way in the background, or, if not
-yet begun, launched by the fixture itself at normal priority.
+venv). A module registers such a job at import (`ahead`); conftest puts those modules'
+tests last, and once collection is done `start` runs the selected modules' jobs one after
+another, in the order their tests come, on a thread of the pytest process, each job's
+processes in a session of their own at the lowest priority (nice 19, SCHED_IDLE where
+the kernel has it, the session's autogroup at nice 19), so that a test's own processes
+(ranks with deadlines among them) keep their cores. The fixture then `take`s its job:
+done or under way in the background, or, if not yet begun, launched by the fixture
+itself at normal priority.
 
 Invariant: a job is launched at most once; `take` never returns a job another caller
 took; `stop` kills whatever is still running when the session ends."""
@@ -122,6 +123,11 @@ class JobQueue:
         """Registers `launcher` as the job `key` of the test module at `module_file`."""
         with self.lock:
             self.registered.setdefault(key, (os.path.abspath(module_file), launcher))
+
+    def module_files(self) -> set[str]:
+        """The files of the modules with a registered job."""
+        with self.lock:
+            return {f for f, _ in self.registered.values()}
 
     def start(self, module_files: Sequence[str]) -> threading.Thread | None:
         """Runs the jobs of the modules in `module_files` (the selected tests' distinct

@@ -59,6 +59,12 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_collection_modifyitems(config, items):
+    import background_jobs
+
+    # Modules whose fixtures run in the background go last (in their order): their jobs
+    # then have the whole run's idle cores before anything waits on them.
+    ahead = background_jobs.SESSION.module_files()
+    items.sort(key=lambda item: str(item.path) in ahead)
     slow = pytest.mark.slow
     for item in items:
         if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:

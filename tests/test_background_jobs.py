@@ -37,6 +37,7 @@ def _report(job) -> list[str]:
 def test_a_selected_modules_job_runs_ahead_at_the_lowest_priority():
     queue, calls = JobQueue(), []
     queue.ahead("a", "mod_a.py", _probe(calls))
+    assert queue.module_files() == {os.path.abspath("mod_a.py")}
     thread = queue.start(["mod_a.py"])
     thread.join(timeout=60)
     job = queue.take("a")
