@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -56,7 +55,6 @@ class Job:
     has ended; `close` kills what still runs and removes the folder."""
 
     folder: str
-    background: bool = False  # its processes lead sessions (process groups) of their own
     procs: list[subprocess.Popen] = field(default_factory=list)
     outputs: list[tuple] = field(default_factory=list)  # (stdout file, stderr file) per proc
 
@@ -73,14 +71,8 @@ class Job:
         return texts[0], texts[1]
 
     def kill(self) -> None:
-        """Kills what still runs; a background process with its group (what it started)."""
         for proc in self.procs:
             if proc.poll() is None:
-                if self.background:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 proc.kill()
                 proc.wait()
 
@@ -96,7 +88,7 @@ def launch(commands: Callable[[str], Sequence[Sequence[str]]], *, background: bo
            env: dict | None = None, cwd: str | None = None) -> Job:
     """Every command of `commands(folder)` (`folder`: the job's own, for files its
     processes share) as a process."""
-    job = Job(tempfile.mkdtemp(prefix="phalanx-job-"), background)
+    job = Job(tempfile.mkdtemp(prefix="phalanx-job-"))
     try:
         for i, cmd in enumerate(commands(job.folder)):
             out, err = (open(os.path.join(job.folder, f"{i}.{kind}"), "w+") for kind in ("out", "err"))
